@@ -19,12 +19,17 @@ Ops (the C ABI is in backends/cpu/llm_ops/ops.h):
   softmax(x, rows, cols)
       out[r][c] = exp(x[r][c] - max_r) / sum_k exp(x[r][k] - max_r)
 
+make_case() draws the inputs of one op for a shape and returns them with the
+expected output, so every backend's parity script runs the same cases.
+
 Comparison: an output element passes when |out - ref| <= tol * max(1, |ref|);
 scaled_errors() gives that ratio's numerator/denominator per element.
 """
 
 import math
 import struct
+
+OPS = ("rmsnorm", "silu_mul", "rope_neox", "softmax")
 
 
 def to_f32(values):
@@ -50,6 +55,11 @@ def from_bf16_bits(bits):
     """The float values of uint16 bfloat16 bit patterns."""
     words = [(b & 0xFFFF) << 16 for b in bits]
     return list(struct.unpack("<%df" % len(words), struct.pack("<%dI" % len(words), *words)))
+
+
+def round_bf16(values):
+    """Round each value to the nearest bfloat16 (as a Python float)."""
+    return from_bf16_bits(to_bf16_bits(values))
 
 
 def rmsnorm(x, weight, rows, cols, eps):
@@ -136,3 +146,49 @@ def max_scaled_error(out, ref):
             continue
         worst = max(worst, abs(o - r) / max(1.0, abs(r)))
     return worst
+
+
+def make_case(op, shape, magnitude, rng, rounding=to_f32):
+    """Random inputs of one op and the expected output.
+
+    op is one of OPS; shape holds the op's size arguments (rows/cols, or
+    tokens/q_heads/k_heads/head_dim/rotary_dim/max_position) and optionally
+    "offset". Tensor inputs are uniform in [offset - magnitude, offset +
+    magnitude) and rounded with `rounding` (to_f32 or round_bf16); the rope
+    cos/sin cache and eps are always float32. Returns (inputs, expected):
+    inputs maps argument names to flat lists or numbers, expected is the flat
+    output (for rope_neox: q followed by k).
+    """
+    offset = shape.get("offset", 0.0)
+
+    def draw(n, scale=magnitude, centre=offset):
+        return rounding([centre + rng.uniform(-scale, scale) for _ in range(n)])
+
+    if op == "rmsnorm":
+        rows, cols = shape["rows"], shape["cols"]
+        inputs = {"x": draw(rows * cols), "weight": draw(cols, 2.0, 0.0), "rows": rows,
+                  "cols": cols, "eps": to_f32([1e-6])[0]}
+        return inputs, rmsnorm(inputs["x"], inputs["weight"], rows, cols, inputs["eps"])
+    if op == "silu_mul":
+        rows, cols = shape["rows"], shape["cols"]
+        inputs = {"gate_up": draw(rows * 2 * cols), "rows": rows, "cols": cols}
+        return inputs, silu_mul(inputs["gate_up"], rows, cols)
+    if op == "rope_neox":
+        sizes = {key: shape[key] for key in ("tokens", "q_heads", "k_heads", "head_dim",
+                                             "rotary_dim", "max_position")}
+        positions = [rng.randrange(sizes["max_position"]) for _ in range(sizes["tokens"])]
+        positions[-1] = sizes["max_position"] - 1
+        inputs = dict(sizes, q=draw(sizes["tokens"] * sizes["q_heads"] * sizes["head_dim"]),
+                      k=draw(sizes["tokens"] * sizes["k_heads"] * sizes["head_dim"]),
+                      positions=positions,
+                      cos_sin_cache=to_f32(rope_cos_sin_cache(sizes["max_position"],
+                                                              sizes["rotary_dim"])))
+        q_ref, k_ref = rope_neox(inputs["q"], inputs["k"], positions, inputs["cos_sin_cache"],
+                                 sizes["tokens"], sizes["q_heads"], sizes["k_heads"],
+                                 sizes["head_dim"], sizes["rotary_dim"])
+        return inputs, q_ref + k_ref
+    if op == "softmax":
+        rows, cols = shape["rows"], shape["cols"]
+        inputs = {"x": draw(rows * cols), "rows": rows, "cols": cols}
+        return inputs, softmax(inputs["x"], rows, cols)
+    raise ValueError("unknown op %r (expected one of %s)" % (op, ", ".join(OPS)))

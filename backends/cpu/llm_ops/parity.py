@@ -34,31 +34,30 @@ LIBRARY_NAME = "libllmops_cpu.so"
 sys.path.insert(0, os.path.join(REPO_ROOT, "backends", "reference"))
 import llm_ops_ref as ref  # noqa: E402
 
-# (op, shape, magnitude): inputs are uniform in [-magnitude, magnitude), plus
-# the shape's "offset" when it has one (to make every input negative, or to
-# shift softmax rows far from zero).
+# (op, shape, magnitude): see llm_ops_ref.make_case. The tolerance of op is
+# the manifest's "<op>_f32".
 CASES = [
-    ("rmsnorm_f32", {"rows": 1, "cols": 1}, 1.0),
-    ("rmsnorm_f32", {"rows": 1, "cols": 7}, 1.0),
-    ("rmsnorm_f32", {"rows": 3, "cols": 33}, 1e3),
-    ("rmsnorm_f32", {"rows": 5, "cols": 127}, 1e-3),
-    ("rmsnorm_f32", {"rows": 2, "cols": 4096}, 1.0),
-    ("silu_mul_f32", {"rows": 1, "cols": 1}, 1.0),
-    ("silu_mul_f32", {"rows": 1, "cols": 3}, 1.0),
-    ("silu_mul_f32", {"rows": 7, "cols": 31}, 30.0),
-    ("silu_mul_f32", {"rows": 4, "cols": 1000}, 1e3),
-    ("rope_neox_f32", {"tokens": 1, "q_heads": 1, "k_heads": 1, "head_dim": 2,
-                       "rotary_dim": 2, "max_position": 1}, 1.0),
-    ("rope_neox_f32", {"tokens": 3, "q_heads": 4, "k_heads": 2, "head_dim": 64,
-                       "rotary_dim": 64, "max_position": 4096}, 1.0),
-    ("rope_neox_f32", {"tokens": 5, "q_heads": 3, "k_heads": 1, "head_dim": 80,
-                       "rotary_dim": 20, "max_position": 100}, 1e3),
-    ("rope_neox_f32", {"tokens": 2, "q_heads": 2, "k_heads": 2, "head_dim": 6,
-                       "rotary_dim": 6, "max_position": 9}, 1.0),
-    ("softmax_f32", {"rows": 1, "cols": 1}, 1.0),
-    ("softmax_f32", {"rows": 3, "cols": 33}, 1.0),
-    ("softmax_f32", {"rows": 2, "cols": 1000}, 1e2),
-    ("softmax_f32", {"rows": 4, "cols": 7, "offset": -1e4}, 1e4),
+    ("rmsnorm", {"rows": 1, "cols": 1}, 1.0),
+    ("rmsnorm", {"rows": 1, "cols": 7}, 1.0),
+    ("rmsnorm", {"rows": 3, "cols": 33}, 1e3),
+    ("rmsnorm", {"rows": 5, "cols": 127}, 1e-3),
+    ("rmsnorm", {"rows": 2, "cols": 4096}, 1.0),
+    ("silu_mul", {"rows": 1, "cols": 1}, 1.0),
+    ("silu_mul", {"rows": 1, "cols": 3}, 1.0),
+    ("silu_mul", {"rows": 7, "cols": 31}, 30.0),
+    ("silu_mul", {"rows": 4, "cols": 1000}, 1e3),
+    ("rope_neox", {"tokens": 1, "q_heads": 1, "k_heads": 1, "head_dim": 2,
+                   "rotary_dim": 2, "max_position": 1}, 1.0),
+    ("rope_neox", {"tokens": 3, "q_heads": 4, "k_heads": 2, "head_dim": 64,
+                   "rotary_dim": 64, "max_position": 4096}, 1.0),
+    ("rope_neox", {"tokens": 5, "q_heads": 3, "k_heads": 1, "head_dim": 80,
+                   "rotary_dim": 20, "max_position": 100}, 1e3),
+    ("rope_neox", {"tokens": 2, "q_heads": 2, "k_heads": 2, "head_dim": 6,
+                   "rotary_dim": 6, "max_position": 9}, 1.0),
+    ("softmax", {"rows": 1, "cols": 1}, 1.0),
+    ("softmax", {"rows": 3, "cols": 33}, 1.0),
+    ("softmax", {"rows": 2, "cols": 1000}, 1e2),
+    ("softmax", {"rows": 4, "cols": 7, "offset": -1e4}, 1e4),
 ]
 
 F32P = ctypes.POINTER(ctypes.c_float)
@@ -99,7 +98,7 @@ def floats(values):
 
 
 class Library:
-    """ctypes bindings; each op takes and returns flat lists of floats."""
+    """ctypes bindings; each op takes flat lists and returns (rc, flat output)."""
 
     def __init__(self, path):
         self.dll = ctypes.CDLL(path)
@@ -111,69 +110,38 @@ class Library:
     def error_string(self, code):
         return self.dll.llmops_error_string(code).decode()
 
-    def rmsnorm_f32(self, x, weight, rows, cols, eps):
+    def run(self, op, inputs):
+        return getattr(self, op)(**inputs)
+
+    def rmsnorm(self, x, weight, rows, cols, eps):
         out = floats([0.0] * (rows * cols))
         rc = self.dll.llmops_rmsnorm_f32(out, floats(x), floats(weight), rows, cols, eps)
         return rc, list(out)
 
-    def silu_mul_f32(self, gate_up, rows, cols):
+    def silu_mul(self, gate_up, rows, cols):
         out = floats([0.0] * (rows * cols))
         rc = self.dll.llmops_silu_mul_f32(out, floats(gate_up), rows, cols)
         return rc, list(out)
 
-    def rope_neox_f32(self, q, k, positions, cache, tokens, q_heads, k_heads, head_dim,
-                      rotary_dim, max_position):
+    def rope_neox(self, q, k, positions, cos_sin_cache, tokens, q_heads, k_heads, head_dim,
+                  rotary_dim, max_position):
+        """In place on copies of q and k; the output is q followed by k."""
         q_io, k_io = floats(q), floats(k)
         rc = self.dll.llmops_rope_neox_f32(
-            q_io, k_io, (ctypes.c_int64 * tokens)(*positions), floats(cache),
+            q_io, k_io, (ctypes.c_int64 * tokens)(*positions), floats(cos_sin_cache),
             tokens, q_heads, k_heads, head_dim, rotary_dim, max_position)
-        return rc, (list(q_io), list(k_io))
+        return rc, list(q_io) + list(k_io)
 
-    def softmax_f32(self, x, rows, cols):
+    def softmax(self, x, rows, cols):
         out = floats([0.0] * (rows * cols))
         rc = self.dll.llmops_softmax_f32(out, floats(x), rows, cols)
         return rc, list(out)
 
 
-def uniform(rng, n, magnitude, offset=0.0):
-    return ref.to_f32([offset + rng.uniform(-magnitude, magnitude) for _ in range(n)])
-
-
 def run_case(lib, op, shape, magnitude, rng):
     """Run one case; return (rc, max scaled error). The error is None when rc != 0."""
-    offset = shape.get("offset", 0.0)
-    if op == "rmsnorm_f32":
-        rows, cols = shape["rows"], shape["cols"]
-        x = uniform(rng, rows * cols, magnitude, offset)
-        weight = uniform(rng, cols, 2.0)
-        eps = ref.to_f32([1e-6])[0]
-        rc, out = lib.rmsnorm_f32(x, weight, rows, cols, eps)
-        expected = ref.rmsnorm(x, weight, rows, cols, eps)
-    elif op == "silu_mul_f32":
-        rows, cols = shape["rows"], shape["cols"]
-        gate_up = uniform(rng, rows * 2 * cols, magnitude, offset)
-        rc, out = lib.silu_mul_f32(gate_up, rows, cols)
-        expected = ref.silu_mul(gate_up, rows, cols)
-    elif op == "rope_neox_f32":
-        s = shape
-        q = uniform(rng, s["tokens"] * s["q_heads"] * s["head_dim"], magnitude, offset)
-        k = uniform(rng, s["tokens"] * s["k_heads"] * s["head_dim"], magnitude, offset)
-        positions = [rng.randrange(s["max_position"]) for _ in range(s["tokens"])]
-        positions[-1] = s["max_position"] - 1
-        cache = ref.to_f32(ref.rope_cos_sin_cache(s["max_position"], s["rotary_dim"]))
-        rc, (q_out, k_out) = lib.rope_neox_f32(
-            q, k, positions, cache, s["tokens"], s["q_heads"], s["k_heads"], s["head_dim"],
-            s["rotary_dim"], s["max_position"])
-        q_ref, k_ref = ref.rope_neox(q, k, positions, cache, s["tokens"], s["q_heads"],
-                                     s["k_heads"], s["head_dim"], s["rotary_dim"])
-        out, expected = q_out + k_out, q_ref + k_ref
-    elif op == "softmax_f32":
-        rows, cols = shape["rows"], shape["cols"]
-        x = uniform(rng, rows * cols, magnitude, offset)
-        rc, out = lib.softmax_f32(x, rows, cols)
-        expected = ref.softmax(x, rows, cols)
-    else:
-        raise ValueError("unknown op %r" % op)
+    inputs, expected = ref.make_case(op, shape, magnitude, rng)
+    rc, out = lib.run(op, inputs)
     if rc != 0:
         return rc, None
     return rc, ref.max_scaled_error(out, expected)
@@ -201,21 +169,23 @@ def main(argv=None):
         for op, shape, magnitude in CASES:
             rc, error = run_case(lib, op, shape, magnitude, rng)
             if rc != 0:
-                failures.append("%s %s: returned %d (%s)" % (op, shape, rc, lib.error_string(rc)))
+                failures.append("%s_f32 %s: returned %d (%s)"
+                                % (op, shape, rc, lib.error_string(rc)))
                 continue
             worst[op] = max(worst.get(op, 0.0), error)
     print("%-16s %-12s %-12s %s" % ("op", "max_error", "tolerance", "result"))
     for op in sorted(set(op for op, _, _ in CASES)):
-        tol = tolerances.get(op)
+        key = op + "_f32"
+        tol = tolerances.get(key)
         if tol is None:
-            failures.append("%s: no tolerance in %s" % (op, os.path.basename(MANIFEST)))
+            failures.append("%s: no tolerance in %s" % (key, os.path.basename(MANIFEST)))
             continue
         if op not in worst:
             continue
         passed = worst[op] <= tol
-        print("%-16s %-12.3e %-12.3e %s" % (op, worst[op], tol, "ok" if passed else "FAIL"))
+        print("%-16s %-12.3e %-12.3e %s" % (key, worst[op], tol, "ok" if passed else "FAIL"))
         if not passed:
-            failures.append("%s: max error %.3e exceeds tolerance %.3e" % (op, worst[op], tol))
+            failures.append("%s: max error %.3e exceeds tolerance %.3e" % (key, worst[op], tol))
     for failure in failures:
         print("FAIL: %s" % failure)
     print("%d op(s), %d failure(s)" % (len(worst), len(failures)))
