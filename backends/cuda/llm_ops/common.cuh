@@ -40,7 +40,8 @@ __device__ float block_reduce(float v, Op op) {
     __syncthreads();
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? partial[lane] : Op::identity;
+    v = Op::identity;
+    if (lane < (int)(blockDim.x >> 5)) v = partial[lane];
     for (int offset = 16; offset > 0; offset >>= 1)
         v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
