@@ -72,6 +72,17 @@ class BuildTest(unittest.TestCase):
         names = sorted(line.split()[-1] for line in result.stdout.splitlines() if line.strip())
         self.assertEqual(names, EXPORTS)
 
+    def test_parity_script_skips_without_a_gpu_and_passes_with_one(self):
+        cuda, reason = parity.open_driver()
+        result = subprocess.run([sys.executable, os.path.join(BACKEND_DIR, "parity.py")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        if cuda is None:
+            self.assertEqual(result.stdout, "SKIP: %s\n" % reason)
+        else:
+            self.assertEqual(result.stdout.splitlines()[-1], "0 failure(s)")
+
     def test_missing_output_dir_is_a_usage_error(self):
         result = subprocess.run([os.path.join(BACKEND_DIR, "build.sh")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
