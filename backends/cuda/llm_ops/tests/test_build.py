@@ -4,7 +4,6 @@ None of this needs a GPU: the CUDA runtime is linked statically and loads
 without a driver, and arguments are checked before anything is launched.
 """
 
-import ctypes
 import json
 import os
 import shutil
