@@ -1,0 +1,19 @@
+/* ABI version and error strings of the llm_ops CPU backend. */
+#include "ops.h"
+
+uint32_t llmops_abi_version(void) { return LLMOPS_ABI_VERSION; }
+
+const char* llmops_error_string(int code) {
+    switch (code) {
+    case LLMOPS_OK:
+        return "success";
+    case LLMOPS_ERR_NULL_POINTER:
+        return "a required pointer argument is NULL";
+    case LLMOPS_ERR_NONPOSITIVE_SIZE:
+        return "a size argument is zero or negative";
+    case LLMOPS_ERR_INVALID_ARGUMENT:
+        return "an argument is outside its documented range (see ops.h)";
+    default:
+        return "unknown llmops error code";
+    }
+}
