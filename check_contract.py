@@ -82,6 +82,7 @@ PLATFORMS = ("cpu", "cuda", "hip")
 STATUSES = ("planned", "experimental", "validated")
 KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
 MANIFEST_SUFFIX = ".backend.json"
+O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 SKIPPED_DIRS = ("__pycache__",)
 
 TOP_KEYS = ("$schema", "name", "platform", "description", "abi_version", "status",
@@ -112,14 +113,27 @@ ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t
 SH_VAR_RE = re.compile(r"\$(?:\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9#@*?$!-]))")
 SH_ASSIGN_RE = re.compile(r"^(?:(?:export|local|readonly|declare(?:[ \t]+-[a-zA-Z]+)*)[ \t]+)?"
                           r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
-SH_SEPARATORS_RE = re.compile(r"&&|\|\||[;|&]")
+SH_PARAM_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?(:?[-=?+])?(.*)\Z", re.S)
+SH_QUOTED_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'")
+SH_WORD_RE = re.compile(r"(?:\"(?:\\.|[^\"\\])*\"?|'[^']*'?|\$\{[^}]*\}?"
+                        r"|\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)?|\\.|[^\s\"'$\\]+|[$\\])+")
+SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))*\)|\\.|(&&|\|\||;;|[;|&])")
+SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
+SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
 COMPILERS = frozenset(("cc", "gcc", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
                        "icx", "icpx", "amdclang", "amdclang++", "ld", "ld.lld", "hipcc.pl"))
-CUDA_CODE_RE = re.compile(r"(?:^|,)code=(\[[^\]]*\]|[A-Za-z0-9_]+)")
+# A line with neither an assignment nor a compiler or make word changes nothing.
+SH_RELEVANT_RE = re.compile(r"=|(?:^|[;&|(]\s*)\"?\$|(?<![\w.-])(?:%s|make)(?![\w.+-])"
+                            % "|".join(re.escape(c) for c in sorted(COMPILERS, key=len, reverse=True)))
+SH_PREFIX_WORDS = frozenset(("exec", "time", "command", "then", "else", "do", "{", "!"))
+SH_SPACE_RE = re.compile(r"\s")
+SH_ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+CUDA_CODE_RE = re.compile(r"(?:^-{1,2}(?:gpu-)?|,)code[=\n](\[[^\]\n]*\]|[A-Za-z0-9_]+)", re.M)
 CUDA_SM_RE = re.compile(r"\bsm_([0-9]+[a-z]?)\b")
-CUDA_ARCH_FLAG_RE = re.compile(r"(?:-arch|--gpu-architecture)=(?:sm|compute)_([0-9]+[a-z]?)\Z")
-HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)=(gfx[0-9a-z]+(?::[a-z]+[+-])*)")
-CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=([^\s]+)")
+CUDA_ARCH_FLAG_RE = re.compile(r"^(?:-arch|--gpu-architecture)[=\n](?:sm|compute)_([0-9]+[a-z]?)$", re.M)
+HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)[=\n](gfx[0-9a-z]+(?::[a-z]+[+-])*)")
+CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
+DIGITS_RE = re.compile(r"[0-9]+")
 UNRESOLVED = "\x01"
 OUT_DIR = "\x02"
 
@@ -287,22 +301,25 @@ def is_finite(value):
 
 
 def read_text(path):
-    """(text, error): the file as text, or a one-line reason it cannot be read.
+    """(text, error, bad_byte): the file as text, or a one-line reason it
+    cannot be read.
 
-    Bytes that are not UTF-8 are replaced; the caller learns about them from
-    the third value, the offset of the first bad byte (or None).
+    Only regular files are read (a FIFO would block).  Bytes that are not
+    UTF-8 are replaced; bad_byte is the offset of the first one, or None.
     """
     try:
-        st = os.stat(path)
+        fd = os.open(path, O_READ)
     except OSError as exc:
         return None, exc.strerror or str(exc), None
-    if not stat.S_ISREG(st.st_mode):
-        return None, "not a regular file", None
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode):
+            return None, "not a regular file", None
+        data = os.read(fd, size.st_size) if size.st_size else b""
     except OSError as exc:
         return None, exc.strerror or str(exc), None
+    finally:
+        os.close(fd)
     try:
         return data.decode("utf-8"), None, None
     except UnicodeDecodeError as exc:
@@ -352,6 +369,8 @@ def has_kernel_sources(top):
 
 def normalize_relpath(path):
     """The normalized form of a backend-relative path, or a reason it is refused."""
+    if "/" not in path and path not in ("", ".", "..") and path[1:2] != ":":
+        return path, None
     if not path:
         return None, "is empty"
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
@@ -382,7 +401,7 @@ def arch_str(value):
 
 
 def arch_number(arch):
-    digits = re.match(r"[0-9]+", arch)
+    digits = DIGITS_RE.match(arch)
     return int(digits.group()) if digits else None
 
 
@@ -449,6 +468,8 @@ def find_abi_defines(text):
 
 def strip_sh_comment(line):
     """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
+    if "#" not in line:
+        return line
     quote = None
     prev = " "
     for index, char in enumerate(line):
@@ -467,20 +488,21 @@ def logical_lines(text):
     """Comment-free lines, with backslash continuations and multi-line `( ... )`
     arrays joined; each with the number of its first physical line."""
     joined = []
-    pending, start, depth = "", 0, 0
+    pending, start = "", 0
     for number, raw in enumerate(text.split("\n"), 1):
-        line = strip_sh_comment(raw)
+        line = strip_sh_comment(raw).rstrip()
         if not pending:
             start = number
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
         pending += line
-        depth = paren_depth(pending)
-        if depth > 0 and re.search(r"=\(", pending):
+        if "=(" in pending and paren_depth(pending) > 0:
             pending += " "
             continue
-        joined.append((start, pending.strip()))
+        pending = pending.strip()
+        if pending:
+            joined.append((start, pending))
         pending = ""
     if pending.strip():
         joined.append((start, pending.strip()))
@@ -488,71 +510,27 @@ def logical_lines(text):
 
 
 def paren_depth(text):
-    depth, quote = 0, None
-    for char in text:
-        if quote:
-            if char == quote:
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-    return depth
+    depth = text.count("(") - text.count(")")
+    if depth == 0 or ('"' not in text and "'" not in text):
+        return depth
+    return SH_QUOTED_RE.sub("", text).count("(") - SH_QUOTED_RE.sub("", text).count(")")
 
 
 def split_words(text):
-    """Shell words, quotes kept, `$( )`, `${ }` and `( )` kept whole."""
-    words, current, quote, depth = [], [], None, 0
-    has_word = False
-    for char in text:
-        if quote:
-            current.append(char)
-            if char == quote:
-                quote = None
-            continue
-        if char in "'\"":
-            quote = char
-        elif char in "({":
-            depth += 1
-        elif char in ")}" and depth:
-            depth -= 1
-        elif char.isspace() and depth == 0:
-            if has_word:
-                words.append("".join(current))
-                current, has_word = [], False
-            continue
-        current.append(char)
-        has_word = True
-    if has_word:
-        words.append("".join(current))
-    return words
+    """Shell words, quotes kept, `$( )` and `${ }` kept whole."""
+    return SH_WORD_RE.findall(text)
 
 
 def split_commands(line):
     """The simple commands of a line, split at ;, &&, ||, | and & outside quotes."""
-    commands, current, quote, depth = [], [], None, 0
-    index = 0
-    while index < len(line):
-        char = line[index]
-        if quote:
-            if char == quote:
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char in "({":
-            depth += 1
-        elif char in ")}":
-            depth = max(0, depth - 1)
-        elif depth == 0 and char in ";|&":
-            commands.append("".join(current))
-            current = []
-            index += 2 if line[index:index + 2] in ("&&", "||", ";;") else 1
-            continue
-        current.append(char)
-        index += 1
-    commands.append("".join(current))
+    if ";" not in line and "|" not in line and "&" not in line:
+        return [line]
+    commands, start = [], 0
+    for match in SH_SPLIT_RE.finditer(line):
+        if match.group(1) is not None:
+            commands.append(line[start:match.start()])
+            start = match.end()
+    commands.append(line[start:])
     return [c.strip() for c in commands if c.strip()]
 
 
@@ -572,8 +550,9 @@ class ScriptReader:
         self.arg2_defaults = []
         self.outputs = []       # (line, path after the output directory)
         self.arch_tokens = []   # (line, expanded words of a compiler or make command)
-        self.compiler_lines = 0
         for number, line in logical_lines(text):
+            if SH_RELEVANT_RE.search(line) is None:
+                continue
             for command in split_commands(line):
                 self.command(number, command)
 
@@ -585,13 +564,10 @@ class ScriptReader:
 
     def expand_var(self, body):
         """Value of the text inside `${...}` (or a bare name)."""
-        match = re.match(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?(:?[-=?+])?(.*)\Z",
-                         body, re.S)
-        if not match:
+        match = SH_PARAM_RE.match(body)
+        if not match or body.startswith("#"):
             return UNRESOLVED
         name, index, op, rest = match.groups()
-        if body.startswith("#"):
-            return UNRESOLVED
         if index is not None:
             values = self.arrays.get(name)
             if values is None:
@@ -602,7 +578,7 @@ class ScriptReader:
             value = self.lookup(name)
         if op in (":-", "-", ":=", "="):
             if value is None or (op[0] == ":" and value == ""):
-                default = self.expand(rest, unquote=True)
+                default = self.expand(rest)
                 if name == "2":
                     self.arg2_defaults.append(default)
                 return default
@@ -610,52 +586,42 @@ class ScriptReader:
         if op in (":?", "?"):
             return UNRESOLVED if value is None else value
         if op in (":+", "+"):
-            return self.expand(rest, unquote=True) if value else ""
+            return self.expand(rest) if value else ""
         if rest:
             return UNRESOLVED
         return UNRESOLVED if value is None else value
 
-    def expand(self, word, unquote=True):
+    def expand(self, word):
         """The word with variables substituted and quotes removed."""
+        if "$" not in word and "'" not in word and '"' not in word and "\\" not in word:
+            return word
         out = []
-        index, quote = 0, None
-        while index < len(word):
-            char = word[index]
-            if quote == "'":
-                if char == "'":
-                    quote = None
+        pos, in_double = 0, False
+        while True:
+            match = SH_EXPAND_RE.search(word, pos)
+            if match is None:
+                out.append(word[pos:])
+                return "".join(out)
+            out.append(word[pos:match.start()])
+            token = match.group()
+            pos = match.end()
+            if token == '"':
+                in_double = not in_double
+            elif token[0] == "'":
+                if in_double:
+                    out.append("'")
+                    pos = match.start() + 1
                 else:
-                    out.append(char)
-                index += 1
-                continue
-            if char == "\\" and index + 1 < len(word):
-                out.append(word[index + 1])
-                index += 2
-                continue
-            if char == '"':
-                quote = None if quote == '"' else '"'
-                index += 1
-                continue
-            if char == "'" and quote is None:
-                quote = "'"
-                index += 1
-                continue
-            if char == "$":
-                if word.startswith("$(", index):
-                    end = self.matching(word, index + 1)
-                    inner = word[index + 2:end]
-                    out.append(OUT_DIR if self.mentions_out_dir(inner) else UNRESOLVED)
-                    index = end + 1
-                    continue
-                match = SH_VAR_RE.match(word, index)
-                if match:
-                    body = match.group(1) if match.group(1) is not None else match.group(2)
-                    out.append(self.expand_var(body))
-                    index = match.end()
-                    continue
-            out.append(char)
-            index += 1
-        return "".join(out)
+                    out.append(token[1:-1])
+            elif token[0] == "\\":
+                out.append(token[1:])
+            elif token == "$(":
+                end = self.matching(word, match.start() + 1)
+                out.append(OUT_DIR if self.mentions_out_dir(word[pos:end]) else UNRESOLVED)
+                pos = end + 1
+            else:
+                body = match.group(1) if match.group(1) is not None else match.group(2)
+                out.append(self.expand_var(body))
 
     def mentions_out_dir(self, text):
         for match in SH_VAR_RE.finditer(text):
@@ -679,8 +645,10 @@ class ScriptReader:
     def expand_words(self, words):
         out = []
         for word in words:
-            bare = word.strip('"')
-            array = re.match(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\Z", bare)
+            if "$" not in word and '"' not in word and "'" not in word and "\\" not in word:
+                out.append(word)
+                continue
+            array = SH_ARRAY_WORD_RE.match(word)
             if array and array.group(1) in self.arrays:
                 out.extend(self.arrays[array.group(1)])
             else:
@@ -690,27 +658,22 @@ class ScriptReader:
     # -- commands
     def command(self, number, command):
         assign = SH_ASSIGN_RE.match(command)
-        if assign and not re.search(r"\s", command[:assign.start(3)]):
+        if assign and not SH_SPACE_RE.search(command, 0, assign.start(3)):
             self.assign(assign.group(1), assign.group(2) == "+", assign.group(3).strip())
             return
         words = split_words(command)
-        while words and re.match(r"[A-Za-z_][A-Za-z0-9_]*=", words[0]):
-            words = words[1:]
-        while words and words[0] in ("exec", "time", "command", "then", "else", "do", "{", "!"):
+        while words and (words[0] in SH_PREFIX_WORDS or SH_ENV_WORD_RE.match(words[0])):
             words = words[1:]
         if not words:
             return
-        expanded = self.expand_words(words)
-        program = expanded[0].rsplit("/", 1)[-1]
+        program = self.expand(words[0]).rsplit("/", 1)[-1]
+        if program != "make" and program not in COMPILERS:
+            return
+        args = self.expand_words(words[1:])
+        self.arch_tokens.append((number, args))
         if program == "make":
-            self.arch_tokens.append((number, expanded[1:]))
             return
-        if program not in COMPILERS:
-            return
-        self.compiler_lines += 1
-        self.arch_tokens.append((number, expanded[1:]))
         output = None
-        args = expanded[1:]
         for index, arg in enumerate(args):
             if arg in ("-o", "--output-file") and index + 1 < len(args):
                 output = args[index + 1]
@@ -754,34 +717,20 @@ class ScriptReader:
         """{arch: line} for every target the default invocation reaches."""
         found = {}
         for line, words in self.arch_tokens:
-            previous = ""
-            for word in words:
-                if UNRESOLVED in word:
-                    previous = word
-                    continue
-                for arch in self.word_archs(platform, previous, word):
-                    found.setdefault(arch, line)
-                previous = word
+            # One word per line, so that `^`/`$` anchor at word boundaries.
+            text = "\n".join(w for w in words if UNRESOLVED not in w)
+            archs = []
+            if platform in ("cuda", None):
+                for code in CUDA_CODE_RE.findall(text):
+                    archs.extend(CUDA_SM_RE.findall(code))
+                archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
+            if platform in ("hip", None):
+                archs.extend(HIP_ARCH_RE.findall(text))
+            if platform in ("cpu", None):
+                archs.extend(CPU_ARCH_RE.findall(text))
+            for arch in archs:
+                found.setdefault(arch, line)
         return found
-
-    @staticmethod
-    def word_archs(platform, previous, word):
-        archs = []
-        if platform in ("cuda", None):
-            for code in CUDA_CODE_RE.findall(word):
-                archs.extend(CUDA_SM_RE.findall(code))
-            flag = CUDA_ARCH_FLAG_RE.match(word)
-            if flag:
-                archs.append(flag.group(1))
-            elif previous in ("-arch", "--gpu-architecture"):
-                bare = re.match(r"(?:sm|compute)_([0-9]+[a-z]?)\Z", word)
-                if bare:
-                    archs.append(bare.group(1))
-        if platform in ("hip", None):
-            archs.extend(HIP_ARCH_RE.findall(word))
-        if platform in ("cpu", None):
-            archs.extend(CPU_ARCH_RE.findall(word))
-        return archs
 
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
@@ -1065,10 +1014,12 @@ def check_abi(repo, backend):
         text = read_source(backend, rel)
         if text is None:
             continue
-        texts.append((rel, text))
+        stripped = None
         if "_ABI_VERSION" in text:
-            for prefix, value, line, raw in find_abi_defines(strip_c_comments(text)):
+            stripped = strip_c_comments(text)
+            for prefix, value, line, raw in find_abi_defines(stripped):
                 defines.append((rel, line, prefix, value, raw))
+        texts.append([text, stripped])
     for rel, line, prefix, value, raw in defines:
         if value is None:
             backend.error("A005", "%s defines %s_ABI_VERSION as %s, not an integer literal"
@@ -1093,16 +1044,32 @@ def check_abi(repo, backend):
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
     for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
-        declared = re.compile(r"\b%s[ \t\n]*\(" % re.escape(symbol))
-        if not any(symbol in text and declared.search(strip_c_comments(text))
-                   for _, text in texts):
+        if not any(declares(entry, symbol) for entry in texts):
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
 
 
+def declares(entry, symbol):
+    """Whether a source ([text, comment-free text or None]) names `symbol(`
+    outside comments."""
+    if symbol not in entry[0]:
+        return False
+    if entry[1] is None:
+        entry[1] = strip_c_comments(entry[0])
+    text = entry[1]
+    start = text.find(symbol)
+    while start >= 0:
+        end = start + len(symbol)
+        before = text[start - 1] if start else " "
+        if not (before.isalnum() or before == "_") and text[end:].lstrip(" \t\n").startswith("("):
+            return True
+        start = text.find(symbol, end)
+    return False
+
+
 def read_source(backend, rel):
     """Text of a declared source, or None when it cannot be read (check_sources says why)."""
-    text, problem, bad_byte = read_text(os.path.join(backend.dir, rel))
+    text, problem, bad_byte = read_text(backend.dir + "/" + rel)
     if text is not None and bad_byte is not None:
         backend.warning("S006", "%s is not UTF-8 (first bad byte at offset %d)" % (rel, bad_byte),
                         backend.rel(rel))
