@@ -1363,6 +1363,430 @@ REPORTERS = {"text": report_text, "json": report_json, "github": report_github}
 
 
 # ---------------------------------------------------------------------------
+# Binary inspection (pure Python: no readelf, no cuobjdump)
+#
+# The dynamic symbols of an ELF shared object, and the targets embedded in the
+# CUDA fatbinaries it carries.  A fatbinary container starts with the magic
+# 0xBA55ED50; each entry in it has a kind (1 PTX, 2 SASS), the target number
+# as the u32 at entry offset 28, and flags at offset 40 (0x100000 marks an
+# arch-specific target such as "90a", 0x200000 a family target such as
+# "100f").  Only headers are read, so compressed payloads do not matter.  A
+# library built by nvcc carries more than one container listing the same
+# targets; the union is what the library runs on.
+
+ELF_MAGIC = b"\x7fELF"
+ELF_TYPE_SHARED = 3
+SECTION_DYNSYM = 11
+FATBIN_MAGIC = 0xBA55ED50
+FATBIN_KIND_PTX = 1
+FATBIN_KIND_SASS = 2
+FATBIN_ARCH_SPECIFIC = 0x100000
+FATBIN_FAMILY = 0x200000
+
+
+class BinaryError(Exception):
+    """The file is not a shared object this inspection can read."""
+
+
+class SharedObject:
+    """An ELF shared object: its bytes, its sections and its defined dynamic symbols."""
+
+    def __init__(self, data, sections, dynamic_symbols):
+        self.data = data
+        self.sections = sections  # name -> (offset, size)
+        self.dynamic_symbols = dynamic_symbols
+
+
+def _unpack(fmt, data, offset, what):
+    import struct
+    try:
+        return struct.unpack_from(fmt, data, offset)
+    except struct.error:
+        raise BinaryError("truncated ELF file (%s at offset %d)" % (what, offset)) from None
+
+
+def read_shared_object(path):
+    """The SharedObject at path; BinaryError with a one-line reason otherwise."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise BinaryError("cannot be read: %s" % (exc.strerror or exc)) from None
+    if data[:4] != ELF_MAGIC:
+        raise BinaryError("not an ELF file")
+    if data[4:6] != b"\x02\x01":
+        raise BinaryError("not a 64-bit little-endian ELF file")
+    (elf_type,) = _unpack("<H", data, 16, "header")
+    if elf_type != ELF_TYPE_SHARED:
+        raise BinaryError("an ELF file of type %d, not a shared object (type 3)" % elf_type)
+    (section_offset,) = _unpack("<Q", data, 40, "header")
+    entry_size, count, names_index = _unpack("<HHH", data, 58, "header")
+    headers = []
+    for index in range(count):
+        name, kind, _, _, offset, size, link, _, _, entsize = _unpack(
+            "<IIQQQQIIQQ", data, section_offset + index * entry_size, "section header")
+        headers.append((name, kind, offset, size, link, entsize))
+    sections = {}
+    if names_index < len(headers):
+        names = headers[names_index][2]
+        for name, _, offset, size, _, _ in headers:
+            end = data.find(b"\0", names + name)
+            sections[data[names + name:end].decode("latin-1")] = (offset, size)
+    symbols = set()
+    for _, kind, offset, size, link, entsize in headers:
+        if kind != SECTION_DYNSYM or not entsize or link >= len(headers):
+            continue
+        strings = headers[link][2]
+        for base in range(offset, offset + size - entsize + 1, entsize):
+            name, _, _, section = _unpack("<IBBH", data, base, "symbol")
+            if section == 0 or not name:  # undefined: imported, not exported
+                continue
+            end = data.find(b"\0", strings + name)
+            symbols.add(data[strings + name:end].decode("latin-1"))
+    return SharedObject(data, sections, symbols)
+
+
+def _fatbin_containers(data, start, end):
+    """(offset, header size, payload size) of consecutive fatbinary containers."""
+    import struct
+    pos = start
+    while pos + 16 <= end:
+        magic, _, header_size, size = struct.unpack_from("<IHHQ", data, pos)
+        if magic != FATBIN_MAGIC or header_size < 16 or pos + header_size + size > end:
+            return
+        yield pos, header_size, size
+        pos = (pos + header_size + size + 7) & ~7
+
+
+def cuda_targets(shared):
+    """(sass, ptx): the sets of targets ("80", "90a") in the library's fatbinaries."""
+    import struct
+    data = shared.data
+    if ".nv_fatbin" in shared.sections:
+        offset, size = shared.sections[".nv_fatbin"]
+        regions = [(offset, offset + size)]
+    else:  # stripped of section headers: look for the containers themselves
+        magic = struct.pack("<I", FATBIN_MAGIC)
+        regions, pos = [], data.find(magic)
+        while pos != -1:
+            regions.append((pos, len(data)))
+            pos = data.find(magic, pos + 4)
+    sass, ptx = set(), set()
+    for start, end in regions:
+        for base, header_size, size in _fatbin_containers(data, start, end):
+            pos, stop = base + header_size, base + header_size + size
+            while pos + 48 <= stop:
+                kind, _, entry_size, payload = struct.unpack_from("<HHIQ", data, pos)
+                (target,) = struct.unpack_from("<I", data, pos + 28)
+                (flags,) = struct.unpack_from("<Q", data, pos + 40)
+                if entry_size < 48:
+                    break
+                suffix = "a" if flags & FATBIN_ARCH_SPECIFIC else "f" if flags & FATBIN_FAMILY else ""
+                if kind == FATBIN_KIND_SASS:
+                    sass.add("%d%s" % (target, suffix))
+                elif kind == FATBIN_KIND_PTX:
+                    ptx.add("%d%s" % (target, suffix))
+                pos += entry_size + payload
+    return sass, ptx
+
+
+# Loads a library in a child process (a crashing constructor must not take the
+# checker down) and prints what its version function returns.
+LOAD_SNIPPET = """
+import ctypes, sys
+try:
+    library = ctypes.CDLL(sys.argv[1])
+    function = getattr(library, sys.argv[2])
+except (OSError, AttributeError) as exc:
+    print("LOAD-ERROR: %s" % exc)
+    sys.exit(0)
+function.restype = ctypes.c_uint32
+function.argtypes = []
+print(function())
+"""
+
+
+# ---------------------------------------------------------------------------
+# Running backends: the build, test and parity tiers
+
+TOOLCHAINS = {"cpu": ("CC", "cc"), "cuda": ("NVCC", "nvcc"), "hip": ("HIPCC", "hipcc")}
+
+
+class TierResult:
+    """What happened to one backend in a tier: passed, failed or skipped."""
+
+    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics")
+
+    def __init__(self, backend, outcome, detail="", elapsed=None, diagnostics=()):
+        self.backend = backend
+        self.outcome = outcome
+        self.detail = detail
+        self.elapsed = elapsed
+        self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+
+    def as_dict(self):
+        return {"backend": self.backend, "result": self.outcome, "detail": self.detail,
+                "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
+                "issues": [d.as_dict() for d in self.diagnostics]}
+
+
+class ChildOutcome:
+    """How a child process ended."""
+
+    __slots__ = ("returncode", "timed_out", "elapsed", "first_line", "error")
+
+    def __init__(self, returncode, timed_out, elapsed, first_line, error=None):
+        self.returncode = returncode
+        self.timed_out = timed_out
+        self.elapsed = elapsed
+        self.first_line = first_line
+        self.error = error
+
+
+def run_streaming(command, cwd, timeout, stream, env=None):
+    """Run command with its output (stdout and stderr together) copied to
+    stream line by line, each line prefixed with the elapsed time.  At the
+    time limit the child's whole process group is terminated, then killed."""
+    import signal
+    import subprocess
+    import threading
+    import time
+    start = time.monotonic()
+    try:
+        child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    except OSError as exc:
+        return ChildOutcome(None, False, 0.0, None, exc.strerror or str(exc))
+    first = []
+
+    def pump():
+        for raw in iter(child.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not first:
+                first.append(line)
+            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, line))
+            stream.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        try:
+            returncode = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _signal_group(child, signal.SIGTERM)
+            try:
+                returncode = child.wait(5)
+            except subprocess.TimeoutExpired:
+                _signal_group(child, signal.SIGKILL)
+                returncode = child.wait()
+    except BaseException:
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
+        raise
+    _signal_group(child, signal.SIGKILL)  # what the child left running in its group
+    reader.join(5)
+    child.stdout.close()
+    return ChildOutcome(returncode, timed_out, time.monotonic() - start, first[0] if first else None)
+
+
+def _signal_group(child, signum):
+    try:
+        os.killpg(child.pid, signum)
+    except OSError:
+        pass
+
+
+def tier_stream(args):
+    """Where child output goes: stdout, or stderr when stdout carries JSON."""
+    return sys.stderr if args.format == "json" else sys.stdout
+
+
+def build_backend(repo, run, backend, args, stream):
+    """R001-R009: build one backend and inspect what it wrote."""
+    import shutil
+    key = backend.key
+    if backend.status == "planned":
+        return TierResult(key, "skipped", "status is planned")
+    errors = run.errors_of(backend)
+    if errors or backend.build_script is None or backend.output is None:
+        diagnostic = Diagnostic("error", "R009", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
+                                "not buildable: the contract check reports %d error(s); run "
+                                "check_contract.py check %s" % (len(errors), key))
+        return TierResult(key, "failed", diagnostic.message, diagnostics=[diagnostic])
+    toolchain = TOOLCHAINS.get(backend.platform)
+    if toolchain is None:
+        return TierResult(key, "skipped", "no known toolchain for platform %s" % backend.platform)
+    tool = os.environ.get(toolchain[0]) or toolchain[1]
+    if shutil.which(tool) is None:
+        return TierResult(key, "skipped", "%s not found (set %s or put %s on PATH)"
+                          % (tool, toolchain[0], toolchain[1]))
+    out_dir = os.path.join(os.path.abspath(args.out), backend.platform, backend.name)
+    command = [os.path.join(os.path.abspath(backend.dir), backend.build_script), out_dir]
+    if args.arch is not None:
+        command.append(args.arch)
+    stream.write("==> build %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    found = []
+    script_rel = backend.rel(backend.build_script)
+
+    def report(level, code, message, path=script_rel):
+        found.append(Diagnostic(level, code, key, path, None, message))
+
+    if child.error is not None:
+        report("error", "R001", "build script %s cannot be run: %s" % (backend.build_script, child.error))
+    elif child.timed_out:
+        report("error", "R002", "build script %s did not finish within %gs; it was stopped"
+               % (backend.build_script, args.timeout))
+    elif child.returncode != 0:
+        report("error", "R001", "build script %s failed with exit status %d"
+               % (backend.build_script, child.returncode))
+    else:
+        detail = inspect_library(backend, os.path.join(out_dir, backend.output), args.arch, report)
+        if not any(d.level == "error" for d in found):
+            return TierResult(key, "passed", detail, child.elapsed, found)
+    return TierResult(key, "failed", found[-1].message if found else "", child.elapsed, found)
+
+
+def inspect_library(backend, path, arch, report):
+    """Check the library the build wrote; returns a one-line summary."""
+    import subprocess
+    output = backend.output
+    if not os.path.isfile(path):
+        report("error", "R003", "the build did not write %s (build.output) into its output "
+               "directory" % output)
+        return ""
+    try:
+        shared = read_shared_object(path)
+    except BinaryError as exc:
+        report("error", "R004", "%s is not a usable shared object: %s" % (output, exc))
+        return ""
+    prefix = backend.abi_prefix
+    if prefix is None:
+        report("error", "R005", "cannot check the exported ABI of %s: the sources define no "
+               "<PREFIX>_ABI_VERSION" % output)
+        return ""
+    summary = ["exports %s_abi_version and %s_error_string" % (prefix, prefix)]
+    for symbol in (prefix + "_abi_version", prefix + "_error_string"):
+        if symbol not in shared.dynamic_symbols:
+            report("error", "R005", "%s does not export %s" % (output, symbol))
+    if prefix + "_abi_version" in shared.dynamic_symbols:
+        done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+        said = done.stdout.decode("utf-8", "replace").strip()
+        if done.returncode != 0 or not said.isdigit():
+            reason = said[len("LOAD-ERROR: "):] if said.startswith("LOAD-ERROR: ") else (
+                "the loading process ended with status %d" % done.returncode)
+            report("warning", "R007", "%s cannot be loaded here: %s" % (output, reason))
+        elif int(said) != backend.abi_version:
+            report("error", "R006", "%s_abi_version() in %s returns %s but abi_version is %d"
+                   % (prefix, output, said, backend.abi_version))
+        else:
+            summary.append("%s_abi_version() = %s" % (prefix, said))
+    if backend.platform == "cuda":
+        sass, ptx = cuda_targets(shared)
+        expected = {arch} if arch is not None else set(backend.architectures or ())
+        if sass != expected:
+            report("error", "R008", "the fatbinary of %s holds SASS for %s but %s"
+                   % (output, ", ".join(sorted(sass)) or "no architecture",
+                      "--arch is %s" % arch if arch is not None else
+                      "build.architectures is %s" % ", ".join(sorted(expected))))
+        summary.append("SASS %s" % ", ".join(sorted(sass)) + (
+            "; PTX %s" % ", ".join(sorted(ptx)) if ptx else ""))
+    return "; ".join(summary)
+
+
+def test_backend(repo, run, backend, args, stream):
+    """U001-U003: run the backend's tests beside its kernels."""
+    key = backend.key
+    has_tests = any(p.rsplit("/", 1)[-1].startswith("test_") and p.endswith(".py")
+                    for p in backend.files)
+    if not has_tests:
+        if backend.status == "planned":
+            return TierResult(key, "skipped", "status is planned and there are no tests")
+        warning = Diagnostic("warning", "U002", key, backend.rel_dir, None,
+                             "has no tests (test_*.py) beside its kernels; add them under "
+                             "%s/tests/" % backend.rel_dir)
+        return TierResult(key, "skipped", "no tests", diagnostics=[warning])
+    command = [sys.executable, "-m", "unittest", "discover", "-v", "-s", backend.rel_dir,
+               "-t", backend.rel_dir]
+    stream.write("==> test %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    if child.error is None and not child.timed_out and child.returncode == 0:
+        return TierResult(key, "passed", "", child.elapsed)
+    if child.timed_out:
+        code, message = "U003", "tests did not finish within %gs; they were stopped" % args.timeout
+    else:
+        code, message = "U001", "tests failed (%s)" % (
+            child.error or "exit status %d" % child.returncode)
+    failure = Diagnostic("error", code, key, backend.rel_dir, None, message)
+    return TierResult(key, "failed", message, child.elapsed, [failure])
+
+
+def parity_backend(repo, run, backend, args, stream):
+    """P001-P002: run the backend's reference entrypoint."""
+    key = backend.key
+    reference = (backend.manifest or {}).get("reference")
+    entry = reference.get("entrypoint") if isinstance(reference, dict) else None
+    if not isinstance(entry, str) or not entry:
+        return TierResult(key, "skipped", "declares no reference.entrypoint")
+    rel, problem = normalize_relpath(entry)
+    path = os.path.join(repo.root, rel or "")
+    if problem or not os.path.isfile(path):
+        failure = Diagnostic("error", "P001", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
+                             "reference.entrypoint %s does not exist" % describe(entry))
+        return TierResult(key, "failed", failure.message, diagnostics=[failure])
+    command = [sys.executable, rel]
+    stream.write("==> parity %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    if child.error is None and not child.timed_out and child.returncode == 0:
+        first = child.first_line or ""
+        if first.startswith("SKIP:"):
+            return TierResult(key, "skipped", first[len("SKIP:"):].strip(), child.elapsed)
+        return TierResult(key, "passed", "", child.elapsed)
+    if child.timed_out:
+        code, message = "P002", "%s did not finish within %gs; it was stopped" % (rel, args.timeout)
+    else:
+        code, message = "P001", "%s failed (%s)" % (rel, child.error or "exit status %d" % child.returncode)
+    failure = Diagnostic("error", code, key, rel, None, message)
+    return TierResult(key, "failed", message, child.elapsed, [failure])
+
+
+def report_tier(results, fmt, out):
+    counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
+    if fmt == "json":
+        json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
+        out.write("\n")
+        return
+    for result in results:
+        line = "%s %s" % (result.outcome, result.backend)
+        if result.detail:
+            line += ": " + result.detail
+        if result.elapsed is not None:
+            line += " (%.1fs)" % result.elapsed
+        out.write(line + "\n")
+        for d in result.diagnostics:
+            out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
+    out.write("%(passed)d passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
+
+
+def run_tier(args, run_one, choose=None):
+    repo = repository(args)
+    run = run_check(repo, args.names)
+    backends = run.backends if choose is None else choose(run.backends, args.names)
+    stream = tier_stream(args)
+    results = [run_one(repo, run, backend, args, stream) for backend in backends]
+    report_tier(results, args.format, sys.stdout)
+    return 1 if any(r.outcome == "failed" for r in results) else 0
+
+
+
+# ---------------------------------------------------------------------------
 # Command line
 
 
@@ -1482,6 +1906,34 @@ def cmd_init(args):
     return 1 if run.count("error") else 0
 
 
+def cmd_build(args):
+    if args.arch is not None and not args.arch.strip():
+        raise UsageError("--arch must name an architecture, e.g. --arch 90")
+    if args.out is None:
+        args.out = os.path.join(args.repo_root, "build", "backends")
+    return run_tier(args, build_backend)
+
+
+def cmd_test(args):
+    return run_tier(args, test_backend)
+
+
+def cmd_parity(args):
+    def choose(backends, names):
+        return backends if names else [b for b in backends if b.status == "validated"]
+    return run_tier(args, parity_backend, choose)
+
+
+def positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0, not %r" % text)
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
@@ -1536,10 +1988,51 @@ def build_parser():
                           "  python3 check_contract.py init --force backends/cpu/llm_ops\n")
     init.add_argument("dir", metavar="DIR", help="the backend directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
+
+    build = sub.add_parser("build", parents=[common], formatter_class=formatter,
+                           help="build backends and inspect the libraries they write",
+                           description="Run each buildable backend's build script (skipped when its "
+                           "toolchain is missing), then check that build.output is an ELF shared "
+                           "object exporting <prefix>_abi_version and <prefix>_error_string, that "
+                           "<prefix>_abi_version() returns abi_version, and for cuda that the "
+                           "fatbinary holds SASS for exactly build.architectures.",
+                           epilog="examples:\n"
+                           "  python3 check_contract.py build\n"
+                           "  python3 check_contract.py build cuda/llm_ops --arch 90 --out /tmp/out\n"
+                           "  python3 check_contract.py build --format json > build.json\n")
+    build.add_argument("names", nargs="*", metavar="NAME", help="backends to build (default: all)")
+    build.add_argument("--out", metavar="DIR", default=None,
+                       help="output root; each backend builds into DIR/<platform>/<name> "
+                       "(default: <repo-root>/build/backends)")
+    build.add_argument("--arch", metavar="A", default=None,
+                       help="build only this architecture (passed as the script's second argument)")
+    build.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
+                       help="time limit per build in seconds (default: 1800)")
+    build.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: results on stdout, build output on stderr")
+
+    for name, what, description, example in (
+            ("test", "run each backend's tests beside its kernels",
+             "Run python3 -m unittest discover -v -s <backend-dir> -t <backend-dir> for each "
+             "backend, from the repository root. A non-planned backend without tests gets a warning.",
+             "  python3 check_contract.py test\n  python3 check_contract.py test cpu/llm_ops\n"),
+            ("parity", "run the reference entrypoint of validated backends",
+             "Run reference.entrypoint of each validated backend (or of each backend named) and "
+             "report passed, failed, or skipped when its first output line is SKIP: <reason> and "
+             "it exits 0.",
+             "  python3 check_contract.py parity\n  python3 check_contract.py parity cuda/llm_ops\n")):
+        tier = sub.add_parser(name, parents=[common], formatter_class=formatter, help=what,
+                              description=description, epilog="examples:\n" + example)
+        tier.add_argument("names", nargs="*", metavar="NAME", help="backends to run (default: all)")
+        tier.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
+                          help="time limit per backend in seconds (default: 1800)")
+        tier.add_argument("--format", choices=("text", "json"), default="text",
+                          help="json: results on stdout, child output on stderr")
     return parser
 
 
-COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init}
+COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd_build,
+            "test": cmd_test, "parity": cmd_parity}
 
 
 def with_default_command(argv):

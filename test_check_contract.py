@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import check_contract
@@ -889,6 +890,295 @@ class SchemaTest(unittest.TestCase):
                          set(check_contract.NUMERICS_KEYS))
         self.assertEqual(set(schema["properties"]["reference"]["properties"]),
                          set(check_contract.REFERENCE_KEYS))
+
+
+# -- The build, test and parity tiers --------------------------------------
+
+TINY_H = """#include <stdint.h>
+#define TINY_ABI_VERSION 2
+uint32_t tiny_abi_version(void);
+const char* tiny_error_string(int code);
+"""
+
+TINY_C = """#include "tiny.h"
+uint32_t tiny_abi_version(void) { return %s; }
+const char* tiny_error_string(int code) { return code == 0 ? "ok" : "bad argument"; }
+"""
+
+TINY_BUILD = Executable("""#!/bin/sh
+set -eu
+out_dir=$1
+march=${2:-x86-64}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out_dir"
+echo "building for $march"
+cc -shared -fPIC -march="$march" "$here/tiny.c" -o "$out_dir/libtiny.so"
+""")
+
+
+def tiny_files(version="TINY_ABI_VERSION", build=TINY_BUILD, c_source=None, status="experimental"):
+    return {
+        "backends/cpu/tiny/tiny.backend.json": {
+            "name": "tiny", "abi_version": 2, "status": status, "sources": ["tiny.h", "tiny.c"],
+            "build": {"script": "build.sh", "output": "libtiny.so", "architectures": ["x86-64"],
+                      "default_arch": "x86-64"},
+            "numerics": {"tolerance": {"add_f32": 0}},
+            "reference": {"entrypoint": "backends/cpu/tiny/parity.py"}},
+        "backends/cpu/tiny/tiny.h": TINY_H,
+        "backends/cpu/tiny/tiny.c": c_source if c_source is not None else TINY_C % version,
+        "backends/cpu/tiny/build.sh": build,
+        "backends/cpu/tiny/parity.py": "print('max error 0 <= 0')\n",
+    }
+
+
+ELAPSED_LINE = re.compile(r"^\[ *[0-9]+\.[0-9]s\] ", re.M)
+
+
+def running(pid):
+    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
+    for _ in range(50):
+        try:
+            with open("/proc/%d/stat" % pid) as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class BuildTierTest(TreeTest):
+    def build(self, *args, env=None):
+        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
+                        env=env)
+
+    def test_tiny_c_backend_builds_loads_and_passes(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("[    0.0s] building for x86-64\n", out.replace("[    0.1s]", "[    0.0s]"))
+        self.assertRegex(out, r"\npassed cpu/tiny: exports tiny_abi_version and tiny_error_string; "
+                              r"tiny_abi_version\(\) = 2 \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+        self.assertTrue(os.path.isfile(self.path("out/cpu/tiny/libtiny.so")))
+
+    def test_arch_is_passed_to_the_script(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build("--arch", "x86-64-v2")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\] building for x86-64-v2\n")
+
+    def test_abi_mismatch_in_the_binary_is_an_error(self):
+        self.tree(tiny_files(version="3"))
+        rc, out, err = self.build("--format", "json")
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"\] building for x86-64\n")
+        result = json.loads(out)
+        self.assertEqual((result["passed"], result["failed"], result["skipped"]), (0, 1, 0))
+        self.assertEqual([(i["code"], i["message"]) for i in result["results"][0]["issues"]],
+                         [("R006", "tiny_abi_version() in libtiny.so returns 3 but abi_version is 2")])
+
+    def test_missing_symbol_is_an_error(self):
+        self.tree(tiny_files(c_source='#include "tiny.h"\nuint32_t tiny_abi_version(void) { return 2; }\n'))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("\n[error] cpu/tiny: libtiny.so does not export tiny_error_string\n", out)
+
+    def test_failing_build_script_is_reported(self):
+        self.tree(tiny_files(build=Executable(str(TINY_BUILD).replace(
+            'echo "building for $march"', 'echo "compiler exploded" >&2; exit 3'))))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertRegex(out, r"\] compiler exploded\n")
+        self.assertIn("\nfailed cpu/tiny: build script build.sh failed with exit status 3 (", out)
+        self.assertTrue(out.endswith("[error] cpu/tiny: build script build.sh failed with exit status 3\n"
+                                     "0 passed, 1 failed, 0 skipped\n"), out)
+
+    def test_build_that_runs_too_long_is_stopped(self):
+        pid_file = self.path("sleeper.pid")
+        self.tree(tiny_files(build=Executable(str(TINY_BUILD).replace(
+            'echo "building for $march"', 'sleep 60 & echo $! > %s; wait' % pid_file))))
+        rc, out, err = self.build("--timeout", "1")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: build script build.sh did not finish within 1s; it was stopped\n", out)
+        with open(pid_file) as handle:
+            sleeper = int(handle.read())
+        self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
+
+    def test_output_that_is_not_a_shared_object_is_an_error(self):
+        self.tree(tiny_files(build=Executable(
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -E - -o "$1/libtiny.so" < /dev/null\n')))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: libtiny.so is not a usable shared object: not an ELF file\n", out)
+
+    def test_missing_output_is_an_error(self):
+        self.tree(tiny_files(build=Executable(
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ntrue || cc -march=$march -o "$1/libtiny.so"\n')))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: the build did not write libtiny.so (build.output) into its "
+                      "output directory\n", out)
+
+    def test_missing_toolchain_is_skipped_with_the_reason(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build(env={"CC": "/nonexistent/cc"})
+        self.assertEqual((rc, out), (0, "skipped cpu/tiny: /nonexistent/cc not found (set CC or put cc "
+                                        "on PATH)\n0 passed, 0 failed, 1 skipped\n"))
+
+    def test_backend_with_contract_errors_is_not_built(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/extra.c"] = ""
+        self.tree(files)
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("failed cpu/tiny: not buildable: the contract check reports 1 error(s); run "
+                      "check_contract.py check cpu/tiny\n", out)
+
+    def test_planned_backend_is_skipped(self):
+        self.tree(tiny_files(status="planned"))
+        self.assertEqual(self.build(), (0, "skipped cpu/tiny: status is planned\n"
+                                           "0 passed, 0 failed, 1 skipped\n", ""))
+
+    def test_bad_timeout_is_a_usage_error(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build("--timeout", "0")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertIn("argument --timeout: must be a number of seconds > 0, not '0'", err)
+
+
+NVCC = shutil.which("nvcc")
+
+TINY_CU = """#include <cstdint>
+#include <cuda_runtime.h>
+#define GPUTINY_ABI_VERSION 1
+extern "C" uint32_t gputiny_abi_version(void) { return GPUTINY_ABI_VERSION; }
+extern "C" const char* gputiny_error_string(int code) { return code ? "bad argument" : "ok"; }
+__global__ void twice(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2.0f; }
+extern "C" int gputiny_twice(float* x, int n, cudaStream_t stream) {
+    twice<<<1, 32, 0, stream>>>(x, n);
+    return 0;
+}
+"""
+
+GPU_BUILD = Executable("""#!/bin/bash
+set -euo pipefail
+out_dir=$1
+cap=${2:-80}
+mkdir -p "$out_dir"
+"${NVCC:-nvcc}" -shared -Xcompiler -fPIC -gencode "arch=compute_${cap},code=sm_${cap}" $EXTRA_GENCODE \\
+    "$(dirname "$0")/tiny.cu" -o "$out_dir/libgputiny.so"
+""")
+
+
+@unittest.skipUnless(NVCC, "nvcc is not installed, so no CUDA fixture can be built")
+class CudaBuildTierTest(TreeTest):
+    def setUp(self):
+        super().setUp()
+        self.tree({
+            "backends/cuda/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental", "sources": ["tiny.cu"],
+                "build": {"script": "build.sh", "output": "libgputiny.so", "architectures": [80],
+                          "default_arch": 80}},
+            "backends/cuda/gputiny/tiny.cu": TINY_CU,
+            "backends/cuda/gputiny/build.sh": GPU_BUILD})
+
+    def build(self, extra):
+        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")],
+                        env={"EXTRA_GENCODE": extra})
+
+    def test_fatbinary_targets_match_the_manifest(self):
+        rc, out, err = self.build("")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\npassed cuda/gputiny: exports gputiny_abi_version and "
+                              r"gputiny_error_string; gputiny_abi_version\(\) = 1; SASS 80 \(")
+
+    def test_fatbinary_with_an_unclaimed_target_is_an_error(self):
+        rc, out, err = self.build("-gencode arch=compute_75,code=sm_75")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("[error] cuda/gputiny: the fatbinary of libgputiny.so holds SASS for 75, 80 but "
+                      "build.architectures is 80\n", out)
+
+
+class TestTierTest(TreeTest):
+    def run_tests(self, *args):
+        return run_main(["--repo-root", self.root, "test"] + list(args))
+
+    def test_backend_tests_run_from_the_repository_root(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/tests/__init__.py"] = ""
+        files["backends/cpu/tiny/tests/test_tiny.py"] = (
+            "import os, unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_cwd_is_the_repository_root(self):\n"
+            "        self.assertTrue(os.path.isdir('backends/cpu/tiny'))\n")
+        self.tree(files)
+        rc, out, err = self.run_tests()
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\] test_cwd_is_the_repository_root \(.*\) \.\.\. ok\n")
+        self.assertRegex(out, r"\npassed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+
+    def test_failing_backend_tests_fail_the_run(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/tests/__init__.py"] = ""
+        files["backends/cpu/tiny/tests/test_tiny.py"] = (
+            "import unittest\nclass T(unittest.TestCase):\n    def test_no(self):\n        self.fail('no')\n")
+        self.tree(files)
+        rc, out, err = self.run_tests()
+        self.assertEqual(rc, 1)
+        self.assertIn("\n[error] cpu/tiny: tests failed (exit status 1)\n0 passed, 1 failed, 0 skipped\n", out)
+
+    def test_backend_without_tests_gets_a_warning_only_here(self):
+        self.tree(tiny_files())
+        self.assertEqual(self.run_tests(), (0, "skipped cpu/tiny: no tests\n[warning] cpu/tiny: has no tests "
+                                          "(test_*.py) beside its kernels; add them under "
+                                          "backends/cpu/tiny/tests/\n0 passed, 0 failed, 1 skipped\n", ""))
+        rc, out, err = run_main(["--repo-root", self.root])
+        self.assertEqual((rc, out), (0, "checked cpu/tiny: status=experimental abi=2\n"
+                                        "1 backend(s), 0 error(s), 0 warning(s)\n"))
+
+    def test_planned_backend_without_tests_gets_no_warning(self):
+        self.tree(tiny_files(status="planned"))
+        self.assertEqual(self.run_tests()[1], "skipped cpu/tiny: status is planned and there are no tests\n"
+                                         "0 passed, 0 failed, 1 skipped\n")
+
+
+class ParityTierTest(TreeTest):
+    def parity(self, script, *args, status="validated"):
+        files = tiny_files(status=status)
+        files["backends/cpu/tiny/parity.py"] = script
+        self.tree(files)
+        return run_main(["--repo-root", self.root, "parity"] + list(args))
+
+    def test_passing_entrypoint(self):
+        rc, out, err = self.parity("print('rmsnorm max error 1e-8 <= 1e-7')\n")
+        self.assertEqual(rc, 0)
+        self.assertRegex(out, r"^==> parity cpu/tiny: .*\n\[ *[0-9.]+s\] rmsnorm max error 1e-8 <= 1e-7\n"
+                              r"passed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+
+    def test_failing_entrypoint(self):
+        rc, out, err = self.parity("import sys\nprint('too far')\nsys.exit(1)\n")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: backends/cpu/tiny/parity.py failed (exit status 1)\n", out)
+
+    def test_skip_line_means_skipped_with_the_reason(self):
+        rc, out, err = self.parity("print('SKIP: no CUDA GPU here')\n", "--format", "json")
+        self.assertEqual(rc, 0)
+        result = json.loads(out)
+        self.assertEqual((result["passed"], result["skipped"]), (0, 1))
+        self.assertEqual(result["results"][0]["detail"], "no CUDA GPU here")
+        self.assertRegex(err, r"\] SKIP: no CUDA GPU here\n")
+
+    def test_skip_line_with_failure_exit_is_a_failure(self):
+        rc, out, err = self.parity("import sys\nprint('SKIP: pretending')\nsys.exit(2)\n")
+        self.assertEqual(rc, 1)
+
+    def test_only_validated_backends_run_unless_named(self):
+        self.assertEqual(self.parity("print('x')\n", status="experimental"),
+                         (0, "0 passed, 0 failed, 0 skipped\n", ""))
+        rc, out, err = run_main(["--repo-root", self.root, "parity", "tiny"])
+        self.assertEqual(rc, 0)
+        self.assertIn("passed cpu/tiny (", out)
 
 
 if __name__ == "__main__":
