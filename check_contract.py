@@ -119,11 +119,15 @@ SH_WORD_RE = re.compile(r"(?:\"(?:\\.|[^\"\\])*\"?|'[^']*'?|\$\{[^}]*\}?"
                         r"|\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)?|\\.|[^\s\"'$\\]+|[$\\])+")
 SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))*\)|\\.|(&&|\|\||;;|[;|&])")
 SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
+# `-o FILE`, `--output-file FILE`, `--output-file=FILE`, `-oFILE`, with one word per line.
+COMPILER_OUTPUT_RE = re.compile(r"^(?:-o\n|--output-file[=\n]|-o(?!=))([^\n]+)$", re.M)
+SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))(?(1)\")\Z")
 SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
 COMPILERS = frozenset(("cc", "gcc", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
                        "icx", "icpx", "amdclang", "amdclang++", "ld", "ld.lld", "hipcc.pl"))
-# A line with neither an assignment nor a compiler or make word changes nothing.
-SH_RELEVANT_RE = re.compile(r"=|(?:^|[;&|(]\s*)\"?\$|(?<![\w.-])(?:%s|make)(?![\w.+-])"
+# A line with no `=` and neither a compiler or make word nor a command
+# starting with a variable changes nothing.
+SH_RELEVANT_RE = re.compile(r"(?:^|[;&|(]\s*)\"?\$|(?<![\w.-])(?:%s|make)(?![\w.+-])"
                             % "|".join(re.escape(c) for c in sorted(COMPILERS, key=len, reverse=True)))
 SH_PREFIX_WORDS = frozenset(("exec", "time", "command", "then", "else", "do", "{", "!"))
 SH_SPACE_RE = re.compile(r"\s")
@@ -134,6 +138,7 @@ CUDA_ARCH_FLAG_RE = re.compile(r"^(?:-arch|--gpu-architecture)[=\n](?:sm|compute
 HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)[=\n](gfx[0-9a-z]+(?::[a-z]+[+-])*)")
 CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
 DIGITS_RE = re.compile(r"[0-9]+")
+GIT_EXECUTABLE_RE = re.compile(rb"100755 [0-9a-f]+ [0-3]\t([^\0]*)\0")
 UNRESOLVED = "\x01"
 OUT_DIR = "\x02"
 
@@ -234,45 +239,65 @@ class Repository:
         self.root = root
         self.backends_dir = backends_dir.strip("/") or "."
         self.backends_path = os.path.join(root, self.backends_dir)
-        self._git_modes = None
+        self._git_index = False
 
-    def git_modes(self):
-        """Index modes of the files under the backends directory, read once per run.
-
-        Returns None outside a git work tree or when git cannot be run.
-        """
-        if self._git_modes is None:
-            self._git_modes = _read_git_modes(self.root, self.backends_dir)
-        return self._git_modes or None
+    def git_index(self):
+        """The git index under the backends directory, listed once per run;
+        None outside a git work tree or when git cannot be run."""
+        if self._git_index is False:
+            self._git_index = read_git_index(self.root, self.backends_dir)
+        return self._git_index
 
 
-def _read_git_modes(root, backends_dir):
+class GitIndex:
+    """Modes of the files `git ls-files -s` lists.  Only the executable ones
+    are indexed up front: every other lookup is a search of the listing."""
+
+    def __init__(self, listing, prefix):
+        self.listing = listing
+        self.prefix = prefix
+        self.executables = {p.decode("utf-8", "surrogateescape")[len(prefix):]
+                            for p in GIT_EXECUTABLE_RE.findall(listing)}
+
+    def mode(self, path):
+        """The index mode of a repository-relative path, or None if untracked."""
+        if path in self.executables:
+            return "100755"
+        key = b"\t" + (self.prefix + path).encode("utf-8", "surrogateescape") + b"\0"
+        found = self.listing.find(key)
+        if found < 0:
+            return None
+        start = self.listing.rfind(b"\0", 0, found) + 1
+        return self.listing[start:start + 6].decode("ascii", "replace")
+
+
+def read_git_index(root, backends_dir):
     top = os.path.abspath(root)
     while not os.path.exists(os.path.join(top, ".git")):
         parent = os.path.dirname(top)
         if parent == top:
-            return {}
+            return None
         top = parent
-    import subprocess
+    # posix_spawn and a pipe rather than the subprocess module, whose import
+    # alone costs more than checking a hundred backends.
+    command = ["git", "-C", root, "ls-files", "-s", "-z", "--full-name", "--", backends_dir]
+    read_end, write_end = os.pipe()
     try:
-        done = subprocess.run(["git", "-C", root, "ls-files", "-s", "-z", "--full-name",
-                               "--", backends_dir],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
+        pid = os.posix_spawnp("git", command, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, write_end, 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
     except OSError:
-        return {}
-    if done.returncode != 0:
-        return {}
+        os.close(read_end)
+        return None
+    finally:
+        os.close(write_end)
+    with open(read_end, "rb") as pipe:
+        listing = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return None
     prefix = os.path.relpath(os.path.abspath(root), top).replace(os.sep, "/")
-    prefix = "" if prefix == "." else prefix + "/"
-    modes = {}
-    for record in done.stdout.split(b"\0"):
-        meta, _, path = record.partition(b"\t")
-        if not path:
-            continue
-        name = path.decode("utf-8", "surrogateescape")
-        if name.startswith(prefix):
-            modes[name[len(prefix):]] = meta.split(b" ", 1)[0].decode("ascii", "replace")
-    return modes
+    return GitIndex(listing, "" if prefix == "." else prefix + "/")
 
 
 # ---------------------------------------------------------------------------
@@ -468,8 +493,6 @@ def find_abi_defines(text):
 
 def strip_sh_comment(line):
     """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
-    if "#" not in line:
-        return line
     quote = None
     prev = " "
     for index, char in enumerate(line):
@@ -490,7 +513,7 @@ def logical_lines(text):
     joined = []
     pending, start = "", 0
     for number, raw in enumerate(text.split("\n"), 1):
-        line = strip_sh_comment(raw).rstrip()
+        line = (strip_sh_comment(raw) if "#" in raw else raw).rstrip()
         if not pending:
             start = number
         if line.endswith("\\"):
@@ -551,7 +574,7 @@ class ScriptReader:
         self.outputs = []       # (line, path after the output directory)
         self.arch_tokens = []   # (line, expanded words of a compiler or make command)
         for number, line in logical_lines(text):
-            if SH_RELEVANT_RE.search(line) is None:
+            if "=" not in line and SH_RELEVANT_RE.search(line) is None:
                 continue
             for command in split_commands(line):
                 self.command(number, command)
@@ -593,8 +616,11 @@ class ScriptReader:
 
     def expand(self, word):
         """The word with variables substituted and quotes removed."""
-        if "$" not in word and "'" not in word and '"' not in word and "\\" not in word:
-            return word
+        if "$" not in word and "'" not in word and "\\" not in word:
+            return word.replace('"', "") if '"' in word else word
+        simple = SH_SIMPLE_WORD_RE.match(word)
+        if simple:
+            return self.expand_var(simple.group(2) or simple.group(3))
         out = []
         pos, in_double = 0, False
         while True:
@@ -673,16 +699,9 @@ class ScriptReader:
         self.arch_tokens.append((number, args))
         if program == "make":
             return
-        output = None
-        for index, arg in enumerate(args):
-            if arg in ("-o", "--output-file") and index + 1 < len(args):
-                output = args[index + 1]
-            elif arg.startswith("--output-file="):
-                output = arg.split("=", 1)[1]
-            elif arg.startswith("-o") and len(arg) > 2 and not arg.startswith("-o="):
-                output = arg[2:]
-        if output is not None:
-            self.outputs.append((number, output))
+        outputs = COMPILER_OUTPUT_RE.findall("\n".join(args))
+        if outputs:
+            self.outputs.append((number, outputs[-1]))
 
     def assign(self, name, append, value):
         if value.startswith("(") and value.endswith(")"):
@@ -811,6 +830,29 @@ def _is_dir(entry):
 # Loading a manifest
 
 
+class ManifestDecoder(json.JSONDecoder):
+    """A JSON decoder that notes duplicate keys (plain json keeps the last
+    silently).  One instance serves the whole run: building a decoder per
+    manifest costs more than decoding it."""
+
+    def __init__(self):
+        self.duplicates = []
+        super().__init__(object_pairs_hook=self.pairs)
+
+    def pairs(self, items):
+        seen = dict(items)
+        if len(seen) != len(items):
+            keys = set()
+            for key, _ in items:
+                if key in keys:
+                    self.duplicates.append(key)
+                keys.add(key)
+        return seen
+
+
+MANIFEST_DECODER = ManifestDecoder()
+
+
 def load(backend):
     """Read and parse the manifest; fill the record with the fields it gives."""
     rel = backend.rel(backend.name + MANIFEST_SUFFIX)
@@ -822,17 +864,10 @@ def load(backend):
         backend.error("J004", "%s is not UTF-8 (first bad byte at offset %d); save it as UTF-8"
                       % (backend.name + MANIFEST_SUFFIX, bad_byte), rel)
         return
-    duplicates = []
-
-    def pairs(items):
-        seen = {}
-        for key, value in items:
-            if key in seen:
-                duplicates.append(key)
-            seen[key] = value
-        return seen
+    duplicates = MANIFEST_DECODER.duplicates
+    del duplicates[:]
     try:
-        manifest = json.loads(text, object_pairs_hook=pairs)
+        manifest = MANIFEST_DECODER.decode(text)
     except ValueError as exc:
         line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
         message = getattr(exc, "msg", str(exc))
@@ -1159,10 +1194,11 @@ def check_build_script(repo, backend):
     if not st.st_mode & 0o111:
         backend.error("B002", "build script %s is not executable; run: chmod +x %s"
                       % (rel, rel_path), rel_path)
-    modes = repo.git_modes()
-    if modes is not None and modes.get(rel_path, "100755") != "100755":
+    index = repo.git_index()
+    mode = index.mode(rel_path) if index is not None else None
+    if mode is not None and mode != "100755":
         backend.error("B003", "build script %s has mode %s in the git index; run: "
-                      "git update-index --chmod=+x %s" % (rel, modes[rel_path], rel_path), rel_path)
+                      "git update-index --chmod=+x %s" % (rel, mode, rel_path), rel_path)
     text, problem, _ = read_text(path)
     if text is None:
         backend.error("B001", "build script %s cannot be read: %s" % (rel, problem), rel_path)

@@ -477,6 +477,21 @@ class BuildScriptTest(TreeTest):
         self.git("update-index", "--chmod=+x", "backends/cpu/demo/build.sh")
         self.assertClean()
 
+    def test_git_index_of_a_repository_root_below_the_git_top_is_read(self):
+        self.tree({"sub/" + path: content for path, content in demo_files().items()})
+        self.git("init", "-q")
+        self.git("-c", "core.fileMode=false", "add", ".")
+        self.git("update-index", "--chmod=-x", "sub/backends/cpu/demo/build.sh")
+        rc, out, err = run_main(["--repo-root", self.path("sub")])
+        self.assertIn("[error] cpu/demo: build script build.sh has mode 100644 in the git index; run: "
+                      "git update-index --chmod=+x backends/cpu/demo/build.sh\n", out)
+
+    def test_untracked_build_script_has_no_index_mode(self):
+        self.tree(demo_files())
+        self.git("init", "-q")
+        self.git("add", "backends/cpu/demo/demo.backend.json")
+        self.assertClean()
+
     def test_output_must_equal_build_output(self):
         manifest = demo_manifest()
         manifest["build"]["output"] = "libother.so"
