@@ -54,7 +54,7 @@ Diagnostic codes (stable; never reused):
                      script's default, B010 architecture below min_capability,
                      B011 architecture is not a valid target for the platform
     T  status        T001 validated without tolerances, T002 reference
-                     entrypoint missing (warning when experimental)
+                     entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
     R  build tier    R001 build script failed, R002 build timed out, R003
                      output missing, R004 output is not an ELF shared object,
@@ -66,8 +66,6 @@ Diagnostic codes (stable; never reused):
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -388,17 +386,13 @@ def is_kernel_source(path):
     return path.endswith(KERNEL_SUFFIXES)
 
 
-def has_kernel_sources(top):
-    return any(is_kernel_source(p) for p in walk_files(top))
-
-
 def normalize_relpath(path):
     """The normalized form of a backend-relative path, or a reason it is refused."""
-    if "/" not in path and path not in ("", ".", "..") and path[1:2] != ":":
+    if "/" not in path and path not in ("", ".", ".."):
         return path, None
     if not path:
         return None, "is empty"
-    if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
+    if path.startswith("/"):
         return None, "is absolute; give it relative to the backend directory"
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if ".." in parts:
@@ -419,10 +413,6 @@ def glob_matches(pattern, path):
     if "/" not in pattern:
         return fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pattern)
     return fnmatch.fnmatchcase(path, pattern)
-
-
-def arch_str(value):
-    return str(value)
 
 
 def arch_number(arch):
@@ -536,7 +526,8 @@ def paren_depth(text):
     depth = text.count("(") - text.count(")")
     if depth == 0 or ('"' not in text and "'" not in text):
         return depth
-    return SH_QUOTED_RE.sub("", text).count("(") - SH_QUOTED_RE.sub("", text).count(")")
+    bare = SH_QUOTED_RE.sub("", text)
+    return bare.count("(") - bare.count(")")
 
 
 def split_words(text):
@@ -810,12 +801,12 @@ def discover(repo):
             if manifest_name in backend.files or os.path.lexists(backend.manifest_path):
                 backends.append(backend)
                 continue
-            kernels = sorted(p.rsplit("/", 1)[-1] for p in backend.files if is_kernel_source(p))
+            kernels = sorted(p for p in backend.files if is_kernel_source(p))
             if kernels and not stray:
                 diagnostics.append(Diagnostic(
                     "error", "D001", backend.key, backend.rel_dir, None,
                     "has kernel sources (%s) but no %s manifest"
-                    % (", ".join(sorted(kernels)[:3]), manifest_name)))
+                    % (", ".join(kernels[:3]), manifest_name)))
     return backends, diagnostics
 
 
@@ -900,10 +891,10 @@ def load(backend):
         archs = build.get("architectures")
         if isinstance(archs, list) and archs and all(
                 (isinstance(a, str) and a) or is_int(a) for a in archs):
-            backend.architectures = [arch_str(a) for a in archs]
+            backend.architectures = [str(a) for a in archs]
         default = build.get("default_arch")
         if (isinstance(default, str) and default) or is_int(default):
-            backend.default_arch = arch_str(default)
+            backend.default_arch = str(default)
 
 
 # ---------------------------------------------------------------------------
