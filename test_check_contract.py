@@ -458,6 +458,20 @@ class BuildScriptTest(TreeTest):
         self.tree(files)
         self.assertIssue("B001", "build script build.sh does not exist")
 
+    def test_script_symlink_loop_is_a_diagnostic(self):
+        files = demo_files()
+        del files["backends/cpu/demo/build.sh"]
+        self.tree(files)
+        os.symlink("build.sh", self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("B001", "build script build.sh does not exist")
+
+    def test_script_that_is_a_directory_is_an_error(self):
+        files = demo_files()
+        del files["backends/cpu/demo/build.sh"]
+        self.tree(files)
+        os.mkdir(self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("B001", "build script build.sh is not a regular file")
+
     def test_script_not_executable_is_an_error(self):
         self.tree(demo_files(**{"backends/cpu/demo/build.sh": str(CPU_BUILD)}))
         self.assertIssue("B002", "build script build.sh is not executable; run: chmod +x "
@@ -744,7 +758,7 @@ class CommandLineTest(TreeTest):
     def test_version_and_help(self):
         rc, out, err = run_main(["--version"])
         self.assertEqual((rc, out), (0, "check_contract.py %s\n" % check_contract.VERSION))
-        for command in ([], ["check"], ["list"], ["init"]):
+        for command in ([], ["check"], ["list"], ["init"], ["build"], ["test"], ["parity"]):
             with self.subTest(command=command):
                 rc, out, err = run_main(command + ["--help"])
                 self.assertEqual(rc, 0)
