@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Time check_contract.py against two baselines over the same generated tree.
+
+For each size (default 100, 1000 and 4000 backends) the script generates a
+git repository of backends that pass the check, then times, interleaved and
+in the same run:
+
+  checker  python3 check_contract.py --repo-root TREE
+  grep     grep -r ABI_VERSION TREE/backends
+  reader   python3 -c MINIMAL_READER TREE   (reads every manifest and every
+           declared file, and nothing else: the floor for a Python tool
+           that has to read them)
+
+Every command is a fresh process, so interpreter start-up is included for
+both Python commands. The best (minimum) of --repeat interleaved runs is
+reported, since other load on the machine only ever adds time; the ratios
+are of those minima. The goal is checker/reader <= 1.5 at
+every size.
+
+Usage:
+    python3 bench/bench_check_contract.py [--sizes 100,1000,4000] [--repeat 5]
+                                          [--keep DIR]
+Exit codes: 0 measured (whatever the ratios), 1 the checker failed on a
+generated tree, 2 usage error.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKER = os.path.join(os.path.dirname(HERE), "check_contract.py")
+
+MINIMAL_READER = r"""
+import json, os, sys
+root = os.path.join(sys.argv[1], "backends")
+total = 0
+for platform in os.scandir(root):
+    if not platform.is_dir():
+        continue
+    for backend in os.scandir(platform.path):
+        with open(os.path.join(backend.path, backend.name + ".backend.json"), "rb") as f:
+            manifest = json.loads(f.read())
+        for source in manifest["sources"] + [manifest["build"]["script"]]:
+            with open(os.path.join(backend.path, source), "rb") as f:
+                total += len(f.read())
+print(total)
+"""
+
+KERNEL = """// %(op)s for %(name)s
+#include "ops.h"
+
+__global__ void %(op)s_kernel(float* out, const float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        /* scale and shift */
+        out[i] = x[i] * 0.5f + 1.0f;
+    }
+}
+
+extern "C" int %(prefix)s_%(op)s(float* out, const float* x, int n, cudaStream_t stream) {
+    if (out == nullptr || x == nullptr) return 1000;
+    if (n <= 0) return 1001;
+    %(op)s_kernel<<<(n + 255) / 256, 256, 0, stream>>>(out, x, n);
+    return 0;
+}
+""" * 3
+
+HEADER = """#ifndef %(PREFIX)s_OPS_H
+#define %(PREFIX)s_OPS_H
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+/* Bumped whenever a signature changes. */
+#define %(PREFIX)s_ABI_VERSION 3
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+uint32_t    %(prefix)s_abi_version(void);
+const char* %(prefix)s_error_string(int code);
+int %(prefix)s_rmsnorm(float* out, const float* x, int n, cudaStream_t stream);
+int %(prefix)s_softmax(float* out, const float* x, int n, cudaStream_t stream);
+int %(prefix)s_rotary(float* out, const float* x, int n, cudaStream_t stream);
+#ifdef __cplusplus
+}
+#endif
+#endif
+"""
+
+BUILD = """#!/usr/bin/env bash
+# Build lib%(prefix)s.so: ./build.sh <output-dir> [<compute-capability>]
+set -euo pipefail
+out_dir="$1"
+here="$(cd "$(dirname "$0")" && pwd)"
+mkdir -p "$out_dir"
+if [ $# -ge 2 ]; then
+  targets=(-gencode "arch=compute_$2,code=sm_$2")
+else
+  targets=(-gencode arch=compute_80,code=sm_80
+           -gencode arch=compute_89,code=sm_89
+           -gencode "arch=compute_90,code=[sm_90,compute_90]")
+fi
+"${NVCC:-nvcc}" -O3 -shared -Xcompiler -fPIC "${targets[@]}" \\
+    "$here"/*.cu -o "$out_dir/lib%(prefix)s.so"
+"""
+
+OPS = ("rmsnorm", "softmax", "rotary", "silu_mul")
+
+
+def generate(root, count):
+    """A git repository of `count` valid cuda backends."""
+    for index in range(count):
+        name = "k%05d" % index
+        prefix = name
+        directory = os.path.join(root, "backends", "cuda", name)
+        os.makedirs(directory)
+        values = {"name": name, "prefix": prefix, "PREFIX": prefix.upper()}
+        files = {"ops.h": HEADER % values, "build.sh": BUILD % values}
+        for op in OPS:
+            files[op + ".cu"] = KERNEL % dict(values, op=op)
+        for file_name, content in files.items():
+            with open(os.path.join(directory, file_name), "w") as handle:
+                handle.write(content)
+        os.chmod(os.path.join(directory, "build.sh"), 0o755)
+        manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": "cuda",
+                    "abi_version": 3, "status": "experimental",
+                    "sources": ["ops.h"] + [op + ".cu" for op in OPS],
+                    "build": {"script": "build.sh", "output": "lib%s.so" % prefix,
+                              "architectures": [80, 89, 90], "default_arch": 90,
+                              "min_capability": 80},
+                    "numerics": {"precision": "fp32", "accumulation": "fp32",
+                                 "tolerance": {op: 1e-5 for op in OPS}}}
+        with open(os.path.join(directory, name + ".backend.json"), "w") as handle:
+            json.dump(manifest, handle, indent=2)
+    for args in (["init", "-q"], ["add", "-A"],
+                 ["-c", "user.name=bench", "-c", "user.email=bench@example.invalid",
+                  "commit", "-q", "-m", "generated backends"]):
+        subprocess.run(["git", "-C", root] + args, check=True, stdout=subprocess.DEVNULL)
+
+
+def timed(command):
+    start = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    elapsed = time.perf_counter() - start
+    return elapsed, done.returncode, done.stderr
+
+
+def measure(root, repeat):
+    commands = {
+        "checker": [sys.executable, CHECKER, "--repo-root", root],
+        "grep": ["grep", "-r", "ABI_VERSION", os.path.join(root, "backends")],
+        "reader": [sys.executable, "-c", MINIMAL_READER, root],
+    }
+    for name, command in commands.items():  # warm the page cache
+        elapsed, rc, err = timed(command)
+        if name != "grep" and rc != 0:
+            raise RuntimeError("%s failed (exit %d): %s" % (name, rc, err.decode(errors="replace")))
+    times = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, command in commands.items():
+            times[name].append(timed(command)[0])
+    return {name: min(values) for name, values in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100,1000,4000",
+                        help="comma-separated backend counts (default: 100,1000,4000)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed runs per command (default: 7)")
+    parser.add_argument("--keep", metavar="DIR", help="generate the trees in DIR and keep them")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error("--sizes must be comma-separated integers, e.g. 100,1000")
+    if args.repeat < 1 or any(s < 1 for s in sizes):
+        parser.error("--repeat and --sizes must be positive")
+    base = args.keep or tempfile.mkdtemp(prefix="bench-check-contract-")
+    rows = []
+    try:
+        print("python %s, best of %d interleaved runs, seconds" % (sys.version.split()[0], args.repeat))
+        print("%9s %9s %9s %9s %15s %13s" % ("backends", "checker", "reader", "grep",
+                                             "checker/reader", "checker/grep"))
+        for size in sizes:
+            root = os.path.join(base, "tree-%d" % size)
+            if os.path.exists(root):
+                shutil.rmtree(root)
+            generate(root, size)
+            try:
+                result = measure(root, args.repeat)
+            except RuntimeError as exc:
+                print("error: %s" % exc, file=sys.stderr)
+                return 1
+            rows.append((size, result))
+            print("%9d %9.3f %9.3f %9.3f %14.2fx %12.2fx" % (
+                size, result["checker"], result["reader"], result["grep"],
+                result["checker"] / result["reader"], result["checker"] / result["grep"]),
+                flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    worst = max(r["checker"] / r["reader"] for _, r in rows)
+    print("worst checker/reader ratio: %.2fx (goal <= 1.50x)" % worst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2099 @@
+#!/usr/bin/env python3
+"""check_contract.py - keep the native backends of a kernel repository honest.
+
+Every backend lives in <repo-root>/<backends-dir>/<platform>/<name>/ and is
+described by <name>.backend.json.  The checker verifies that each manifest
+tells the truth about its directory: the sources it declares, the ABI version
+its headers define, what its build script builds and for which architectures.
+The check reads text only: no compiler, no GPU, nothing is executed.  The
+`build`, `test` and `parity` subcommands are the further tiers: they run the
+build script, inspect the library it writes, and run the tests and the parity
+reference of each backend.
+
+Usage:
+    check_contract.py [--repo-root DIR] [--backends-dir DIR] [check]
+                      [--format text|json|github] [--json] [--strict] [NAME ...]
+    check_contract.py list [--buildable] [--format text|json|github-matrix]
+    check_contract.py init DIR [--force]
+    check_contract.py build [NAME ...] [--out DIR] [--arch A] [--timeout S]
+                            [--format text|json]
+    check_contract.py test [NAME ...] [--timeout S] [--format text|json]
+    check_contract.py parity [NAME ...] [--timeout S] [--format text|json]
+
+NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
+(`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
+
+Exit codes:
+    0  no errors (for build/test/parity: nothing failed)
+    1  errors found (or warnings, with --strict); a build, test or parity run failed
+    2  usage error: no such repository root, unknown backend name, bad flag
+
+Diagnostic codes (stable; never reused):
+    D  discovery     D001 kernel sources but no manifest, D002 manifest under a
+                     wrong file name, D003 unknown platform directory (warning)
+    J  manifest file J001 invalid JSON, J002 duplicate key, J003 top level is
+                     not an object, J004 manifest cannot be read
+    M  manifest keys M001 required key missing, M002 wrong type or value,
+                     M003 unknown key (warning), M004 name differs from the
+                     directory, M005 platform differs from the directory
+    S  sources       S001 declared source missing, S002 path escapes the
+                     backend directory, S003 duplicate source, S004 kernel
+                     source not declared, S005 source cannot be read,
+                     S006 source is not UTF-8 (warning)
+    A  ABI           A001 abi_version differs from the header macro,
+                     A002 several ABI versions defined, A003 no ABI version
+                     macro (warning; error when validated), A004 missing
+                     <prefix>_abi_version / <prefix>_error_string declaration
+                     (warning), A005 ABI version macro is not an integer literal
+    B  build script  B001 script missing, B002 not executable in the working
+                     tree, B003 not executable in the git index, B004 output
+                     differs from build.output, B005 no compiler -o found,
+                     B006 claimed architecture not built, B007 built
+                     architecture not claimed (warning), B008 default_arch not
+                     in architectures, B009 default_arch differs from the
+                     script's default, B010 architecture below min_capability,
+                     B011 architecture is not a valid target for the platform
+    T  status        T001 validated without tolerances, T002 reference
+                     entrypoint not given or missing (warning when experimental)
+    O  models        O001 listed model directory missing (warning)
+    R  build tier    R001 build script failed, R002 build timed out, R003
+                     output missing, R004 output is not an ELF shared object,
+                     R005 ABI symbol not exported, R006 loaded ABI version
+                     differs, R007 library cannot be loaded here (warning),
+                     R008 fatbinary SASS targets differ from the manifest,
+                     R009 backend not buildable
+    U  test tier     U001 tests failed, U002 no tests beside the kernels
+                     (warning), U003 tests timed out
+    P  parity tier   P001 reference entrypoint failed, P002 timed out
+"""
+
+import argparse
+import json
+import os
+import re
+import stat
+import sys
+
+VERSION = "1.0.0"
+
+PLATFORMS = ("cpu", "cuda", "hip")
+STATUSES = ("planned", "experimental", "validated")
+KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
+MANIFEST_SUFFIX = ".backend.json"
+O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+SKIPPED_DIRS = ("__pycache__",)
+
+TOP_KEYS = ("$schema", "name", "platform", "description", "abi_version", "status",
+            "sources", "build", "models", "numerics", "reference", "excluded")
+REQUIRED_KEYS = ("name", "abi_version", "status", "sources", "build")
+BUILD_KEYS = ("script", "output", "architectures", "default_arch", "min_capability")
+REQUIRED_BUILD_KEYS = ("script", "output", "architectures")
+NUMERICS_KEYS = ("precision", "accumulation", "tolerance")
+REFERENCE_KEYS = ("entrypoint", "note")
+
+NAME_RE = re.compile(r"[a-z0-9_]+\Z")
+ARCH_FORMS = {
+    "cuda": (re.compile(r"[1-9][0-9]{1,2}[a-z]?\Z"), 'a compute capability such as 89 or "90a"'),
+    "hip": (re.compile(r"gfx[0-9a-f]{3,4}(:[a-z]+[+-])*\Z"), 'a gfx target such as "gfx942"'),
+    "cpu": (re.compile(r"[a-z0-9][a-z0-9._+-]*\Z"), 'a -march value such as "x86-64"'),
+}
+
+# C sources: comments and string literals in one pass, so that `"//"` in a
+# string is not taken for a comment.
+C_TOKEN_RE = re.compile(r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+                        re.S)
+C_IF0_RE = re.compile(r"^[ \t]*#[ \t]*if[ \t]+0\b", re.M)
+C_COND_RE = re.compile(r"[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b")
+ABI_DEFINE_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION\b(.*)$", re.M)
+ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t]*\Z")
+
+# Build scripts.
+SH_VAR_RE = re.compile(r"\$(?:\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9#@*?$!-]))")
+SH_ASSIGN_RE = re.compile(r"^(?:(?:export|local|readonly|declare(?:[ \t]+-[a-zA-Z]+)*)[ \t]+)?"
+                          r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
+SH_PARAM_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?(:?[-=?+])?(.*)\Z", re.S)
+SH_QUOTED_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'")
+SH_WORD_RE = re.compile(r"(?:\"(?:\\.|[^\"\\])*\"?|'[^']*'?|\$\{[^}]*\}?"
+                        r"|\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)?|\\.|[^\s\"'$\\]+|[$\\])+")
+SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))*\)|\\.|(&&|\|\||;;|[;|&])")
+SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
+# `-o FILE`, `--output-file FILE`, `--output-file=FILE`, `-oFILE`, with one word per line.
+COMPILER_OUTPUT_RE = re.compile(r"^(?:-o\n|--output-file[=\n]|-o(?!=))([^\n]+)$", re.M)
+SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))(?(1)\")\Z")
+SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
+COMPILERS = frozenset(("cc", "gcc", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
+                       "icx", "icpx", "amdclang", "amdclang++", "ld", "ld.lld", "hipcc.pl"))
+# A line with no `=` and neither a compiler or make word nor a command
+# starting with a variable changes nothing.
+SH_RELEVANT_RE = re.compile(r"(?:^|[;&|(]\s*)\"?\$|(?<![\w.-])(?:%s|make)(?![\w.+-])"
+                            % "|".join(re.escape(c) for c in sorted(COMPILERS, key=len, reverse=True)))
+SH_PREFIX_WORDS = frozenset(("exec", "time", "command", "then", "else", "do", "{", "!"))
+SH_SPACE_RE = re.compile(r"\s")
+SH_ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+CUDA_CODE_RE = re.compile(r"(?:^-{1,2}(?:gpu-)?|,)code[=\n](\[[^\]\n]*\]|[A-Za-z0-9_]+)", re.M)
+CUDA_SM_RE = re.compile(r"\bsm_([0-9]+[a-z]?)\b")
+CUDA_ARCH_FLAG_RE = re.compile(r"^(?:-arch|--gpu-architecture)[=\n](?:sm|compute)_([0-9]+[a-z]?)$", re.M)
+HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)[=\n](gfx[0-9a-z]+(?::[a-z]+[+-])*)")
+CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
+DIGITS_RE = re.compile(r"[0-9]+")
+GIT_EXECUTABLE_RE = re.compile(rb"100755 [0-9a-f]+ [0-3]\t([^\0]*)\0")
+UNRESOLVED = "\x01"
+OUT_DIR = "\x02"
+
+HELP_EXAMPLES = """\
+examples:
+  python3 check_contract.py --repo-root .            check every backend (the CI call)
+  python3 check_contract.py check --strict cpu/llm_ops
+  python3 check_contract.py --format github          annotations for GitHub Actions
+  python3 check_contract.py list --buildable --format github-matrix
+  python3 check_contract.py init backends/cuda/flash_attn
+  python3 check_contract.py build --out build/backends
+  python3 check_contract.py build cuda/llm_ops --arch 90
+  python3 check_contract.py test && python3 check_contract.py parity
+"""
+
+
+# ---------------------------------------------------------------------------
+# Data types
+
+
+class Diagnostic:
+    """One finding: what is wrong, where, and how bad."""
+
+    __slots__ = ("level", "code", "backend", "path", "line", "message")
+
+    def __init__(self, level, code, backend, path, line, message):
+        self.level = level
+        self.code = code
+        self.backend = backend
+        self.path = path
+        self.line = line
+        self.message = message
+
+    def sort_key(self):
+        return (self.backend, self.path or "", self.line or 0, self.code, self.message)
+
+    def as_dict(self):
+        return {"level": self.level, "code": self.code, "backend": self.backend,
+                "path": self.path, "line": self.line, "message": self.message}
+
+
+class Backend:
+    """A discovered backend directory and what its manifest says about it.
+
+    Fields derived from the manifest are None when the manifest does not give
+    them in a usable form; the checks report why.
+    """
+
+    __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
+                 "status", "abi_version", "abi_prefix", "build_script", "output",
+                 "architectures", "default_arch", "files", "diagnostics")
+
+    def __init__(self, name, platform, dir, rel_dir):
+        self.name = name
+        self.platform = platform
+        self.dir = dir
+        self.rel_dir = rel_dir
+        self.manifest_path = os.path.join(dir, name + MANIFEST_SUFFIX)
+        self.manifest = None
+        self.status = None
+        self.abi_version = None
+        self.abi_prefix = None
+        self.build_script = None
+        self.output = None
+        self.architectures = None
+        self.default_arch = None
+        self.files = {}
+        self.diagnostics = []
+
+    @property
+    def key(self):
+        return self.platform + "/" + self.name
+
+    def rel(self, path):
+        """Repository-relative path of a path relative to the backend directory."""
+        return self.rel_dir + "/" + path
+
+    def report(self, level, code, message, path=None, line=None):
+        """Record a finding; one with no more precise place points at the manifest."""
+        path = path or self.rel(self.name + MANIFEST_SUFFIX)
+        self.diagnostics.append(Diagnostic(level, code, self.key, path, line, message))
+
+    def error(self, code, message, path=None, line=None):
+        self.report("error", code, message, path, line)
+
+    def warning(self, code, message, path=None, line=None):
+        self.report("warning", code, message, path, line)
+
+
+class UsageError(Exception):
+    """A mistake on the command line; reported in one line, exit status 2."""
+
+
+class Repository:
+    """The repository being checked, and what is shared by all its backends."""
+
+    def __init__(self, root, backends_dir):
+        self.root = root
+        self.backends_dir = backends_dir.strip("/") or "."
+        self.backends_path = os.path.join(root, self.backends_dir)
+        self._git_index = False
+
+    def git_index(self):
+        """The git index under the backends directory, listed once per run;
+        None outside a git work tree or when git cannot be run."""
+        if self._git_index is False:
+            self._git_index = read_git_index(self.root, self.backends_dir)
+        return self._git_index
+
+
+class GitIndex:
+    """Modes of the files `git ls-files -s` lists.  Only the executable ones
+    are indexed up front: every other lookup is a search of the listing."""
+
+    def __init__(self, listing, prefix):
+        self.listing = listing
+        self.prefix = prefix
+        self.executables = {p.decode("utf-8", "surrogateescape")[len(prefix):]
+                            for p in GIT_EXECUTABLE_RE.findall(listing)}
+
+    def mode(self, path):
+        """The index mode of a repository-relative path, or None if untracked."""
+        if path in self.executables:
+            return "100755"
+        key = b"\t" + (self.prefix + path).encode("utf-8", "surrogateescape") + b"\0"
+        found = self.listing.find(key)
+        if found < 0:
+            return None
+        start = self.listing.rfind(b"\0", 0, found) + 1
+        return self.listing[start:start + 6].decode("ascii", "replace")
+
+
+def read_git_index(root, backends_dir):
+    top = os.path.abspath(root)
+    while not os.path.exists(os.path.join(top, ".git")):
+        parent = os.path.dirname(top)
+        if parent == top:
+            return None
+        top = parent
+    # posix_spawn and a pipe rather than the subprocess module, whose import
+    # alone costs more than checking a hundred backends.
+    command = ["git", "-C", root, "ls-files", "-s", "-z", "--full-name", "--", backends_dir]
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.posix_spawnp("git", command, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, write_end, 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+    except OSError:
+        os.close(read_end)
+        return None
+    finally:
+        os.close(write_end)
+    with open(read_end, "rb") as pipe:
+        listing = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return None
+    prefix = os.path.relpath(os.path.abspath(root), top).replace(os.sep, "/")
+    return GitIndex(listing, "" if prefix == "." else prefix + "/")
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def describe(value):
+    """A short JSON-ish rendering of a manifest value for a message."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite(value):
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+def read_text(path):
+    """(text, error, bad_byte): the file as text, or a one-line reason it
+    cannot be read.
+
+    Only regular files are read (a FIFO would block).  Bytes that are not
+    UTF-8 are replaced; bad_byte is the offset of the first one, or None.
+    """
+    try:
+        fd = os.open(path, O_READ)
+    except OSError as exc:
+        return None, exc.strerror or str(exc), None
+    try:
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode):
+            return None, "not a regular file", None
+        data = os.read(fd, size.st_size) if size.st_size else b""
+    except OSError as exc:
+        return None, exc.strerror or str(exc), None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8"), None, None
+    except UnicodeDecodeError as exc:
+        return data.decode("utf-8", "replace"), None, exc.start
+
+
+def walk_files(top):
+    """Map every entry below `top` (relative POSIX path) to its kind.
+
+    Kinds: "file" (regular file), "link" (symbolic link, never followed, so a
+    link loop cannot trap the walk), "other".  Directories are descended
+    into, except hidden ones and __pycache__.
+    """
+    files = {}
+    pending = [("", top)]
+    while pending:
+        prefix, path = pending.pop()
+        try:
+            entries = os.scandir(path)
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                try:
+                    if entry.is_symlink():
+                        files[rel] = "link"
+                    elif entry.is_dir():
+                        if not entry.name.startswith(".") and entry.name not in SKIPPED_DIRS:
+                            pending.append((rel + "/", entry.path))
+                    elif entry.is_file():
+                        files[rel] = "file"
+                    else:
+                        files[rel] = "other"
+                except OSError:
+                    files[rel] = "other"
+    return files
+
+
+def is_kernel_source(path):
+    return path.endswith(KERNEL_SUFFIXES)
+
+
+def normalize_relpath(path):
+    """The normalized form of a backend-relative path, or a reason it is refused."""
+    if "/" not in path and path not in ("", ".", ".."):
+        return path, None
+    if not path:
+        return None, "is empty"
+    if path.startswith("/"):
+        return None, "is absolute; give it relative to the backend directory"
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        return None, "contains '..'; sources must stay inside the backend directory"
+    if not parts:
+        return None, "names the backend directory itself"
+    return "/".join(parts), None
+
+
+def nearest(word, choices):
+    import difflib
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def glob_matches(pattern, path):
+    import fnmatch
+    if "/" not in pattern:
+        return fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pattern)
+    return fnmatch.fnmatchcase(path, pattern)
+
+
+def arch_number(arch):
+    digits = DIGITS_RE.match(arch)
+    return int(digits.group()) if digits else None
+
+
+# ---------------------------------------------------------------------------
+# Reading C sources
+
+
+def strip_c_comments(text):
+    """Text with comments blanked (newlines kept, so line numbers hold) and
+    `#if 0` blocks blanked."""
+    def blank(match):
+        token = match.group()
+        if token[0] == "/":
+            return "\n" * token.count("\n") + " "
+        return token
+    text = C_TOKEN_RE.sub(blank, text)
+    if C_IF0_RE.search(text) is None:
+        return text
+    lines = text.split("\n")
+    depth = 0  # > 0: inside an `#if 0` block, counting nested conditionals
+    for index, line in enumerate(lines):
+        cond = C_COND_RE.match(line)
+        if depth == 0:
+            if cond and cond.group(1) == "if" and C_IF0_RE.match(line):
+                depth = 1
+                lines[index] = ""
+            continue
+        lines[index] = ""
+        if cond is None:
+            continue
+        word = cond.group(1)
+        if word in ("if", "ifdef", "ifndef"):
+            depth += 1
+        elif word == "endif":
+            depth -= 1
+        elif depth == 1 and word in ("else", "elif"):
+            depth = 0
+    return "\n".join(lines)
+
+
+def find_abi_defines(text):
+    """[(prefix, value or None, line, raw value)] for each ABI version macro."""
+    found = []
+    for match in ABI_DEFINE_RE.finditer(text):
+        raw = match.group(2)
+        value = ABI_VALUE_RE.match(raw)
+        number = None
+        if value:
+            digits = value.group(1)
+            if digits[:2] in ("0x", "0X"):
+                number = int(digits, 16)
+            elif len(digits) > 1 and digits[0] == "0":
+                number = int(digits, 8) if set(digits) <= set("01234567") else None
+            else:
+                number = int(digits)
+        line = text.count("\n", 0, match.start()) + 1
+        found.append((match.group(1), number, line, raw.strip()))
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Reading build scripts (as text; never executed)
+
+
+def strip_sh_comment(line):
+    """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
+    quote = None
+    prev = " "
+    for index, char in enumerate(line):
+        if quote:
+            if char == quote and (quote == "'" or prev != "\\"):
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (prev.isspace() or prev in ";&|("):
+            return line[:index]
+        prev = char
+    return line
+
+
+def logical_lines(text):
+    """Comment-free lines, with backslash continuations and multi-line `( ... )`
+    arrays joined; each with the number of its first physical line."""
+    joined = []
+    pending, start = "", 0
+    for number, raw in enumerate(text.split("\n"), 1):
+        line = (strip_sh_comment(raw) if "#" in raw else raw).rstrip()
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        pending += line
+        if "=(" in pending and paren_depth(pending) > 0:
+            pending += " "
+            continue
+        pending = pending.strip()
+        if pending:
+            joined.append((start, pending))
+        pending = ""
+    if pending.strip():
+        joined.append((start, pending.strip()))
+    return joined
+
+
+def paren_depth(text):
+    depth = text.count("(") - text.count(")")
+    if depth == 0 or ('"' not in text and "'" not in text):
+        return depth
+    bare = SH_QUOTED_RE.sub("", text)
+    return bare.count("(") - bare.count(")")
+
+
+def split_words(text):
+    """Shell words, quotes kept, `$( )` and `${ }` kept whole."""
+    return SH_WORD_RE.findall(text)
+
+
+def split_commands(line):
+    """The simple commands of a line, split at ;, &&, ||, | and & outside quotes."""
+    if ";" not in line and "|" not in line and "&" not in line:
+        return [line]
+    commands, start = [], 0
+    for match in SH_SPLIT_RE.finditer(line):
+        if match.group(1) is not None:
+            commands.append(line[start:match.start()])
+            start = match.end()
+    commands.append(line[start:])
+    return [c.strip() for c in commands if c.strip()]
+
+
+class ScriptReader:
+    """What a build script's default invocation (`./script <out-dir>`) builds.
+
+    Variables are tracked line by line; `${N:-X}` and `${VAR:-X}` resolve to X;
+    `$1` is the output directory; `$2` without a default is unset, and a token
+    that depends on an unset value is not reached.  An assignment that cannot
+    be resolved does not replace a resolved value (the `<arch>` branch of an
+    `if [ $# -ge 2 ]` is not taken by the default invocation).
+    """
+
+    def __init__(self, text):
+        self.vars = {"1": OUT_DIR}
+        self.arrays = {}
+        self.arg2_defaults = []
+        self.outputs = []       # (line, path after the output directory)
+        self.arch_tokens = []   # (line, expanded words of a compiler or make command)
+        for number, line in logical_lines(text):
+            if "=" not in line and SH_RELEVANT_RE.search(line) is None:
+                continue
+            for command in split_commands(line):
+                self.command(number, command)
+
+    # -- expansion
+    def lookup(self, name):
+        if name in self.arrays:
+            return " ".join(self.arrays[name])
+        return self.vars.get(name)
+
+    def expand_var(self, body):
+        """Value of the text inside `${...}` (or a bare name)."""
+        match = SH_PARAM_RE.match(body)
+        if not match or body.startswith("#"):
+            return UNRESOLVED
+        name, index, op, rest = match.groups()
+        if index is not None:
+            values = self.arrays.get(name)
+            if values is None:
+                value = self.vars.get(name)
+            else:
+                value = " ".join(values) if index in ("[@]", "[*]") else (values[0] if values else "")
+        else:
+            value = self.lookup(name)
+        if op in (":-", "-", ":=", "="):
+            if value is None or (op[0] == ":" and value == ""):
+                default = self.expand(rest)
+                if name == "2":
+                    self.arg2_defaults.append(default)
+                return default
+            return value
+        if op in (":?", "?"):
+            return UNRESOLVED if value is None else value
+        if op in (":+", "+"):
+            return self.expand(rest) if value else ""
+        if rest:
+            return UNRESOLVED
+        return UNRESOLVED if value is None else value
+
+    def expand(self, word):
+        """The word with variables substituted and quotes removed."""
+        if "$" not in word and "'" not in word and "\\" not in word:
+            return word.replace('"', "") if '"' in word else word
+        simple = SH_SIMPLE_WORD_RE.match(word)
+        if simple:
+            return self.expand_var(simple.group(2) or simple.group(3))
+        out = []
+        pos, in_double = 0, False
+        while True:
+            match = SH_EXPAND_RE.search(word, pos)
+            if match is None:
+                out.append(word[pos:])
+                return "".join(out)
+            out.append(word[pos:match.start()])
+            token = match.group()
+            pos = match.end()
+            if token == '"':
+                in_double = not in_double
+            elif token[0] == "'":
+                if in_double:
+                    out.append("'")
+                    pos = match.start() + 1
+                else:
+                    out.append(token[1:-1])
+            elif token[0] == "\\":
+                out.append(token[1:])
+            elif token == "$(":
+                end = self.matching(word, match.start() + 1)
+                out.append(OUT_DIR if self.mentions_out_dir(word[pos:end]) else UNRESOLVED)
+                pos = end + 1
+            else:
+                body = match.group(1) if match.group(1) is not None else match.group(2)
+                out.append(self.expand_var(body))
+
+    def mentions_out_dir(self, text):
+        for match in SH_VAR_RE.finditer(text):
+            body = match.group(1) if match.group(1) is not None else match.group(2)
+            if OUT_DIR in self.expand_var(body):
+                return True
+        return False
+
+    @staticmethod
+    def matching(word, open_index):
+        depth = 0
+        for index in range(open_index, len(word)):
+            if word[index] == "(":
+                depth += 1
+            elif word[index] == ")":
+                depth -= 1
+                if depth == 0:
+                    return index
+        return len(word)
+
+    def expand_words(self, words):
+        out = []
+        for word in words:
+            if "$" not in word and '"' not in word and "'" not in word and "\\" not in word:
+                out.append(word)
+                continue
+            array = SH_ARRAY_WORD_RE.match(word)
+            if array and array.group(1) in self.arrays:
+                out.extend(self.arrays[array.group(1)])
+            else:
+                out.append(self.expand(word))
+        return out
+
+    # -- commands
+    def command(self, number, command):
+        assign = SH_ASSIGN_RE.match(command)
+        if assign and not SH_SPACE_RE.search(command, 0, assign.start(3)):
+            self.assign(assign.group(1), assign.group(2) == "+", assign.group(3).strip())
+            return
+        words = split_words(command)
+        while words and (words[0] in SH_PREFIX_WORDS or SH_ENV_WORD_RE.match(words[0])):
+            words = words[1:]
+        if not words:
+            return
+        program = self.expand(words[0]).rsplit("/", 1)[-1]
+        if program != "make" and program not in COMPILERS:
+            return
+        args = self.expand_words(words[1:])
+        self.arch_tokens.append((number, args))
+        if program == "make":
+            return
+        outputs = COMPILER_OUTPUT_RE.findall("\n".join(args))
+        if outputs:
+            self.outputs.append((number, outputs[-1]))
+
+    def assign(self, name, append, value):
+        if value.startswith("(") and value.endswith(")"):
+            items = self.expand_words(split_words(value[1:-1]))
+            if any(UNRESOLVED in item for item in items) and (name in self.arrays or name in self.vars):
+                return
+            self.arrays[name] = (self.arrays.get(name, []) + items) if append else items
+            self.vars.pop(name, None)
+            return
+        text = self.expand(value)
+        if UNRESOLVED in text and self.vars.get(name) is not None:
+            return
+        if append and self.vars.get(name) is not None:
+            text = self.vars[name] + text
+        self.vars[name] = text
+        self.arrays.pop(name, None)
+
+    # -- results
+    def output(self):
+        """The library the default invocation writes, relative to <output-dir>,
+        with its line; (None, None) when no compiler command has `-o`."""
+        if not self.outputs:
+            return None, None
+        line, path = self.outputs[-1]
+        if path.startswith(OUT_DIR):
+            path = path[len(OUT_DIR):].lstrip("/")
+        elif path.startswith(UNRESOLVED + "/"):
+            path = path[2:]
+        return path, line
+
+    def architectures(self, platform):
+        """{arch: line} for every target the default invocation reaches."""
+        found = {}
+        for line, words in self.arch_tokens:
+            # One word per line, so that `^`/`$` anchor at word boundaries.
+            text = "\n".join(w for w in words if UNRESOLVED not in w)
+            archs = []
+            if platform in ("cuda", None):
+                for code in CUDA_CODE_RE.findall(text):
+                    archs.extend(CUDA_SM_RE.findall(code))
+                archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
+            if platform in ("hip", None):
+                archs.extend(HIP_ARCH_RE.findall(text))
+            if platform in ("cpu", None):
+                archs.extend(CPU_ARCH_RE.findall(text))
+            for arch in archs:
+                found.setdefault(arch, line)
+        return found
+
+    def default_target(self):
+        """N when the script takes its single target from `${2:-N}`."""
+        values = {v for v in self.arg2_defaults if UNRESOLVED not in v}
+        return values.pop() if len(values) == 1 else None
+
+
+# ---------------------------------------------------------------------------
+# Discovery
+
+
+def discover(repo):
+    """(backends, diagnostics): every backend directory with a manifest, and the
+    findings about directories that should have one."""
+    backends, diagnostics = [], []
+    try:
+        top_entries = sorted(os.scandir(repo.backends_path), key=lambda e: e.name)
+    except OSError:
+        return backends, diagnostics
+    for platform_entry in top_entries:
+        if platform_entry.name.startswith(".") or platform_entry.name in SKIPPED_DIRS:
+            continue
+        if not _is_dir(platform_entry):
+            continue
+        platform = platform_entry.name
+        try:
+            children = sorted((e for e in os.scandir(platform_entry.path) if _is_dir(e)),
+                              key=lambda e: e.name)
+        except OSError:
+            continue
+        candidates = []
+        for child in children:
+            if child.name.startswith(".") or child.name in SKIPPED_DIRS:
+                continue
+            rel_dir = repo.backends_dir + "/" + platform + "/" + child.name
+            backend = Backend(child.name, platform, child.path, rel_dir)
+            backend.files = walk_files(child.path)
+            candidates.append(backend)
+        if platform not in PLATFORMS:
+            relevant = [b for b in candidates
+                        if b.name + MANIFEST_SUFFIX in b.files
+                        or any(is_kernel_source(p) for p in b.files)]
+            if not relevant:
+                continue
+            diagnostics.append(Diagnostic(
+                "warning", "D003", platform, repo.backends_dir + "/" + platform, None,
+                'unknown platform directory "%s"; only platform-independent checks run '
+                "(known platforms: %s)" % (platform, ", ".join(PLATFORMS))))
+        for backend in candidates:
+            manifest_name = backend.name + MANIFEST_SUFFIX
+            stray = sorted(p for p in backend.files
+                           if "/" not in p and p.endswith(MANIFEST_SUFFIX) and p != manifest_name)
+            for name in stray:
+                diagnostics.append(Diagnostic(
+                    "error", "D002", backend.key, backend.rel(name), None,
+                    "manifest %s is never discovered: the manifest of directory %s must be "
+                    "named %s" % (name, backend.name, manifest_name)))
+            if manifest_name in backend.files or os.path.lexists(backend.manifest_path):
+                backends.append(backend)
+                continue
+            kernels = sorted(p for p in backend.files if is_kernel_source(p))
+            if kernels and not stray:
+                diagnostics.append(Diagnostic(
+                    "error", "D001", backend.key, backend.rel_dir, None,
+                    "has kernel sources (%s) but no %s manifest"
+                    % (", ".join(kernels[:3]), manifest_name)))
+    return backends, diagnostics
+
+
+def _is_dir(entry):
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Loading a manifest
+
+
+class ManifestDecoder(json.JSONDecoder):
+    """A JSON decoder that notes duplicate keys (plain json keeps the last
+    silently).  One instance serves the whole run: building a decoder per
+    manifest costs more than decoding it."""
+
+    def __init__(self):
+        self.duplicates = []
+        super().__init__(object_pairs_hook=self.pairs)
+
+    def pairs(self, items):
+        seen = dict(items)
+        if len(seen) != len(items):
+            keys = set()
+            for key, _ in items:
+                if key in keys:
+                    self.duplicates.append(key)
+                keys.add(key)
+        return seen
+
+
+MANIFEST_DECODER = ManifestDecoder()
+
+
+def load(backend):
+    """Read and parse the manifest; fill the record with the fields it gives."""
+    rel = backend.rel(backend.name + MANIFEST_SUFFIX)
+    text, problem, bad_byte = read_text(backend.manifest_path)
+    if text is None:
+        backend.error("J004", "cannot read %s: %s" % (backend.name + MANIFEST_SUFFIX, problem), rel)
+        return
+    if bad_byte is not None:
+        backend.error("J004", "%s is not UTF-8 (first bad byte at offset %d); save it as UTF-8"
+                      % (backend.name + MANIFEST_SUFFIX, bad_byte), rel)
+        return
+    duplicates = MANIFEST_DECODER.duplicates
+    del duplicates[:]
+    try:
+        manifest = MANIFEST_DECODER.decode(text)
+    except ValueError as exc:
+        line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
+        message = getattr(exc, "msg", str(exc))
+        backend.error("J001", "invalid JSON at line %s, column %s: %s" % (line, column, message),
+                      rel, line)
+        return
+    except RecursionError:
+        backend.error("J001", "invalid JSON: nested too deeply", rel)
+        return
+    for key in sorted(set(duplicates)):
+        backend.error("J002", 'duplicate key "%s"; JSON keeps only the last value, remove the '
+                      "others" % key, rel)
+    if not isinstance(manifest, dict):
+        backend.error("J003", "the manifest must be a JSON object, not %s" % describe(manifest), rel)
+        return
+    backend.manifest = manifest
+    status = manifest.get("status")
+    if status in STATUSES:
+        backend.status = status
+    abi = manifest.get("abi_version")
+    if is_int(abi) and abi >= 1:
+        backend.abi_version = abi
+    build = manifest.get("build")
+    if isinstance(build, dict):
+        script = build.get("script")
+        if isinstance(script, str):
+            backend.build_script, _ = normalize_relpath(script)
+        if isinstance(build.get("output"), str) and build["output"]:
+            backend.output = build["output"]
+        archs = build.get("architectures")
+        if isinstance(archs, list) and archs and all(
+                (isinstance(a, str) and a) or is_int(a) for a in archs):
+            backend.architectures = [str(a) for a in archs]
+        default = build.get("default_arch")
+        if (isinstance(default, str) and default) or is_int(default):
+            backend.default_arch = str(default)
+
+
+# ---------------------------------------------------------------------------
+# Checks.  Each takes (repo, backend) and reports on the backend.  They run
+# in table order; `planned` backends get only the manifest and ABI checks.
+
+
+def check_keys(repo, backend):
+    """M001-M005: required keys, types and values of the manifest."""
+    m = backend.manifest
+    rel = backend.rel(backend.name + MANIFEST_SUFFIX)
+
+    def bad(key, expected, value):
+        backend.error("M002", '"%s" must be %s, not %s' % (key, expected, describe(value)), rel)
+
+    def unknown(keys, known, where):
+        for key in sorted(keys):
+            if key in known:
+                continue
+            hint = nearest(key, known)
+            backend.warning("M003", 'unknown key "%s%s"%s' % (
+                where, key, '; did you mean "%s"?' % hint if hint else ""), rel)
+
+    for key in REQUIRED_KEYS:
+        if key not in m:
+            backend.error("M001", 'missing required key "%s"' % key, rel)
+    unknown(m, TOP_KEYS, "")
+    name = m.get("name")
+    if "name" in m:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            bad("name", "a string of lowercase letters, digits and _", name)
+        elif name != backend.name:
+            backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
+                          % (name, backend.name), rel)
+    if "abi_version" in m and backend.abi_version is None:
+        bad("abi_version", "an integer >= 1", m["abi_version"])
+    if "status" in m and backend.status is None:
+        bad("status", "one of %s" % ", ".join(STATUSES), m["status"])
+    for key in ("$schema", "description"):
+        if key in m and not isinstance(m[key], str):
+            bad(key, "a string", m[key])
+    if "platform" in m:
+        if not isinstance(m["platform"], str):
+            bad("platform", "a string", m["platform"])
+        elif m["platform"] != backend.platform:
+            backend.error("M005", 'platform "%s" differs from its directory "%s"'
+                          % (m["platform"], backend.platform), rel)
+    sources = m.get("sources")
+    if "sources" in m and (not isinstance(sources, list) or not sources
+                           or not all(isinstance(s, str) and s for s in sources)):
+        bad("sources", "a non-empty list of paths", sources)
+    build = m.get("build")
+    if "build" in m:
+        if not isinstance(build, dict):
+            bad("build", "an object with script, output and architectures", build)
+        else:
+            check_build_keys(backend, build, bad, unknown, rel)
+    if "models" in m:
+        models = m["models"]
+        if not isinstance(models, list) or not all(
+                isinstance(x, str) and x.endswith("/") and x != "/" for x in models):
+            bad("models", "a list of repository-relative directories ending in /", models)
+    if "numerics" in m:
+        check_numerics_keys(backend, m["numerics"], bad, unknown)
+    if "reference" in m:
+        reference = m["reference"]
+        if not isinstance(reference, dict):
+            bad("reference", "an object with entrypoint and note", reference)
+        else:
+            unknown(reference, REFERENCE_KEYS, "reference.")
+            for key in REFERENCE_KEYS:
+                if key in reference and not (isinstance(reference[key], str) and reference[key]):
+                    bad("reference." + key, "a non-empty string", reference[key])
+    if "excluded" in m:
+        excluded = m["excluded"]
+        if not isinstance(excluded, list) or not all(isinstance(x, str) and x for x in excluded):
+            bad("excluded", "a list of glob patterns", excluded)
+
+
+def check_build_keys(backend, build, bad, unknown, rel):
+    unknown(build, BUILD_KEYS, "build.")
+    for key in REQUIRED_BUILD_KEYS:
+        if key not in build:
+            backend.error("M001", 'missing required key "build.%s"' % key, rel)
+    for key in ("script", "output"):
+        if key in build and not (isinstance(build[key], str) and build[key]):
+            bad("build." + key, "a non-empty string", build[key])
+    archs = build.get("architectures")
+    if "architectures" in build:
+        if backend.architectures is None:
+            bad("build.architectures", "a non-empty list of architectures", archs)
+        elif len(set(backend.architectures)) != len(backend.architectures):
+            bad("build.architectures", "a list without duplicates", archs)
+        else:
+            form = ARCH_FORMS.get(backend.platform)
+            for arch in backend.architectures:
+                if form and not form[0].match(arch):
+                    backend.error("B011", 'architecture %s is not %s' % (describe(arch), form[1]), rel)
+    if "default_arch" in build and backend.default_arch is None:
+        bad("build.default_arch", "an architecture (string or integer)", build["default_arch"])
+    if "min_capability" in build:
+        value = build["min_capability"]
+        if not is_int(value) or value < 1:
+            bad("build.min_capability", "an integer >= 1", value)
+
+
+def check_numerics_keys(backend, numerics, bad, unknown):
+    if not isinstance(numerics, dict):
+        bad("numerics", "an object with precision, accumulation and tolerance", numerics)
+        return
+    unknown(numerics, NUMERICS_KEYS, "numerics.")
+    for key in ("precision", "accumulation"):
+        if key in numerics and not isinstance(numerics[key], str):
+            bad("numerics." + key, "a string", numerics[key])
+    if "tolerance" not in numerics:
+        return
+    tolerance = numerics["tolerance"]
+    if not isinstance(tolerance, dict):
+        bad("numerics.tolerance", "an object mapping op names to numbers", tolerance)
+        return
+    for op in sorted(tolerance):
+        value = tolerance[op]
+        if op == "note":
+            if not isinstance(value, str):
+                bad("numerics.tolerance.note", "a string", value)
+        elif not is_number(value) or not is_finite(value) or value < 0:
+            bad("numerics.tolerance." + op, "a finite number >= 0", value)
+
+
+def check_abi(repo, backend):
+    """A001-A005: the ABI version macro in the declared sources."""
+    sources = (backend.manifest or {}).get("sources")
+    if not isinstance(sources, list):
+        return
+    defines = []
+    texts = []
+    for source in sources:
+        if not isinstance(source, str):
+            continue
+        rel, problem = normalize_relpath(source)
+        if problem or not is_kernel_source(rel):
+            continue
+        text = read_source(backend, rel)
+        if text is None:
+            continue
+        stripped = None
+        if "_ABI_VERSION" in text:
+            stripped = strip_c_comments(text)
+            for prefix, value, line, raw in find_abi_defines(stripped):
+                defines.append((rel, line, prefix, value, raw))
+        texts.append([text, stripped])
+    for rel, line, prefix, value, raw in defines:
+        if value is None:
+            backend.error("A005", "%s defines %s_ABI_VERSION as %s, not an integer literal"
+                          % (rel, prefix, describe(raw)), backend.rel(rel), line)
+    defines = [d for d in defines if d[3] is not None]
+    if not defines:
+        level = "error" if backend.status == "validated" else "warning"
+        backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
+                       "add one equal to abi_version")
+        return
+    values = sorted({d[3] for d in defines})
+    backend.abi_prefix = defines[0][2].lower()
+    if len(values) > 1:
+        places = ", ".join("%s:%d defines %s_ABI_VERSION %d" % (rel, line, prefix, value)
+                           for rel, line, prefix, value, _ in defines)
+        rel, line = defines[0][0], defines[0][1]
+        backend.error("A002", "several ABI versions are defined (%s); keep exactly one" % places,
+                      backend.rel(rel), line)
+    elif backend.abi_version is not None and values[0] != backend.abi_version:
+        rel, line, prefix, value, _ = defines[0]
+        backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
+                      "make them equal" % (backend.abi_version, rel, prefix, value, line),
+                      backend.rel(rel), line)
+    for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
+        if not any(declares(entry, symbol) for entry in texts):
+            backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
+                            "requires it" % symbol)
+
+
+def declares(entry, symbol):
+    """Whether a source ([text, comment-free text or None]) names `symbol(`
+    outside comments."""
+    if symbol not in entry[0]:
+        return False
+    if entry[1] is None:
+        entry[1] = strip_c_comments(entry[0])
+    text = entry[1]
+    start = text.find(symbol)
+    while start >= 0:
+        end = start + len(symbol)
+        before = text[start - 1] if start else " "
+        if not (before.isalnum() or before == "_") and text[end:].lstrip(" \t\n").startswith("("):
+            return True
+        start = text.find(symbol, end)
+    return False
+
+
+def read_source(backend, rel):
+    """Text of a declared source, or None when it cannot be read (check_sources says why)."""
+    text, problem, bad_byte = read_text(backend.dir + "/" + rel)
+    if text is not None and bad_byte is not None:
+        backend.warning("S006", "%s is not UTF-8 (first bad byte at offset %d)" % (rel, bad_byte),
+                        backend.rel(rel))
+    return text
+
+
+def check_sources(repo, backend):
+    """S001-S005: declared sources exist inside the directory; none is missing."""
+    m = backend.manifest
+    sources = m.get("sources")
+    if not isinstance(sources, list):
+        return
+    declared = {}
+    real_dir = None
+    for source in sources:
+        if not isinstance(source, str) or not source:
+            continue
+        rel, problem = normalize_relpath(source)
+        if problem:
+            backend.error("S002", "source %s %s" % (describe(source), problem))
+            continue
+        if rel in declared:
+            backend.error("S003", "source %s is listed twice (as %s and %s)"
+                          % (rel, describe(declared[rel]), describe(source)))
+            continue
+        declared[rel] = source
+        kind = backend.files.get(rel)
+        if kind == "file":
+            continue
+        if kind == "other":
+            backend.error("S005", "source %s is not a regular file" % rel, backend.rel(rel))
+            continue
+        path = os.path.join(backend.dir, rel)
+        if not os.path.lexists(path):
+            backend.error("S001", "source %s does not exist" % rel, backend.rel(rel))
+            continue
+        if real_dir is None:
+            real_dir = os.path.realpath(backend.dir)
+        real = os.path.realpath(path)
+        if not (real + "/").startswith(real_dir + "/"):
+            backend.error("S002", "source %s is a symbolic link that resolves outside the backend "
+                          "directory" % rel, backend.rel(rel))
+            continue
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as exc:
+            backend.error("S005", "source %s cannot be read: %s" % (rel, exc.strerror or exc),
+                          backend.rel(rel))
+            continue
+        if not regular:
+            backend.error("S005", "source %s is not a regular file" % rel, backend.rel(rel))
+    excluded = m.get("excluded")
+    excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
+    for path in sorted(backend.files):
+        if path in declared or not is_kernel_source(path):
+            continue
+        parts = path.split("/")
+        if parts[-1].startswith("test_") or "tests" in parts[:-1]:
+            continue
+        if any(glob_matches(g, path) for g in excluded):
+            continue
+        backend.error("S004", "kernel source %s is not declared in sources; add it, or list it "
+                      "in excluded if it is not part of the library" % path, backend.rel(path))
+
+
+def check_build_script(repo, backend):
+    """B001-B011: the build script, its output and the architectures it builds."""
+    m = backend.manifest
+    build = m.get("build")
+    if not isinstance(build, dict) or not isinstance(build.get("script"), str):
+        return
+    script = build["script"]
+    rel, problem = normalize_relpath(script)
+    rel_path = backend.rel(rel) if rel else None
+    if problem:
+        backend.error("S002", "build.script %s %s" % (describe(script), problem))
+        return
+    path = os.path.join(backend.dir, rel)
+    try:
+        st = os.stat(path)
+    except OSError:
+        backend.error("B001", "build script %s does not exist" % rel, rel_path)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        backend.error("B001", "build script %s is not a regular file" % rel, rel_path)
+        return
+    if not st.st_mode & 0o111:
+        backend.error("B002", "build script %s is not executable; run: chmod +x %s"
+                      % (rel, rel_path), rel_path)
+    index = repo.git_index()
+    mode = index.mode(rel_path) if index is not None else None
+    if mode is not None and mode != "100755":
+        backend.error("B003", "build script %s has mode %s in the git index; run: "
+                      "git update-index --chmod=+x %s" % (rel, mode, rel_path), rel_path)
+    text, problem, _ = read_text(path)
+    if text is None:
+        backend.error("B001", "build script %s cannot be read: %s" % (rel, problem), rel_path)
+        return
+    reader = ScriptReader(text)
+    output, line = reader.output()
+    if output is None:
+        backend.error("B005", "build script %s has no compiler command with -o; the script must "
+                      "write build.output into its <output-dir> argument" % rel, rel_path)
+    elif backend.output is not None and output != backend.output:
+        backend.error("B004", "build script %s writes %s but build.output is %s"
+                      % (rel, describe(output.replace(UNRESOLVED, "$?")), describe(backend.output)),
+                      rel_path, line)
+    if backend.architectures is None:
+        return
+    platform = backend.platform if backend.platform in PLATFORMS else None
+    reached = reader.architectures(platform)
+    if output is not None:
+        for arch in backend.architectures:
+            if arch not in reached:
+                backend.error("B006", "build.architectures lists %s but the default invocation "
+                              "of %s does not build it" % (arch, rel), rel_path)
+        for arch in sorted(reached):
+            if arch not in backend.architectures:
+                backend.warning("B007", "%s also builds %s, which build.architectures does not "
+                                "list" % (rel, arch), rel_path, reached[arch])
+    default = backend.default_arch
+    if default is not None:
+        if default not in backend.architectures:
+            backend.error("B008", "build.default_arch %s is not in build.architectures" % default,
+                          rel_path)
+        script_default = reader.default_target()
+        if script_default is not None and script_default != default:
+            backend.error("B009", "build.default_arch is %s but %s defaults its target to %s "
+                          "(${2:-%s})" % (default, rel, script_default, script_default), rel_path)
+    minimum = build.get("min_capability")
+    if is_int(minimum):
+        for arch in backend.architectures:
+            number = arch_number(arch)
+            if number is not None and number < minimum:
+                backend.error("B010", "architecture %s is below build.min_capability %d"
+                              % (arch, minimum), rel_path)
+
+
+def check_status(repo, backend):
+    """T001-T002: what `validated` promises."""
+    m = backend.manifest
+    numerics = m.get("numerics")
+    tolerance = numerics.get("tolerance") if isinstance(numerics, dict) else None
+    if backend.status == "validated":
+        ops = [k for k in tolerance if k != "note"] if isinstance(tolerance, dict) else []
+        if not ops:
+            backend.error("T001", "status is validated but numerics.tolerance gives no op "
+                          "tolerance; add one per op")
+    reference = m.get("reference")
+    entry = reference.get("entrypoint") if isinstance(reference, dict) else None
+    level = "error" if backend.status == "validated" else "warning"
+    if not isinstance(entry, str) or not entry:
+        if backend.status == "validated":
+            backend.error("T002", "status is validated but reference.entrypoint is not given")
+        return
+    rel, problem = normalize_relpath(entry)
+    if problem or not os.path.isfile(os.path.join(repo.root, rel)):
+        backend.report(level, "T002", "reference.entrypoint %s does not exist (it is relative to "
+                       "the repository root)" % describe(entry))
+
+
+def check_models(repo, backend):
+    """O001: listed model directories exist."""
+    models = backend.manifest.get("models")
+    if not isinstance(models, list):
+        return
+    for model in models:
+        if isinstance(model, str) and model.endswith("/"):
+            rel, problem = normalize_relpath(model)
+            if problem or not os.path.isdir(os.path.join(repo.root, rel)):
+                backend.warning("O001", "models lists %s, which does not exist" % describe(model))
+
+
+# (check, runs for planned backends too)
+CHECKS = (
+    (check_keys, True),
+    (check_abi, True),
+    (check_sources, False),
+    (check_build_script, False),
+    (check_status, False),
+    (check_models, False),
+)
+
+
+def check_backend(repo, backend):
+    load(backend)
+    if backend.manifest is None:
+        return
+    for check, for_planned in CHECKS:
+        if backend.status == "planned" and not for_planned:
+            continue
+        check(repo, backend)
+
+
+# ---------------------------------------------------------------------------
+# Running a check over a repository
+
+
+class Run:
+    """The outcome of checking the selected backends."""
+
+    def __init__(self, backends, diagnostics):
+        self.backends = backends
+        self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+
+    def count(self, level):
+        return sum(1 for d in self.diagnostics if d.level == level)
+
+    def errors_of(self, backend):
+        return [d for d in self.diagnostics if d.backend == backend.key and d.level == "error"]
+
+
+def select(backends, loose, names, repo):
+    """The backends (and discovery findings) named on the command line."""
+    if not names:
+        return backends, loose
+    known = {}
+    for key in [b.key for b in backends] + [d.backend for d in loose]:
+        known.setdefault(key, key)
+        known.setdefault(key.split("/", 1)[-1], key)
+    chosen = set()
+    for name in names:
+        matches = {k for k in (b.key for b in backends) if name in (k, k.split("/", 1)[-1])}
+        matches |= {d.backend for d in loose if name in (d.backend, d.backend.split("/", 1)[-1])}
+        if not matches:
+            listed = ", ".join(sorted({b.key for b in backends})) or "none"
+            raise UsageError('no backend named "%s" under %s/ (known: %s)'
+                             % (name, repo.backends_dir, listed))
+        chosen |= matches
+    return ([b for b in backends if b.key in chosen],
+            [d for d in loose if d.backend in chosen])
+
+
+def run_check(repo, names=()):
+    backends, loose = discover(repo)
+    backends, loose = select(backends, loose, names, repo)
+    diagnostics = list(loose)
+    for backend in backends:
+        check_backend(repo, backend)
+        diagnostics.extend(backend.diagnostics)
+    return Run(backends, diagnostics)
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+
+
+def summary_line(run):
+    return "%d backend(s), %d error(s), %d warning(s)" % (
+        len(run.backends), run.count("error"), run.count("warning"))
+
+
+def report_text(run, out):
+    for d in run.diagnostics:
+        out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
+    for backend in run.backends:
+        out.write("checked %s: status=%s abi=%s\n" % (
+            backend.key, backend.status or "?",
+            backend.abi_version if backend.abi_version is not None else "?"))
+    out.write(summary_line(run) + "\n")
+
+
+def report_json(run, out):
+    json.dump({"checked": [b.key for b in run.backends],
+               "issues": [d.as_dict() for d in run.diagnostics],
+               "errors": run.count("error"), "warnings": run.count("warning")},
+              out, indent=2)
+    out.write("\n")
+
+
+def github_escape(text, property=False):
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if property:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+def report_github(run, out):
+    for d in run.diagnostics:
+        fields = []
+        if d.path:
+            fields.append("file=" + github_escape(d.path, True))
+            if d.line:
+                fields.append("line=%d" % d.line)
+        fields.append("title=" + d.code)
+        out.write("::%s %s::%s\n" % (d.level, ",".join(fields),
+                                     github_escape("%s: %s" % (d.backend, d.message))))
+    out.write(summary_line(run) + "\n")
+
+
+REPORTERS = {"text": report_text, "json": report_json, "github": report_github}
+
+
+# ---------------------------------------------------------------------------
+# Binary inspection (pure Python: no readelf, no cuobjdump)
+#
+# The dynamic symbols of an ELF shared object, and the targets embedded in the
+# CUDA fatbinaries it carries.  A fatbinary container starts with the magic
+# 0xBA55ED50; each entry in it has a kind (1 PTX, 2 SASS), the target number
+# as the u32 at entry offset 28, and flags at offset 40 (0x100000 marks an
+# arch-specific target such as "90a", 0x200000 a family target such as
+# "100f").  Only headers are read, so compressed payloads do not matter.  A
+# library built by nvcc carries more than one container listing the same
+# targets; the union is what the library runs on.
+
+ELF_MAGIC = b"\x7fELF"
+ELF_TYPE_SHARED = 3
+SECTION_DYNSYM = 11
+FATBIN_MAGIC = 0xBA55ED50
+FATBIN_KIND_PTX = 1
+FATBIN_KIND_SASS = 2
+FATBIN_ARCH_SPECIFIC = 0x100000
+FATBIN_FAMILY = 0x200000
+
+
+class BinaryError(Exception):
+    """The file is not a shared object this inspection can read."""
+
+
+class SharedObject:
+    """An ELF shared object: its bytes, its sections and its defined dynamic symbols."""
+
+    def __init__(self, data, sections, dynamic_symbols):
+        self.data = data
+        self.sections = sections  # name -> (offset, size)
+        self.dynamic_symbols = dynamic_symbols
+
+
+def _unpack(fmt, data, offset, what):
+    import struct
+    try:
+        return struct.unpack_from(fmt, data, offset)
+    except struct.error:
+        raise BinaryError("truncated ELF file (%s at offset %d)" % (what, offset)) from None
+
+
+def read_shared_object(path):
+    """The SharedObject at path; BinaryError with a one-line reason otherwise."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise BinaryError("cannot be read: %s" % (exc.strerror or exc)) from None
+    if data[:4] != ELF_MAGIC:
+        raise BinaryError("not an ELF file")
+    if data[4:6] != b"\x02\x01":
+        raise BinaryError("not a 64-bit little-endian ELF file")
+    (elf_type,) = _unpack("<H", data, 16, "header")
+    if elf_type != ELF_TYPE_SHARED:
+        raise BinaryError("an ELF file of type %d, not a shared object (type 3)" % elf_type)
+    (section_offset,) = _unpack("<Q", data, 40, "header")
+    entry_size, count, names_index = _unpack("<HHH", data, 58, "header")
+    headers = []
+    for index in range(count):
+        name, kind, _, _, offset, size, link, _, _, entsize = _unpack(
+            "<IIQQQQIIQQ", data, section_offset + index * entry_size, "section header")
+        headers.append((name, kind, offset, size, link, entsize))
+    sections = {}
+    if names_index < len(headers):
+        names = headers[names_index][2]
+        for name, _, offset, size, _, _ in headers:
+            end = data.find(b"\0", names + name)
+            sections[data[names + name:end].decode("latin-1")] = (offset, size)
+    symbols = set()
+    for _, kind, offset, size, link, entsize in headers:
+        if kind != SECTION_DYNSYM or not entsize or link >= len(headers):
+            continue
+        strings = headers[link][2]
+        for base in range(offset, offset + size - entsize + 1, entsize):
+            name, _, _, section = _unpack("<IBBH", data, base, "symbol")
+            if section == 0 or not name:  # undefined: imported, not exported
+                continue
+            end = data.find(b"\0", strings + name)
+            symbols.add(data[strings + name:end].decode("latin-1"))
+    return SharedObject(data, sections, symbols)
+
+
+def _fatbin_containers(data, start, end):
+    """(offset, header size, payload size) of consecutive fatbinary containers."""
+    import struct
+    pos = start
+    while pos + 16 <= end:
+        magic, _, header_size, size = struct.unpack_from("<IHHQ", data, pos)
+        if magic != FATBIN_MAGIC or header_size < 16 or pos + header_size + size > end:
+            return
+        yield pos, header_size, size
+        pos = (pos + header_size + size + 7) & ~7
+
+
+def cuda_targets(shared):
+    """(sass, ptx): the sets of targets ("80", "90a") in the library's fatbinaries."""
+    import struct
+    data = shared.data
+    if ".nv_fatbin" in shared.sections:
+        offset, size = shared.sections[".nv_fatbin"]
+        regions = [(offset, offset + size)]
+    else:  # stripped of section headers: look for the containers themselves
+        magic = struct.pack("<I", FATBIN_MAGIC)
+        regions, pos = [], data.find(magic)
+        while pos != -1:
+            regions.append((pos, len(data)))
+            pos = data.find(magic, pos + 4)
+    sass, ptx = set(), set()
+    for start, end in regions:
+        for base, header_size, size in _fatbin_containers(data, start, end):
+            pos, stop = base + header_size, base + header_size + size
+            while pos + 48 <= stop:
+                kind, _, entry_size, payload = struct.unpack_from("<HHIQ", data, pos)
+                (target,) = struct.unpack_from("<I", data, pos + 28)
+                (flags,) = struct.unpack_from("<Q", data, pos + 40)
+                if entry_size < 48:
+                    break
+                suffix = "a" if flags & FATBIN_ARCH_SPECIFIC else "f" if flags & FATBIN_FAMILY else ""
+                if kind == FATBIN_KIND_SASS:
+                    sass.add("%d%s" % (target, suffix))
+                elif kind == FATBIN_KIND_PTX:
+                    ptx.add("%d%s" % (target, suffix))
+                pos += entry_size + payload
+    return sass, ptx
+
+
+# Loads a library in a child process (a crashing constructor must not take the
+# checker down) and prints what its version function returns.
+LOAD_SNIPPET = """
+import ctypes, sys
+try:
+    library = ctypes.CDLL(sys.argv[1])
+    function = getattr(library, sys.argv[2])
+except (OSError, AttributeError) as exc:
+    print("LOAD-ERROR: %s" % exc)
+    sys.exit(0)
+function.restype = ctypes.c_uint32
+function.argtypes = []
+print(function())
+"""
+
+
+# ---------------------------------------------------------------------------
+# Running backends: the build, test and parity tiers
+
+TOOLCHAINS = {"cpu": ("CC", "cc"), "cuda": ("NVCC", "nvcc"), "hip": ("HIPCC", "hipcc")}
+
+
+class TierResult:
+    """What happened to one backend in a tier: passed, failed or skipped."""
+
+    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics")
+
+    def __init__(self, backend, outcome, detail="", elapsed=None, diagnostics=()):
+        self.backend = backend
+        self.outcome = outcome
+        self.detail = detail
+        self.elapsed = elapsed
+        self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+
+    def as_dict(self):
+        return {"backend": self.backend, "result": self.outcome, "detail": self.detail,
+                "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
+                "issues": [d.as_dict() for d in self.diagnostics]}
+
+
+class ChildOutcome:
+    """How a child process ended."""
+
+    __slots__ = ("returncode", "timed_out", "elapsed", "first_line", "error")
+
+    def __init__(self, returncode, timed_out, elapsed, first_line, error=None):
+        self.returncode = returncode
+        self.timed_out = timed_out
+        self.elapsed = elapsed
+        self.first_line = first_line
+        self.error = error
+
+
+def run_streaming(command, cwd, timeout, stream, env=None):
+    """Run command with its output (stdout and stderr together) copied to
+    stream line by line, each line prefixed with the elapsed time.  At the
+    time limit the child's whole process group is terminated, then killed."""
+    import signal
+    import subprocess
+    import threading
+    import time
+    start = time.monotonic()
+    try:
+        child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    except OSError as exc:
+        return ChildOutcome(None, False, 0.0, None, exc.strerror or str(exc))
+    first = []
+
+    def pump():
+        for raw in iter(child.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not first:
+                first.append(line)
+            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, line))
+            stream.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        try:
+            returncode = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _signal_group(child, signal.SIGTERM)
+            try:
+                returncode = child.wait(5)
+            except subprocess.TimeoutExpired:
+                _signal_group(child, signal.SIGKILL)
+                returncode = child.wait()
+    except BaseException:
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
+        raise
+    _signal_group(child, signal.SIGKILL)  # what the child left running in its group
+    reader.join(5)
+    child.stdout.close()
+    return ChildOutcome(returncode, timed_out, time.monotonic() - start, first[0] if first else None)
+
+
+def _signal_group(child, signum):
+    try:
+        os.killpg(child.pid, signum)
+    except OSError:
+        pass
+
+
+def tier_stream(args):
+    """Where child output goes: stdout, or stderr when stdout carries JSON."""
+    return sys.stderr if args.format == "json" else sys.stdout
+
+
+def build_backend(repo, run, backend, args, stream):
+    """R001-R009: build one backend and inspect what it wrote."""
+    import shutil
+    key = backend.key
+    if backend.status == "planned":
+        return TierResult(key, "skipped", "status is planned")
+    errors = run.errors_of(backend)
+    if errors or backend.build_script is None or backend.output is None:
+        diagnostic = Diagnostic("error", "R009", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
+                                "not buildable: the contract check reports %d error(s); run "
+                                "check_contract.py check %s" % (len(errors), key))
+        return TierResult(key, "failed", diagnostic.message, diagnostics=[diagnostic])
+    toolchain = TOOLCHAINS.get(backend.platform)
+    if toolchain is None:
+        return TierResult(key, "skipped", "no known toolchain for platform %s" % backend.platform)
+    tool = os.environ.get(toolchain[0]) or toolchain[1]
+    if shutil.which(tool) is None:
+        return TierResult(key, "skipped", "%s not found (set %s or put %s on PATH)"
+                          % (tool, toolchain[0], toolchain[1]))
+    out_dir = os.path.join(os.path.abspath(args.out), backend.platform, backend.name)
+    command = [os.path.join(os.path.abspath(backend.dir), backend.build_script), out_dir]
+    if args.arch is not None:
+        command.append(args.arch)
+    stream.write("==> build %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    found = []
+    script_rel = backend.rel(backend.build_script)
+
+    def report(level, code, message, path=script_rel):
+        found.append(Diagnostic(level, code, key, path, None, message))
+
+    if child.error is not None:
+        report("error", "R001", "build script %s cannot be run: %s" % (backend.build_script, child.error))
+    elif child.timed_out:
+        report("error", "R002", "build script %s did not finish within %gs; it was stopped"
+               % (backend.build_script, args.timeout))
+    elif child.returncode != 0:
+        report("error", "R001", "build script %s failed with exit status %d"
+               % (backend.build_script, child.returncode))
+    else:
+        detail = inspect_library(backend, os.path.join(out_dir, backend.output), args.arch, report)
+        if not any(d.level == "error" for d in found):
+            return TierResult(key, "passed", detail, child.elapsed, found)
+    return TierResult(key, "failed", found[-1].message if found else "", child.elapsed, found)
+
+
+def inspect_library(backend, path, arch, report):
+    """Check the library the build wrote; returns a one-line summary."""
+    import subprocess
+    output = backend.output
+    if not os.path.isfile(path):
+        report("error", "R003", "the build did not write %s (build.output) into its output "
+               "directory" % output)
+        return ""
+    try:
+        shared = read_shared_object(path)
+    except BinaryError as exc:
+        report("error", "R004", "%s is not a usable shared object: %s" % (output, exc))
+        return ""
+    prefix = backend.abi_prefix
+    if prefix is None:
+        report("error", "R005", "cannot check the exported ABI of %s: the sources define no "
+               "<PREFIX>_ABI_VERSION" % output)
+        return ""
+    summary = ["exports %s_abi_version and %s_error_string" % (prefix, prefix)]
+    for symbol in (prefix + "_abi_version", prefix + "_error_string"):
+        if symbol not in shared.dynamic_symbols:
+            report("error", "R005", "%s does not export %s" % (output, symbol))
+    if prefix + "_abi_version" in shared.dynamic_symbols:
+        done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+        said = done.stdout.decode("utf-8", "replace").strip()
+        if done.returncode != 0 or not said.isdigit():
+            reason = said[len("LOAD-ERROR: "):] if said.startswith("LOAD-ERROR: ") else (
+                "the loading process ended with status %d" % done.returncode)
+            report("warning", "R007", "%s cannot be loaded here: %s" % (output, reason))
+        elif int(said) != backend.abi_version:
+            report("error", "R006", "%s_abi_version() in %s returns %s but abi_version is %d"
+                   % (prefix, output, said, backend.abi_version))
+        else:
+            summary.append("%s_abi_version() = %s" % (prefix, said))
+    if backend.platform == "cuda":
+        sass, ptx = cuda_targets(shared)
+        expected = {arch} if arch is not None else set(backend.architectures or ())
+        if sass != expected:
+            report("error", "R008", "the fatbinary of %s holds SASS for %s but %s"
+                   % (output, ", ".join(sorted(sass)) or "no architecture",
+                      "--arch is %s" % arch if arch is not None else
+                      "build.architectures is %s" % ", ".join(sorted(expected))))
+        summary.append("SASS %s" % ", ".join(sorted(sass)) + (
+            "; PTX %s" % ", ".join(sorted(ptx)) if ptx else ""))
+    return "; ".join(summary)
+
+
+def test_backend(repo, run, backend, args, stream):
+    """U001-U003: run the backend's tests beside its kernels."""
+    key = backend.key
+    has_tests = any(p.rsplit("/", 1)[-1].startswith("test_") and p.endswith(".py")
+                    for p in backend.files)
+    if not has_tests:
+        if backend.status == "planned":
+            return TierResult(key, "skipped", "status is planned and there are no tests")
+        warning = Diagnostic("warning", "U002", key, backend.rel_dir, None,
+                             "has no tests (test_*.py) beside its kernels; add them under "
+                             "%s/tests/" % backend.rel_dir)
+        return TierResult(key, "skipped", "no tests", diagnostics=[warning])
+    command = [sys.executable, "-m", "unittest", "discover", "-v", "-s", backend.rel_dir,
+               "-t", backend.rel_dir]
+    stream.write("==> test %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    if child.error is None and not child.timed_out and child.returncode == 0:
+        return TierResult(key, "passed", "", child.elapsed)
+    if child.timed_out:
+        code, message = "U003", "tests did not finish within %gs; they were stopped" % args.timeout
+    else:
+        code, message = "U001", "tests failed (%s)" % (
+            child.error or "exit status %d" % child.returncode)
+    failure = Diagnostic("error", code, key, backend.rel_dir, None, message)
+    return TierResult(key, "failed", message, child.elapsed, [failure])
+
+
+def parity_backend(repo, run, backend, args, stream):
+    """P001-P002: run the backend's reference entrypoint."""
+    key = backend.key
+    reference = (backend.manifest or {}).get("reference")
+    entry = reference.get("entrypoint") if isinstance(reference, dict) else None
+    if not isinstance(entry, str) or not entry:
+        return TierResult(key, "skipped", "declares no reference.entrypoint")
+    rel, problem = normalize_relpath(entry)
+    path = os.path.join(repo.root, rel or "")
+    if problem or not os.path.isfile(path):
+        failure = Diagnostic("error", "P001", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
+                             "reference.entrypoint %s does not exist" % describe(entry))
+        return TierResult(key, "failed", failure.message, diagnostics=[failure])
+    command = [sys.executable, rel]
+    stream.write("==> parity %s: %s\n" % (key, " ".join(command)))
+    stream.flush()
+    child = run_streaming(command, repo.root, args.timeout, stream)
+    if child.error is None and not child.timed_out and child.returncode == 0:
+        first = child.first_line or ""
+        if first.startswith("SKIP:"):
+            return TierResult(key, "skipped", first[len("SKIP:"):].strip(), child.elapsed)
+        return TierResult(key, "passed", "", child.elapsed)
+    if child.timed_out:
+        code, message = "P002", "%s did not finish within %gs; it was stopped" % (rel, args.timeout)
+    else:
+        code, message = "P001", "%s failed (%s)" % (rel, child.error or "exit status %d" % child.returncode)
+    failure = Diagnostic("error", code, key, rel, None, message)
+    return TierResult(key, "failed", message, child.elapsed, [failure])
+
+
+def report_tier(results, fmt, out):
+    counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
+    if fmt == "json":
+        json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
+        out.write("\n")
+        return
+    for result in results:
+        line = "%s %s" % (result.outcome, result.backend)
+        if result.detail:
+            line += ": " + result.detail
+        if result.elapsed is not None:
+            line += " (%.1fs)" % result.elapsed
+        out.write(line + "\n")
+        for d in result.diagnostics:
+            out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
+    out.write("%(passed)d passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
+
+
+def run_tier(args, run_one, choose=None):
+    repo = repository(args)
+    run = run_check(repo, args.names)
+    backends = run.backends if choose is None else choose(run.backends, args.names)
+    stream = tier_stream(args)
+    results = [run_one(repo, run, backend, args, stream) for backend in backends]
+    report_tier(results, args.format, sys.stdout)
+    return 1 if any(r.outcome == "failed" for r in results) else 0
+
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def repository(args):
+    root = args.repo_root
+    if not os.path.isdir(root):
+        raise UsageError("--repo-root %s: no such directory; give the repository root" % root)
+    return Repository(root, args.backends_dir)
+
+
+def cmd_check(args):
+    repo = repository(args)
+    run = run_check(repo, args.names)
+    fmt = "json" if args.json else args.format
+    if fmt is None:
+        fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"
+    REPORTERS[fmt](run, sys.stdout)
+    if run.count("error") or (args.strict and run.count("warning")):
+        return 1
+    return 0
+
+
+def buildable(run, backend):
+    if backend.status in (None, "planned") or run.errors_of(backend):
+        return False
+    if backend.build_script is None:
+        return False
+    return os.access(os.path.join(backend.dir, backend.build_script), os.X_OK)
+
+
+def cmd_list(args):
+    repo = repository(args)
+    run = run_check(repo)
+    backends = [b for b in run.backends if not args.buildable or buildable(run, b)]
+    rows = [{"name": b.name, "platform": b.platform, "dir": b.rel_dir,
+             "status": b.status, "abi_version": b.abi_version,
+             "script": b.rel(b.build_script) if b.build_script else None,
+             "output": b.output, "architectures": b.architectures,
+             "default_arch": b.default_arch} for b in backends]
+    if args.format == "github-matrix":
+        keys = ("name", "platform", "dir", "script", "output", "default_arch")
+        json.dump({"include": [{k: row[k] for k in keys} for row in rows]}, sys.stdout,
+                  separators=(",", ":"))
+        sys.stdout.write("\n")
+    elif args.format == "json":
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for row in rows:
+            sys.stdout.write("%s/%s platform=%s status=%s\n" % (
+                row["platform"], row["name"], row["platform"], row["status"] or "?"))
+    return 0
+
+
+def cmd_init(args):
+    repo = repository(args)
+    target = os.path.abspath(args.dir)
+    if not os.path.isdir(target):
+        raise UsageError("init %s: no such directory" % args.dir)
+    backends_abs = os.path.abspath(repo.backends_path)
+    parent = os.path.dirname(os.path.dirname(target))
+    if parent != backends_abs:
+        raise UsageError("init %s: not a backend directory; give %s/<platform>/<name> under the "
+                         "repository root (--repo-root %s)"
+                         % (args.dir, repo.backends_dir, args.repo_root))
+    name = os.path.basename(target)
+    platform = os.path.basename(os.path.dirname(target))
+    manifest_path = os.path.join(target, name + MANIFEST_SUFFIX)
+    if os.path.lexists(manifest_path) and not args.force:
+        raise UsageError("init: %s already exists; use --force to overwrite it"
+                         % os.path.relpath(manifest_path))
+    files = walk_files(target)
+    sources = sorted(p for p in files if files[p] == "file" and is_kernel_source(p)
+                     and not p.rsplit("/", 1)[-1].startswith("test_")
+                     and "tests" not in p.split("/")[:-1])
+    if not sources:
+        raise UsageError("init %s: no kernel sources (%s) found" % (args.dir, " ".join(KERNEL_SUFFIXES)))
+    scripts = sorted(p for p in files if "/" not in p and p.endswith(".sh"))
+    if not scripts:
+        raise UsageError("init %s: no build script (*.sh) found; write one taking "
+                         "<output-dir> [<arch>] first" % args.dir)
+    script = "build.sh" if "build.sh" in scripts else scripts[0]
+    text, problem, _ = read_text(os.path.join(target, script))
+    if text is None:
+        raise UsageError("init: cannot read %s: %s" % (script, problem))
+    reader = ScriptReader(text)
+    output, _ = reader.output()
+    if output is None or UNRESOLVED in output:
+        raise UsageError("init: cannot tell from %s which library it writes (no compiler "
+                         "command with -o \"$1/<library>\")" % script)
+    archs = sorted(reader.architectures(platform if platform in PLATFORMS else None))
+    abi = 1
+    for source in sources:
+        text, _, _ = read_text(os.path.join(target, source))
+        found = [d for d in find_abi_defines(strip_c_comments(text or "")) if d[1] is not None]
+        if found:
+            abi = found[0][1]
+            break
+    if platform == "cuda":
+        archs = sorted((int(a) if a.isdigit() else a for a in archs),
+                       key=lambda a: (arch_number(str(a)) or 0, str(a)))
+    build = {"script": script, "output": output, "architectures": archs}
+    default = reader.default_target()
+    if default is None and len(archs) == 1:
+        default = str(archs[0])
+    if default is not None:
+        build["default_arch"] = int(default) if platform == "cuda" and default.isdigit() else default
+    manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": platform,
+                "status": "experimental", "abi_version": abi, "sources": sources, "build": build}
+    with open(manifest_path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=2)
+        handle.write("\n")
+    os.replace(manifest_path + ".tmp", manifest_path)
+    sys.stdout.write("wrote %s\n" % os.path.relpath(manifest_path))
+    run = run_check(repo, [platform + "/" + name])
+    report_text(run, sys.stdout)
+    return 1 if run.count("error") else 0
+
+
+def cmd_build(args):
+    if args.arch is not None and not args.arch.strip():
+        raise UsageError("--arch must name an architecture, e.g. --arch 90")
+    if args.out is None:
+        args.out = os.path.join(args.repo_root, "build", "backends")
+    return run_tier(args, build_backend)
+
+
+def cmd_test(args):
+    return run_tier(args, test_backend)
+
+
+def cmd_parity(args):
+    def choose(backends, names):
+        return backends if names else [b for b in backends if b.status == "validated"]
+    return run_tier(args, parity_backend, choose)
+
+
+def positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0, not %r" % text)
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--repo-root", metavar="DIR", default=argparse.SUPPRESS,
+                        help="repository root (default: the current directory)")
+    common.add_argument("--backends-dir", metavar="DIR", default=argparse.SUPPRESS,
+                        help="backends directory relative to the root (default: backends)")
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = Parser(prog="check_contract.py", formatter_class=formatter,
+                    description="Check that each backend's manifest tells the truth about its "
+                    "directory; build, test and compare backends.", epilog=HELP_EXAMPLES)
+    parser.add_argument("--version", action="version", version="%(prog)s " + VERSION)
+    parser.add_argument("--repo-root", metavar="DIR", default=".",
+                        help="repository root (default: the current directory)")
+    parser.add_argument("--backends-dir", metavar="DIR", default="backends",
+                        help="backends directory relative to the root (default: backends)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+
+    check = sub.add_parser("check", parents=[common], formatter_class=formatter,
+                           help="check the manifests against their directories (default)",
+                           description="Check every backend's manifest against its directory.",
+                           epilog="examples:\n"
+                           "  python3 check_contract.py --repo-root .\n"
+                           "  python3 check_contract.py check --format json cpu/llm_ops\n"
+                           "  python3 check_contract.py check --strict --format github\n")
+    check.add_argument("--format", choices=("text", "json", "github"), default=None,
+                       help="output format (default: github when GITHUB_ACTIONS=true, else text)")
+    check.add_argument("--json", action="store_true", help="same as --format json")
+    check.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all)")
+
+    listing = sub.add_parser("list", parents=[common], formatter_class=formatter,
+                             help="list the discovered backends",
+                             description="List the discovered backends with platform and status.",
+                             epilog="examples:\n"
+                             "  python3 check_contract.py list\n"
+                             "  python3 check_contract.py list --buildable --format github-matrix\n")
+    listing.add_argument("--buildable", action="store_true",
+                         help="only non-planned backends with no errors and an executable build script")
+    listing.add_argument("--format", choices=("text", "json", "github-matrix"), default="text")
+
+    init = sub.add_parser("init", parents=[common], formatter_class=formatter,
+                          help="write a manifest inferred from a backend directory",
+                          description="Write DIR/<name>.backend.json inferred from the directory "
+                          "(sources, ABI version, build script), status experimental, then check it.",
+                          epilog="examples:\n"
+                          "  python3 check_contract.py init backends/cuda/flash_attn\n"
+                          "  python3 check_contract.py init --force backends/cpu/llm_ops\n")
+    init.add_argument("dir", metavar="DIR", help="the backend directory")
+    init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
+
+    build = sub.add_parser("build", parents=[common], formatter_class=formatter,
+                           help="build backends and inspect the libraries they write",
+                           description="Run each buildable backend's build script (skipped when its "
+                           "toolchain is missing), then check that build.output is an ELF shared "
+                           "object exporting <prefix>_abi_version and <prefix>_error_string, that "
+                           "<prefix>_abi_version() returns abi_version, and for cuda that the "
+                           "fatbinary holds SASS for exactly build.architectures.",
+                           epilog="examples:\n"
+                           "  python3 check_contract.py build\n"
+                           "  python3 check_contract.py build cuda/llm_ops --arch 90 --out /tmp/out\n"
+                           "  python3 check_contract.py build --format json > build.json\n")
+    build.add_argument("names", nargs="*", metavar="NAME", help="backends to build (default: all)")
+    build.add_argument("--out", metavar="DIR", default=None,
+                       help="output root; each backend builds into DIR/<platform>/<name> "
+                       "(default: <repo-root>/build/backends)")
+    build.add_argument("--arch", metavar="A", default=None,
+                       help="build only this architecture (passed as the script's second argument)")
+    build.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
+                       help="time limit per build in seconds (default: 1800)")
+    build.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: results on stdout, build output on stderr")
+
+    for name, what, description, example in (
+            ("test", "run each backend's tests beside its kernels",
+             "Run python3 -m unittest discover -v -s <backend-dir> -t <backend-dir> for each "
+             "backend, from the repository root. A non-planned backend without tests gets a warning.",
+             "  python3 check_contract.py test\n  python3 check_contract.py test cpu/llm_ops\n"),
+            ("parity", "run the reference entrypoint of validated backends",
+             "Run reference.entrypoint of each validated backend (or of each backend named) and "
+             "report passed, failed, or skipped when its first output line is SKIP: <reason> and "
+             "it exits 0.",
+             "  python3 check_contract.py parity\n  python3 check_contract.py parity cuda/llm_ops\n")):
+        tier = sub.add_parser(name, parents=[common], formatter_class=formatter, help=what,
+                              description=description, epilog="examples:\n" + example)
+        tier.add_argument("names", nargs="*", metavar="NAME", help="backends to run (default: all)")
+        tier.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
+                          help="time limit per backend in seconds (default: 1800)")
+        tier.add_argument("--format", choices=("text", "json"), default="text",
+                          help="json: results on stdout, child output on stderr")
+    return parser
+
+
+COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd_build,
+            "test": cmd_test, "parity": cmd_parity}
+
+
+def with_default_command(argv):
+    """argv with `check` inserted when no subcommand is named."""
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg in ("--repo-root", "--backends-dir"):
+            index += 2
+        elif arg.startswith(("--repo-root=", "--backends-dir=")):
+            index += 1
+        elif arg in COMMANDS or arg in ("-h", "--help", "--version"):
+            return argv
+        else:
+            break
+    return argv[:index] + ["check"] + argv[index:]
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(with_default_command(argv))
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        sys.stderr.write("check_contract.py: error: %s\n" % exc)
+        return 2
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("check_contract.py: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

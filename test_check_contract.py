@@ -1,0 +1,1214 @@
+"""Tests of check_contract.py: every rule passing and failing, the command line,
+robustness against broken input, and agreement with backends/backend.schema.json.
+
+Fixture trees are built from {path: content} dicts in temporary directories;
+the checker runs in-process through main([...]).
+"""
+
+import contextlib
+import copy
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import check_contract
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEMA_PATH = os.path.join(HERE, "backends", "backend.schema.json")
+
+
+class Executable(str):
+    """File content to be written with mode 0755."""
+
+
+CPU_BUILD = Executable("""#!/usr/bin/env bash
+# Build the demo library: ./build.sh <out-dir> [<march>]
+set -euo pipefail
+out_dir=$1
+march=${2:-x86-64}
+here="$(cd "$(dirname "$0")" && pwd)"
+mkdir -p "$out_dir"
+cc -O2 -shared -fPIC -march="$march" "$here/ops.c" \\
+   -o "$out_dir/libdemo.so"
+""")
+
+CUDA_FAT_BUILD = Executable("""#!/usr/bin/env bash
+set -euo pipefail
+out_dir="$1"
+mkdir -p "$out_dir"
+if [ $# -ge 2 ]; then
+  targets=(-gencode "arch=compute_$2,code=sm_$2")
+else
+  targets=(-gencode arch=compute_80,code=sm_80
+           -gencode arch=compute_89,code=sm_89   # Ada
+           -gencode "arch=compute_90,code=[sm_90,compute_90]")
+fi
+"${NVCC:-nvcc}" -O3 -shared -Xcompiler -fPIC "${targets[@]}" -o "$out_dir/libfat.so" ops.cu
+""")
+
+OPS_H = """#ifndef DEMO_OPS_H
+#define DEMO_OPS_H
+#include <stdint.h>
+#define DEMO_ABI_VERSION 1
+uint32_t demo_abi_version(void);
+const char* demo_error_string(int code);
+#endif
+"""
+
+
+def demo_manifest(**changes):
+    manifest = {
+        "$schema": "../../backend.schema.json",
+        "name": "demo",
+        "platform": "cpu",
+        "abi_version": 1,
+        "status": "validated",
+        "sources": ["ops.h", "ops.c"],
+        "build": {"script": "build.sh", "output": "libdemo.so",
+                  "architectures": ["x86-64"], "default_arch": "x86-64"},
+        "numerics": {"precision": "fp32", "accumulation": "fp32",
+                     "tolerance": {"rmsnorm_f32": 1e-5, "note": "|out - ref| <= tol * max(1, |ref|)"}},
+        "reference": {"entrypoint": "backends/cpu/demo/parity.py"},
+    }
+    manifest.update(changes)
+    return manifest
+
+
+def demo_files(manifest=None, **extra):
+    files = {
+        "backends/cpu/demo/demo.backend.json": demo_manifest() if manifest is None else manifest,
+        "backends/cpu/demo/ops.h": OPS_H,
+        "backends/cpu/demo/ops.c": '#include "ops.h"\nuint32_t demo_abi_version(void) { return DEMO_ABI_VERSION; }\n',
+        "backends/cpu/demo/build.sh": CPU_BUILD,
+        "backends/cpu/demo/parity.py": "print('ok')\n",
+    }
+    files.update(extra)
+    return files
+
+
+def fat_files(**changes):
+    manifest = {"name": "fat", "platform": "cuda", "abi_version": 2, "status": "experimental",
+                "sources": ["fat.cuh", "ops.cu"],
+                "build": {"script": "build.sh", "output": "libfat.so",
+                          "architectures": [80, 89, 90], "default_arch": 90, "min_capability": 80}}
+    manifest["build"].update(changes)
+    return {
+        "backends/cuda/fat/fat.backend.json": manifest,
+        "backends/cuda/fat/fat.cuh": "#define FAT_ABI_VERSION 2\nunsigned fat_abi_version(void);\n"
+                                     "const char* fat_error_string(int code);\n",
+        "backends/cuda/fat/ops.cu": '#include "fat.cuh"\n',
+        "backends/cuda/fat/build.sh": CUDA_FAT_BUILD,
+    }
+
+
+def write_tree(root, files):
+    for path, content in files.items():
+        full = os.path.join(root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        if isinstance(content, (dict, list)):
+            content = json.dumps(content, indent=2)
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with open(full, mode) as handle:
+            handle.write(content)
+        if isinstance(content, Executable):
+            os.chmod(full, 0o755)
+
+
+def run_main(argv, env=None):
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.pop("GITHUB_ACTIONS", None)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = check_contract.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rc, out.getvalue(), err.getvalue()
+
+
+class TreeTest(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="check-contract-")
+        self.addCleanup(shutil.rmtree, self.root, True)
+
+    def tree(self, files):
+        write_tree(self.root, files)
+
+    def path(self, rel):
+        return os.path.join(self.root, rel)
+
+    def check(self, *args, env=None):
+        return run_main(["--repo-root", self.root] + list(args), env=env)
+
+    def issues(self, *names):
+        rc, out, err = self.check("--format", "json", *names)
+        self.assertEqual(err, "")
+        return rc, json.loads(out)["issues"]
+
+    def codes(self, *names):
+        return sorted(i["code"] for i in self.issues(*names)[1])
+
+    def assertIssue(self, code, message, level="error"):
+        rc, issues = self.issues()
+        found = [(i["level"], i["code"], i["message"]) for i in issues]
+        self.assertIn((level, code, message), found)
+        return issues
+
+    def assertClean(self):
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertTrue(out.endswith(" 0 error(s), 0 warning(s)\n"), out)
+
+
+class DiscoveryTest(TreeTest):
+    def test_valid_backend_passes(self):
+        self.tree(demo_files())
+        rc, out, err = self.check()
+        self.assertEqual((rc, out, err), (0, "checked cpu/demo: status=validated abi=1\n"
+                                             "1 backend(s), 0 error(s), 0 warning(s)\n", ""))
+
+    def test_no_backends_is_zero_backends(self):
+        self.tree({"README.md": "x\n"})
+        self.assertEqual(self.check(), (0, "0 backend(s), 0 error(s), 0 warning(s)\n", ""))
+
+    def test_undeclared_kernel_dir_is_an_error(self):
+        self.tree({"backends/cuda/qwen3_5/" + name: "" for name in
+                   ("elementwise.cu", "attention.cu", "kernels/zz.cu", "common.cuh")})
+        rc, out, err = self.check()
+        self.assertEqual(rc, 1)
+        self.assertEqual(out, "[error] cuda/qwen3_5: has kernel sources (attention.cu, common.cuh, "
+                              "elementwise.cu) but no qwen3_5.backend.json manifest\n"
+                              "0 backend(s), 1 error(s), 0 warning(s)\n")
+
+    def test_dir_without_kernel_sources_is_ignored(self):
+        self.tree({"backends/cuda/notes/README.md": "x", "backends/reference/ref.py": "x"})
+        self.assertClean()
+
+    def test_manifest_under_wrong_name_is_never_discovered(self):
+        self.tree({"backends/cpu/demo/manifest.backend.json": demo_manifest(),
+                   "backends/cpu/demo/ops.c": ""})
+        self.assertIssue("D002", "manifest manifest.backend.json is never discovered: the manifest "
+                         "of directory demo must be named demo.backend.json")
+
+    def test_unknown_platform_gets_a_warning_and_the_independent_checks(self):
+        files = {p.replace("backends/cpu/", "backends/metal/"): c for p, c in demo_files().items()}
+        files["backends/metal/demo/demo.backend.json"] = demo_manifest(platform="metal")
+        files["backends/metal/demo/extra.c"] = ""
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual([(i["level"], i["code"], i["message"]) for i in issues], [
+            ("warning", "D003", 'unknown platform directory "metal"; only platform-independent '
+             "checks run (known platforms: cpu, cuda, hip)"),
+            ("error", "T002", 'reference.entrypoint "backends/cpu/demo/parity.py" does not exist '
+             "(it is relative to the repository root)"),
+            ("error", "S004", "kernel source extra.c is not declared in sources; add it, or list it "
+             "in excluded if it is not part of the library")])
+
+    def test_backends_dir_option(self):
+        files = {p.replace("backends/", "src/backends/"): c for p, c in demo_files().items()}
+        files["src/backends/cpu/demo/demo.backend.json"] = demo_manifest(
+            reference={"entrypoint": "src/backends/cpu/demo/parity.py"})
+        self.tree(files)
+        rc, out, err = self.check("--backends-dir", "src/backends")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("checked cpu/demo: status=validated abi=1\n", out)
+        self.assertEqual(self.check()[1], "0 backend(s), 0 error(s), 0 warning(s)\n")
+
+
+class ManifestFileTest(TreeTest):
+    def test_invalid_json_gives_line_and_column(self):
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": '{\n  "name": "demo"\n  "x": 1\n}'}))
+        issues = self.assertIssue("J001", "invalid JSON at line 3, column 3: Expecting ',' delimiter")
+        self.assertEqual(issues[0]["line"], 3)
+        self.assertEqual(issues[0]["path"], "backends/cpu/demo/demo.backend.json")
+
+    def test_duplicate_keys_are_errors(self):
+        text = json.dumps(demo_manifest())[:-1] + ', "status": "planned"}'
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": text}))
+        self.assertIssue("J002", 'duplicate key "status"; JSON keeps only the last value, remove the others')
+
+    def test_top_level_must_be_an_object(self):
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": "[1, 2]"}))
+        self.assertIssue("J003", "the manifest must be a JSON object, not [1, 2]")
+
+    def test_non_utf8_manifest_is_an_error(self):
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": b'{"name": "d\xe9mo"}'}))
+        self.assertIssue("J004", "demo.backend.json is not UTF-8 (first bad byte at offset 11); save it as UTF-8")
+
+    def test_unreadable_manifest_is_an_error(self):
+        self.tree(demo_files(manifest={}))
+        os.remove(self.path("backends/cpu/demo/demo.backend.json"))
+        os.mkdir(self.path("backends/cpu/demo/demo.backend.json"))
+        self.assertIssue("J004", "cannot read demo.backend.json: not a regular file")
+
+    @unittest.skipIf(hasattr(os, "geteuid") and os.geteuid() == 0,
+                     "file permissions do not stop root from reading")
+    def test_manifest_without_read_permission_is_an_error(self):
+        self.tree(demo_files())
+        os.chmod(self.path("backends/cpu/demo/demo.backend.json"), 0)
+        self.assertIssue("J004", "cannot read demo.backend.json: Permission denied")
+
+    def test_manifest_symlink_loop_is_an_error(self):
+        self.tree(demo_files(manifest={}))
+        os.remove(self.path("backends/cpu/demo/demo.backend.json"))
+        os.symlink("demo.backend.json", self.path("backends/cpu/demo/demo.backend.json"))
+        rc, issues = self.issues()
+        self.assertEqual(rc, 1)
+        self.assertEqual([i["code"] for i in issues], ["J004"])
+        self.assertTrue(issues[0]["message"].startswith("cannot read demo.backend.json: "))
+
+    def test_one_broken_backend_does_not_stop_the_others(self):
+        files = demo_files()
+        files.update(fat_files())
+        files["backends/cuda/fat/fat.backend.json"] = "{"
+        files["backends/cpu/demo/extra.c"] = ""
+        self.tree(files)
+        self.assertEqual(self.codes(), ["J001", "S004"])
+
+
+class KeysTest(TreeTest):
+    def test_missing_required_keys(self):
+        manifest = demo_manifest()
+        del manifest["sources"]
+        del manifest["build"]["output"]
+        self.tree(demo_files(manifest))
+        self.assertIssue("M001", 'missing required key "sources"')
+        self.assertIssue("M001", 'missing required key "build.output"')
+
+    def test_boolean_is_not_an_integer(self):
+        self.tree(demo_files(demo_manifest(abi_version=True)))
+        self.assertIssue("M002", '"abi_version" must be an integer >= 1, not true')
+
+    def test_nan_and_infinity_tolerances_are_errors(self):
+        text = json.dumps(demo_manifest()).replace("1e-05", "NaN").replace(
+            '"accumulation": "fp32"', '"accumulation": "fp32", "x": 1')
+        text = text.replace('"tolerance": {', '"tolerance": {"softmax_f32": -Infinity, ')
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": text}))
+        self.assertIssue("M002", '"numerics.tolerance.rmsnorm_f32" must be a finite number >= 0, not NaN')
+        self.assertIssue("M002", '"numerics.tolerance.softmax_f32" must be a finite number >= 0, not -Infinity')
+
+    def test_negative_tolerance_is_an_error(self):
+        manifest = demo_manifest()
+        manifest["numerics"]["tolerance"]["rmsnorm_f32"] = -1
+        self.tree(demo_files(manifest))
+        self.assertIssue("M002", '"numerics.tolerance.rmsnorm_f32" must be a finite number >= 0, not -1')
+
+    def test_unknown_key_suggests_the_nearest(self):
+        manifest = demo_manifest()
+        manifest["build"]["min_capabilty"] = 80
+        manifest["colour"] = "blue"
+        self.tree(demo_files(manifest))
+        rc, issues = self.issues()
+        self.assertEqual(rc, 0)
+        self.assertEqual([i["message"] for i in issues], [
+            'unknown key "build.min_capabilty"; did you mean "min_capability"?',
+            'unknown key "colour"'])
+
+    def test_name_must_equal_directory(self):
+        self.tree(demo_files(demo_manifest(name="other")))
+        self.assertIssue("M004", 'name "other" differs from its directory "demo"; they must be equal')
+
+    def test_name_must_be_lowercase(self):
+        self.tree(demo_files(demo_manifest(name="Demo")))
+        self.assertIssue("M002", '"name" must be a string of lowercase letters, digits and _, not "Demo"')
+
+    def test_platform_must_equal_directory(self):
+        self.tree(demo_files(demo_manifest(platform="cuda")))
+        self.assertIssue("M005", 'platform "cuda" differs from its directory "cpu"')
+
+    def test_status_must_be_known(self):
+        self.tree(demo_files(demo_manifest(status="done")))
+        self.assertIssue("M002", '"status" must be one of planned, experimental, validated, not "done"')
+
+    def test_a_problem_in_one_part_does_not_hide_another(self):
+        manifest = demo_manifest(sources=["ops.h", "ops.c", "gone.c"])
+        manifest["build"]["architectures"] = "x86-64"
+        manifest["numerics"] = 3
+        self.tree(demo_files(manifest))
+        self.assertEqual(self.codes(), ["M002", "M002", "S001", "T001"])
+
+
+class SourcesTest(TreeTest):
+    def test_missing_source_is_an_error(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "gone.cu"])))
+        self.assertIssue("S001", "source gone.cu does not exist")
+
+    def test_absolute_and_parent_paths_are_errors(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "/etc/passwd", "../x.c"])))
+        self.assertIssue("S002", 'source "/etc/passwd" is absolute; give it relative to the backend directory')
+        self.assertIssue("S002", "source \"../x.c\" contains '..'; sources must stay inside the backend directory")
+
+    def test_symlink_outside_is_an_error(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "out.h"]),
+                             **{"elsewhere/out.h": ""}))
+        os.symlink(self.path("elsewhere/out.h"), self.path("backends/cpu/demo/out.h"))
+        self.assertIssue("S002", "source out.h is a symbolic link that resolves outside the backend directory")
+
+    def test_symlink_inside_is_fine(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "alias.h"])))
+        os.symlink("ops.h", self.path("backends/cpu/demo/alias.h"))
+        self.assertClean()
+
+    def test_duplicates_after_normalisation_are_errors(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "./ops.h"])))
+        self.assertIssue("S003", 'source ops.h is listed twice (as "ops.h" and "./ops.h")')
+
+    def test_undeclared_kernel_source_is_named(self):
+        self.tree(demo_files(**{"backends/cpu/demo/sub/extra.cpp": ""}))
+        self.assertIssue("S004", "kernel source sub/extra.cpp is not declared in sources; add it, "
+                         "or list it in excluded if it is not part of the library")
+
+    def test_tests_and_excluded_files_need_not_be_declared(self):
+        self.tree(demo_files(demo_manifest(excluded=["bench_*.c", "tools/*.cu"]), **{
+            "backends/cpu/demo/test_ops.c": "", "backends/cpu/demo/tests/helper.c": "",
+            "backends/cpu/demo/bench_ops.c": "", "backends/cpu/demo/tools/gen.cu": ""}))
+        self.assertClean()
+
+    def test_source_that_is_a_directory_is_an_error(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "inc.h"])))
+        os.mkdir(self.path("backends/cpu/demo/inc.h"))
+        self.assertIssue("S005", "source inc.h is not a regular file")
+
+    def test_fifo_source_is_not_read(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "pipe.h"])))
+        os.mkfifo(self.path("backends/cpu/demo/pipe.h"))
+        self.assertIssue("S005", "source pipe.h is not a regular file")
+
+    def test_source_symlink_loop_is_a_diagnostic(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "loop.h"])))
+        os.symlink("loop.h", self.path("backends/cpu/demo/loop.h"))
+        os.symlink(".", self.path("backends/cpu/demo/self"))
+        rc, issues = self.issues()
+        self.assertEqual([i["code"] for i in issues], ["S005"])
+        self.assertTrue(issues[0]["message"].startswith("source loop.h cannot be read: "))
+
+    def test_non_utf8_source_is_a_warning(self):
+        self.tree(demo_files(**{"backends/cpu/demo/ops.c": b"/* caf\xe9 */\nint x;\n"}))
+        self.assertIssue("S006", "ops.c is not UTF-8 (first bad byte at offset 6)", "warning")
+
+
+class AbiTest(TreeTest):
+    def cs1(self, header, abi=1, status="experimental"):
+        manifest = demo_manifest(abi_version=abi, status=status)
+        return demo_files(manifest, **{"backends/cpu/demo/ops.h": header})
+
+    def test_mismatch_names_file_and_line(self):
+        self.tree(self.cs1("// ABI\n#define CS1_ABI_VERSION 4\nunsigned cs1_abi_version(void);\n"
+                           "const char* cs1_error_string(int);\n"))
+        issues = self.assertIssue("A001", "abi_version is 1 but ops.h defines CS1_ABI_VERSION 4 (line 2); "
+                                  "make them equal")
+        self.assertEqual((issues[0]["path"], issues[0]["line"]), ("backends/cpu/demo/ops.h", 2))
+
+    def test_accepted_literal_forms(self):
+        decls = "unsigned cs1_abi_version(void);\nconst char* cs1_error_string(int);\n"
+        for literal in ("4", "(4)", "4u", "0x4", "4 // four", "4 /* four */", "( 4U )"):
+            with self.subTest(literal=literal):
+                self.tree(self.cs1("#define CS1_ABI_VERSION %s\n%s" % (literal, decls), abi=4))
+                self.assertClean()
+
+    def test_comments_and_if0_blocks_are_ignored(self):
+        self.tree(self.cs1("/* #define CS1_ABI_VERSION 9\n*/\n// #define CS1_ABI_VERSION 8\n"
+                           "#if 0\n#ifdef X\n#endif\n#define CS1_ABI_VERSION 7\n#else\n"
+                           "#define CS1_ABI_VERSION 3\n#endif\n"
+                           "unsigned cs1_abi_version(void);\nconst char* cs1_error_string(int);\n", abi=3))
+        self.assertClean()
+
+    def test_several_values_are_one_error(self):
+        files = self.cs1("#define CS1_ABI_VERSION 1\nunsigned cs1_abi_version(void);\n"
+                         "const char* cs1_error_string(int);\n")
+        files["backends/cpu/demo/ops.c"] = "\n#define CS1_ABI_VERSION 2\n"
+        self.tree(files)
+        self.assertIssue("A002", "several ABI versions are defined (ops.h:1 defines CS1_ABI_VERSION 1, "
+                         "ops.c:2 defines CS1_ABI_VERSION 2); keep exactly one")
+
+    def test_no_macro_is_a_warning_when_experimental(self):
+        self.tree(self.cs1("int x;\n"))
+        self.assertIssue("A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; add one "
+                         "equal to abi_version", "warning")
+
+    def test_no_macro_is_an_error_when_validated(self):
+        self.tree(self.cs1("int x;\n", status="validated"))
+        self.assertIssue("A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; add one "
+                         "equal to abi_version", "error")
+
+    def test_macro_that_is_not_a_literal_is_an_error(self):
+        self.tree(self.cs1("#define CS1_ABI_VERSION (MAJOR * 10)\n"))
+        self.assertIssue("A005", 'ops.h defines CS1_ABI_VERSION as "(MAJOR * 10)", not an integer literal')
+
+    def test_missing_error_string_declaration_is_a_warning(self):
+        self.tree(self.cs1("#define CS1_ABI_VERSION 1\nunsigned cs1_abi_version(void);\n"
+                           "// const char* cs1_error_string(int);\n"))
+        self.assertIssue("A004", "no declaration of cs1_error_string() in the declared sources; the C "
+                         "ABI requires it", "warning")
+
+
+class BuildScriptTest(TreeTest):
+    def test_missing_script_is_an_error(self):
+        files = demo_files()
+        del files["backends/cpu/demo/build.sh"]
+        self.tree(files)
+        self.assertIssue("B001", "build script build.sh does not exist")
+
+    def test_script_symlink_loop_is_a_diagnostic(self):
+        files = demo_files()
+        del files["backends/cpu/demo/build.sh"]
+        self.tree(files)
+        os.symlink("build.sh", self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("B001", "build script build.sh does not exist")
+
+    def test_script_that_is_a_directory_is_an_error(self):
+        files = demo_files()
+        del files["backends/cpu/demo/build.sh"]
+        self.tree(files)
+        os.mkdir(self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("B001", "build script build.sh is not a regular file")
+
+    def test_script_not_executable_is_an_error(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": str(CPU_BUILD)}))
+        self.assertIssue("B002", "build script build.sh is not executable; run: chmod +x "
+                         "backends/cpu/demo/build.sh")
+
+    def git(self, *args):
+        subprocess.run(["git", "-C", self.root] + list(args), check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def test_script_not_executable_in_git_index_is_an_error(self):
+        self.tree(demo_files())
+        self.git("init", "-q")
+        self.git("-c", "core.fileMode=false", "add", ".")
+        self.git("update-index", "--chmod=-x", "backends/cpu/demo/build.sh")
+        self.assertIssue("B003", "build script build.sh has mode 100644 in the git index; run: "
+                         "git update-index --chmod=+x backends/cpu/demo/build.sh")
+        self.git("update-index", "--chmod=+x", "backends/cpu/demo/build.sh")
+        self.assertClean()
+
+    def test_git_index_of_a_repository_root_below_the_git_top_is_read(self):
+        self.tree({"sub/" + path: content for path, content in demo_files().items()})
+        self.git("init", "-q")
+        self.git("-c", "core.fileMode=false", "add", ".")
+        self.git("update-index", "--chmod=-x", "sub/backends/cpu/demo/build.sh")
+        rc, out, err = run_main(["--repo-root", self.path("sub")])
+        self.assertIn("[error] cpu/demo: build script build.sh has mode 100644 in the git index; run: "
+                      "git update-index --chmod=+x backends/cpu/demo/build.sh\n", out)
+
+    def test_untracked_build_script_has_no_index_mode(self):
+        self.tree(demo_files())
+        self.git("init", "-q")
+        self.git("add", "backends/cpu/demo/demo.backend.json")
+        self.assertClean()
+
+    def test_output_must_equal_build_output(self):
+        manifest = demo_manifest()
+        manifest["build"]["output"] = "libother.so"
+        self.tree(demo_files(manifest))
+        issues = self.assertIssue("B004", 'build script build.sh writes "libdemo.so" but build.output is "libother.so"')
+        self.assertEqual(issues[0]["line"], 8)
+
+    def test_set_o_pipefail_is_not_an_output(self):
+        script = Executable("#!/bin/sh\nset -o pipefail\nmarch=${2:-x86-64}\n"
+                            "gcc -march=$march -shared ops.c -o $1/libdemo.so\nset -o errexit\n")
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": script}))
+        self.assertClean()
+
+    def test_script_without_compiler_output_is_an_error(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable("#!/bin/sh\nmake -march=x86-64\n")}))
+        self.assertIssue("B005", "build script build.sh has no compiler command with -o; the script "
+                         "must write build.output into its <output-dir> argument")
+
+    def test_fat_cuda_library_matches(self):
+        self.tree(fat_files())
+        self.assertClean()
+
+    def test_claimed_arch_not_built_is_an_error(self):
+        self.tree(fat_files(architectures=[80, 89, 90, 100]))
+        self.assertIssue("B006", "build.architectures lists 100 but the default invocation of build.sh "
+                         "does not build it")
+
+    def test_built_arch_not_claimed_is_a_warning(self):
+        self.tree(fat_files(architectures=[80, 90]))
+        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list", "warning")
+
+    def test_arch_branch_before_default_branch_is_not_reached(self):
+        files = fat_files()
+        files["backends/cuda/fat/build.sh"] = Executable(
+            '#!/usr/bin/env bash\nout_dir="$1"\nif [ $# -lt 2 ]; then\n'
+            "  targets=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89\n"
+            "           -gencode arch=compute_90,code=sm_90)\n"
+            'else\n  targets=(-gencode "arch=compute_$2,code=sm_$2")\nfi\n'
+            'nvcc -shared "${targets[@]}" -o "$out_dir/libfat.so" ops.cu\n')
+        self.tree(files)
+        self.assertClean()
+
+    def single_target(self, default_expr, architectures, default_arch):
+        files = fat_files(architectures=architectures, default_arch=default_arch)
+        files["backends/cuda/fat/build.sh"] = Executable(
+            '#!/bin/bash\nset -eu\nout=$1\ncap=%s\n'
+            'nvcc -shared -arch=sm_$cap ops.cu -o "$out"/libfat.so\n' % default_expr)
+        return files
+
+    def test_nested_default_gives_the_single_target(self):
+        self.tree(self.single_target("${2:-${CUDA_COMPUTE_CAP:-89}}", [89], 89))
+        self.assertClean()
+
+    def test_default_arch_must_equal_script_default(self):
+        self.tree(self.single_target("${2:-${CUDA_COMPUTE_CAP:-89}}", [89, 90], 90))
+        self.assertIssue("B009", "build.default_arch is 90 but build.sh defaults its target to 89 (${2:-89})")
+
+    def test_default_arch_must_be_listed(self):
+        self.tree(fat_files(default_arch=75))
+        self.assertIssue("B008", "build.default_arch 75 is not in build.architectures")
+
+    def test_arch_below_min_capability_is_an_error(self):
+        self.tree(fat_files(min_capability=89))
+        self.assertIssue("B010", "architecture 80 is below build.min_capability 89")
+
+    def test_arch_form_is_checked_per_platform(self):
+        manifest = demo_manifest()
+        manifest["build"]["architectures"] = ["x86 64"]
+        self.tree(demo_files(manifest))
+        self.assertIssue("B011", 'architecture "x86 64" is not a -march value such as "x86-64"')
+
+    def test_hip_offload_arch_is_read(self):
+        self.tree({
+            "backends/hip/rocm/rocm.backend.json": {
+                "name": "rocm", "abi_version": 1, "status": "experimental", "sources": ["k.hip"],
+                "build": {"script": "build.sh", "output": "librocm.so", "architectures": ["gfx942", "gfx90a"]}},
+            "backends/hip/rocm/k.hip": "#define ROCM_ABI_VERSION 1\nint rocm_abi_version(void);\n"
+                                       "const char *rocm_error_string(int);\n",
+            "backends/hip/rocm/build.sh": Executable(
+                "#!/bin/bash\nout_dir=$1\nhipcc --offload-arch=gfx942 \\\n  --offload-arch=gfx90a "
+                "-shared k.hip -o \"${out_dir}/librocm.so\"\n")})
+        self.assertClean()
+
+    def test_planned_backend_gets_only_manifest_and_abi_checks(self):
+        manifest = demo_manifest(status="planned", sources=["ops.h", "ops.c", "later.c"])
+        manifest["build"]["output"] = "libother.so"
+        del manifest["reference"]
+        self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": "not executable"}))
+        self.assertClean()
+
+
+class StatusTest(TreeTest):
+    def test_validated_requires_tolerances(self):
+        manifest = demo_manifest()
+        manifest["numerics"]["tolerance"] = {"note": "none yet"}
+        self.tree(demo_files(manifest))
+        self.assertIssue("T001", "status is validated but numerics.tolerance gives no op tolerance; "
+                         "add one per op")
+
+    def test_validated_requires_an_entrypoint(self):
+        manifest = demo_manifest()
+        del manifest["reference"]
+        self.tree(demo_files(manifest))
+        self.assertIssue("T002", "status is validated but reference.entrypoint is not given")
+
+    def test_missing_entrypoint_is_an_error_when_validated(self):
+        files = demo_files()
+        del files["backends/cpu/demo/parity.py"]
+        self.tree(files)
+        self.assertIssue("T002", 'reference.entrypoint "backends/cpu/demo/parity.py" does not exist '
+                         "(it is relative to the repository root)")
+
+    def test_missing_entrypoint_is_a_warning_when_experimental(self):
+        files = demo_files(demo_manifest(status="experimental"))
+        del files["backends/cpu/demo/parity.py"]
+        self.tree(files)
+        self.assertIssue("T002", 'reference.entrypoint "backends/cpu/demo/parity.py" does not exist '
+                         "(it is relative to the repository root)", "warning")
+
+    def test_missing_model_dir_is_a_warning(self):
+        self.tree(demo_files(demo_manifest(models=["models/qwen/", "models/llama/"]),
+                             **{"models/qwen/config.json": "{}"}))
+        rc, issues = self.issues()
+        self.assertEqual(rc, 0)
+        self.assertEqual([(i["level"], i["code"], i["message"]) for i in issues],
+                         [("warning", "O001", 'models lists "models/llama/", which does not exist')])
+
+
+class CommandLineTest(TreeTest):
+    def test_unknown_name_is_a_usage_error(self):
+        self.tree(demo_files())
+        self.assertEqual(self.check("nope"), (2, "", 'check_contract.py: error: no backend named "nope" '
+                                              "under backends/ (known: cpu/demo)\n"))
+
+    def test_names_limit_the_run(self):
+        files = demo_files()
+        files.update(fat_files())
+        files["backends/cpu/demo/extra.c"] = ""
+        self.tree(files)
+        rc, out, err = self.check("fat")
+        self.assertEqual((rc, out), (0, "checked cuda/fat: status=experimental abi=2\n"
+                                        "1 backend(s), 0 error(s), 0 warning(s)\n"))
+        self.assertEqual(self.check("check", "cpu/demo")[0], 1)
+
+    def test_missing_repo_root_is_a_usage_error(self):
+        missing = self.path("nowhere")
+        self.assertEqual(run_main(["--repo-root", missing]),
+                         (2, "", "check_contract.py: error: --repo-root %s: no such directory; give "
+                                 "the repository root\n" % missing))
+
+    def test_bad_flag_is_a_usage_error(self):
+        rc, out, err = self.check("--frobnicate")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertIn("unrecognized arguments: --frobnicate", err)
+
+    def test_strict_fails_on_warnings(self):
+        manifest = demo_manifest()
+        manifest["colour"] = 1
+        self.tree(demo_files(manifest))
+        self.assertEqual(self.check()[0], 0)
+        self.assertEqual(self.check("--strict")[0], 1)
+
+    def test_json_alias_and_fields(self):
+        self.tree(demo_files(**{"backends/cpu/demo/x.c": ""}))
+        rc, out, err = self.check("--json")
+        self.assertEqual(rc, 1)
+        self.assertEqual(json.loads(out), {
+            "checked": ["cpu/demo"], "errors": 1, "warnings": 0,
+            "issues": [{"level": "error", "code": "S004", "backend": "cpu/demo",
+                        "path": "backends/cpu/demo/x.c", "line": None,
+                        "message": "kernel source x.c is not declared in sources; add it, or list it "
+                                   "in excluded if it is not part of the library"}]})
+
+    def test_github_format_is_the_default_on_github_actions(self):
+        self.tree(demo_files(demo_manifest(abi_version=3)))
+        expected = ("::error file=backends/cpu/demo/ops.h,line=4,title=A001::cpu/demo: abi_version is 3 "
+                    "but ops.h defines DEMO_ABI_VERSION 1 (line 4); make them equal\n"
+                    "1 backend(s), 1 error(s), 0 warning(s)\n")
+        self.assertEqual(self.check("--format", "github"), (1, expected, ""))
+        self.assertEqual(self.check(env={"GITHUB_ACTIONS": "true"}), (1, expected, ""))
+
+    def test_list_formats(self):
+        files = demo_files()
+        files.update(fat_files())
+        self.tree(files)
+        self.assertEqual(run_main(["--repo-root", self.root, "list"]),
+                         (0, "cpu/demo platform=cpu status=validated\n"
+                             "cuda/fat platform=cuda status=experimental\n", ""))
+        rc, out, err = run_main(["--repo-root", self.root, "list", "--format", "github-matrix"])
+        self.assertEqual(json.loads(out), {"include": [
+            {"name": "demo", "platform": "cpu", "dir": "backends/cpu/demo",
+             "script": "backends/cpu/demo/build.sh", "output": "libdemo.so", "default_arch": "x86-64"},
+            {"name": "fat", "platform": "cuda", "dir": "backends/cuda/fat",
+             "script": "backends/cuda/fat/build.sh", "output": "libfat.so", "default_arch": "90"}]})
+        rc, out, err = run_main(["--repo-root", self.root, "list", "--format", "json"])
+        self.assertEqual([row["architectures"] for row in json.loads(out)], [["x86-64"], ["80", "89", "90"]])
+
+    def test_list_buildable_drops_planned_broken_and_non_executable(self):
+        files = demo_files()
+        files.update(fat_files())
+        files["backends/cuda/fat/extra.cu"] = ""
+        files["backends/cpu/plan/plan.backend.json"] = dict(demo_manifest(name="plan", status="planned"))
+        self.tree(files)
+        rc, out, err = run_main(["--repo-root", self.root, "list", "--buildable"])
+        self.assertEqual((rc, out), (0, "cpu/demo platform=cpu status=validated\n"))
+        os.chmod(self.path("backends/cpu/demo/build.sh"), 0o644)
+        self.assertEqual(run_main(["--repo-root", self.root, "list", "--buildable"])[1], "")
+
+    def test_init_writes_and_checks_a_manifest(self):
+        files = fat_files()
+        del files["backends/cuda/fat/fat.backend.json"]
+        files["backends/cuda/fat/tests/test_fat.py"] = ""
+        self.tree(files)
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cuda/fat")])
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith("checked cuda/fat: status=experimental abi=2\n"
+                                     "1 backend(s), 0 error(s), 0 warning(s)\n"), out)
+        with open(self.path("backends/cuda/fat/fat.backend.json")) as handle:
+            self.assertEqual(json.load(handle), {
+                "$schema": "../../backend.schema.json", "name": "fat", "platform": "cuda",
+                "status": "experimental", "abi_version": 2, "sources": ["fat.cuh", "ops.cu"],
+                "build": {"script": "build.sh", "output": "libfat.so", "architectures": [80, 89, 90]}})
+
+    def test_init_takes_default_arch_from_the_script(self):
+        files = demo_files()
+        del files["backends/cpu/demo/demo.backend.json"]
+        self.tree(files)
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cpu/demo")])
+        self.assertEqual(rc, 0, out + err)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["build"], {
+                "script": "build.sh", "output": "libdemo.so", "architectures": ["x86-64"],
+                "default_arch": "x86-64"})
+
+    def test_init_refuses_to_overwrite_without_force(self):
+        self.tree(demo_files())
+        target = self.path("backends/cpu/demo")
+        rc, out, err = run_main(["--repo-root", self.root, "init", target])
+        self.assertEqual((rc, out), (2, ""))
+        self.assertIn("demo.backend.json already exists; use --force to overwrite it\n", err)
+        rc, out, err = run_main(["--repo-root", self.root, "init", "--force", target])
+        self.assertEqual(rc, 0, out + err)
+
+    def test_init_refuses_a_directory_outside_the_backends(self):
+        self.tree({"elsewhere/x.c": ""})
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("elsewhere")])
+        self.assertEqual(rc, 2)
+        self.assertIn("not a backend directory; give backends/<platform>/<name>", err)
+
+    def test_version_and_help(self):
+        rc, out, err = run_main(["--version"])
+        self.assertEqual((rc, out), (0, "check_contract.py %s\n" % check_contract.VERSION))
+        for command in ([], ["check"], ["list"], ["init"], ["build"], ["test"], ["parity"]):
+            with self.subTest(command=command):
+                rc, out, err = run_main(command + ["--help"])
+                self.assertEqual(rc, 0)
+                self.assertIn("examples:\n  python3 check_contract.py", out)
+
+    def test_repository_itself_passes(self):
+        self.assertEqual(run_main(["--repo-root", HERE])[0], 0)
+
+
+# -- Robustness and the schema ---------------------------------------------
+
+VALUES = (None, 42, True, "x", [], {}, [1, 2], ["a", 3])
+KEY_PATHS = [(k,) for k in check_contract.TOP_KEYS] + \
+            [("build", k) for k in check_contract.BUILD_KEYS] + \
+            [("numerics", k) for k in check_contract.NUMERICS_KEYS] + \
+            [("numerics", "tolerance", "rmsnorm_f32"), ("numerics", "tolerance", "note")] + \
+            [("reference", k) for k in check_contract.REFERENCE_KEYS]
+SCHEMA_KEYWORDS = {"$schema", "$id", "title", "description", "type", "properties", "required",
+                   "additionalProperties", "enum", "minimum", "minItems", "uniqueItems", "items",
+                   "anyOf", "pattern", "minLength"}
+SHAPE_CODES = {"J003", "M001", "M002"}
+
+
+def schema_errors(schema, value, where="$"):
+    """The places where value breaks schema: a validator of exactly the keywords
+    SCHEMA_KEYWORDS (JSON Schema draft 2020-12 semantics)."""
+    errors = []
+    kind = schema.get("type")
+    types = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+             "string": lambda v: isinstance(v, str),
+             "integer": lambda v: isinstance(v, int) and not isinstance(v, bool)
+             or isinstance(v, float) and v.is_integer(),
+             "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if kind and not types[kind](value):
+        return [where + ": not " + kind]
+    if "enum" in schema and not any(value == e and type(value) is type(e) for e in schema["enum"]):
+        errors.append(where + ": not in enum")
+    if "minimum" in schema and types["number"](value) and not value >= schema["minimum"]:
+        errors.append(where + ": below minimum")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            errors.append(where + ": too short")
+        pattern = schema.get("pattern")
+        if pattern and not re.search(pattern.replace("$", r"\Z"), value):
+            errors.append(where + ": pattern")
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            errors.append(where + ": too few items")
+        if schema.get("uniqueItems") and len({json.dumps(v, sort_keys=True) for v in value}) != len(value):
+            errors.append(where + ": duplicate items")
+        if "items" in schema:
+            for index, item in enumerate(value):
+                errors += schema_errors(schema["items"], item, "%s[%d]" % (where, index))
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                errors.append(where + ": missing " + key)
+        properties = schema.get("properties", {})
+        for key, item in value.items():
+            if key in properties:
+                errors += schema_errors(properties[key], item, where + "." + key)
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errors += schema_errors(schema["additionalProperties"], item, where + "." + key)
+    if "anyOf" in schema and all(schema_errors(s, value, where) for s in schema["anyOf"]):
+        errors.append(where + ": matches no alternative")
+    return errors
+
+
+def load_schema():
+    with open(SCHEMA_PATH) as handle:
+        return json.load(handle)
+
+
+def with_value(manifest, path, value):
+    manifest = copy.deepcopy(manifest)
+    target = manifest
+    for key in path[:-1]:
+        if not isinstance(target.get(key), dict):
+            target[key] = {}
+        target = target[key]
+    target[path[-1]] = value
+    return manifest
+
+
+class RobustnessTest(TreeTest):
+    def test_every_key_with_every_wrong_value_gives_diagnostics_not_tracebacks(self):
+        schema = load_schema()
+        for path in KEY_PATHS:
+            for value in VALUES:
+                manifest = with_value(demo_manifest(), path, value)
+                with self.subTest(key=".".join(path), value=value):
+                    shutil.rmtree(self.root)
+                    os.mkdir(self.root)
+                    self.tree(demo_files(manifest))
+                    rc, out, err = self.check("--format", "json")
+                    self.assertEqual(err, "")
+                    self.assertIn(rc, (0, 1))
+                    issues = json.loads(out)["issues"]
+                    shape = {i["code"] for i in issues} & SHAPE_CODES
+                    self.assertEqual(bool(shape), bool(schema_errors(schema, manifest)),
+                                     (issues, schema_errors(schema, manifest)))
+
+    def test_every_top_level_value_is_a_diagnostic(self):
+        for value in VALUES:
+            with self.subTest(value=value):
+                self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": json.dumps(value)}))
+                rc, out, err = self.check()
+                self.assertEqual((rc, err), (1, ""))
+
+    def test_binary_garbage_everywhere(self):
+        garbage = bytes(range(256)) * 4
+        files = demo_files(**{"backends/cpu/demo/ops.h": garbage, "backends/cpu/demo/ops.c": garbage,
+                              "backends/cpu/demo/build.sh": garbage})
+        self.tree(files)
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("[warning] cpu/demo: ops.h is not UTF-8 (first bad byte at offset 128)\n", out)
+
+
+class SchemaTest(unittest.TestCase):
+    def test_schema_uses_only_the_keywords_the_validator_knows(self):
+        used = set()
+
+        def walk(node, in_properties=False):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if not in_properties:
+                        used.add(key)
+                    walk(value, key == "properties" and not in_properties)
+            elif isinstance(node, list):
+                for item in node:
+                    walk(item)
+        walk(load_schema())
+        self.assertLessEqual(used, SCHEMA_KEYWORDS)
+        self.assertEqual(load_schema()["$schema"], "https://json-schema.org/draft/2020-12/schema")
+
+    def test_schema_and_checker_agree_on_the_fixture_manifests(self):
+        schema = load_schema()
+        good = [demo_manifest(), fat_files()["backends/cuda/fat/fat.backend.json"],
+                demo_manifest(models=["m/"], excluded=["*.c"], description="d")]
+        for manifest in good:
+            self.assertEqual(schema_errors(schema, manifest), [])
+        bad = [with_value(demo_manifest(), ("abi_version",), 0),
+               with_value(demo_manifest(), ("build", "architectures"), []),
+               with_value(demo_manifest(), ("models",), ["no-slash"]),
+               with_value(demo_manifest(), ("name",), "Bad")]
+        for manifest in bad:
+            self.assertNotEqual(schema_errors(schema, manifest), [], manifest)
+
+    def test_schema_documents_every_key_the_checker_knows(self):
+        schema = load_schema()
+        self.assertEqual(set(schema["properties"]), set(check_contract.TOP_KEYS))
+        self.assertEqual(set(schema["required"]), set(check_contract.REQUIRED_KEYS))
+        build = schema["properties"]["build"]
+        self.assertEqual(set(build["properties"]), set(check_contract.BUILD_KEYS))
+        self.assertEqual(set(build["required"]), set(check_contract.REQUIRED_BUILD_KEYS))
+        self.assertEqual(set(schema["properties"]["numerics"]["properties"]),
+                         set(check_contract.NUMERICS_KEYS))
+        self.assertEqual(set(schema["properties"]["reference"]["properties"]),
+                         set(check_contract.REFERENCE_KEYS))
+
+
+# -- The build, test and parity tiers --------------------------------------
+
+TINY_H = """#include <stdint.h>
+#define TINY_ABI_VERSION 2
+uint32_t tiny_abi_version(void);
+const char* tiny_error_string(int code);
+"""
+
+TINY_C = """#include "tiny.h"
+uint32_t tiny_abi_version(void) { return %s; }
+const char* tiny_error_string(int code) { return code == 0 ? "ok" : "bad argument"; }
+"""
+
+TINY_BUILD = Executable("""#!/bin/sh
+set -eu
+out_dir=$1
+march=${2:-x86-64}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out_dir"
+echo "building for $march"
+cc -shared -fPIC -march="$march" "$here/tiny.c" -o "$out_dir/libtiny.so"
+""")
+
+
+def tiny_files(version="TINY_ABI_VERSION", build=TINY_BUILD, c_source=None, status="experimental"):
+    return {
+        "backends/cpu/tiny/tiny.backend.json": {
+            "name": "tiny", "abi_version": 2, "status": status, "sources": ["tiny.h", "tiny.c"],
+            "build": {"script": "build.sh", "output": "libtiny.so", "architectures": ["x86-64"],
+                      "default_arch": "x86-64"},
+            "numerics": {"tolerance": {"add_f32": 0}},
+            "reference": {"entrypoint": "backends/cpu/tiny/parity.py"}},
+        "backends/cpu/tiny/tiny.h": TINY_H,
+        "backends/cpu/tiny/tiny.c": c_source if c_source is not None else TINY_C % version,
+        "backends/cpu/tiny/build.sh": build,
+        "backends/cpu/tiny/parity.py": "print('max error 0 <= 0')\n",
+    }
+
+
+ELAPSED_LINE = re.compile(r"^\[ *[0-9]+\.[0-9]s\] ", re.M)
+
+
+def running(pid):
+    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
+    for _ in range(50):
+        try:
+            with open("/proc/%d/stat" % pid) as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class BuildTierTest(TreeTest):
+    def build(self, *args, env=None):
+        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
+                        env=env)
+
+    def test_tiny_c_backend_builds_loads_and_passes(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("[    0.0s] building for x86-64\n", out.replace("[    0.1s]", "[    0.0s]"))
+        self.assertRegex(out, r"\npassed cpu/tiny: exports tiny_abi_version and tiny_error_string; "
+                              r"tiny_abi_version\(\) = 2 \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+        self.assertTrue(os.path.isfile(self.path("out/cpu/tiny/libtiny.so")))
+
+    def test_arch_is_passed_to_the_script(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build("--arch", "x86-64-v2")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\] building for x86-64-v2\n")
+
+    def test_abi_mismatch_in_the_binary_is_an_error(self):
+        self.tree(tiny_files(version="3"))
+        rc, out, err = self.build("--format", "json")
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"\] building for x86-64\n")
+        result = json.loads(out)
+        self.assertEqual((result["passed"], result["failed"], result["skipped"]), (0, 1, 0))
+        self.assertEqual([(i["code"], i["message"]) for i in result["results"][0]["issues"]],
+                         [("R006", "tiny_abi_version() in libtiny.so returns 3 but abi_version is 2")])
+
+    def test_missing_symbol_is_an_error(self):
+        self.tree(tiny_files(c_source='#include "tiny.h"\nuint32_t tiny_abi_version(void) { return 2; }\n'))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("\n[error] cpu/tiny: libtiny.so does not export tiny_error_string\n", out)
+
+    def test_failing_build_script_is_reported(self):
+        self.tree(tiny_files(build=Executable(str(TINY_BUILD).replace(
+            'echo "building for $march"', 'echo "compiler exploded" >&2; exit 3'))))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertRegex(out, r"\] compiler exploded\n")
+        self.assertIn("\nfailed cpu/tiny: build script build.sh failed with exit status 3 (", out)
+        self.assertTrue(out.endswith("[error] cpu/tiny: build script build.sh failed with exit status 3\n"
+                                     "0 passed, 1 failed, 0 skipped\n"), out)
+
+    def test_build_that_runs_too_long_is_stopped(self):
+        pid_file = self.path("sleeper.pid")
+        self.tree(tiny_files(build=Executable(str(TINY_BUILD).replace(
+            'echo "building for $march"', 'sleep 60 & echo $! > %s; wait' % pid_file))))
+        rc, out, err = self.build("--timeout", "1")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: build script build.sh did not finish within 1s; it was stopped\n", out)
+        with open(pid_file) as handle:
+            sleeper = int(handle.read())
+        self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
+
+    def test_output_that_is_not_a_shared_object_is_an_error(self):
+        self.tree(tiny_files(build=Executable(
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -E - -o "$1/libtiny.so" < /dev/null\n')))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: libtiny.so is not a usable shared object: not an ELF file\n", out)
+
+    def test_missing_output_is_an_error(self):
+        self.tree(tiny_files(build=Executable(
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ntrue || cc -march=$march -o "$1/libtiny.so"\n')))
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: the build did not write libtiny.so (build.output) into its "
+                      "output directory\n", out)
+
+    def test_missing_toolchain_is_skipped_with_the_reason(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build(env={"CC": "/nonexistent/cc"})
+        self.assertEqual((rc, out), (0, "skipped cpu/tiny: /nonexistent/cc not found (set CC or put cc "
+                                        "on PATH)\n0 passed, 0 failed, 1 skipped\n"))
+
+    def test_backend_with_contract_errors_is_not_built(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/extra.c"] = ""
+        self.tree(files)
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1)
+        self.assertIn("failed cpu/tiny: not buildable: the contract check reports 1 error(s); run "
+                      "check_contract.py check cpu/tiny\n", out)
+
+    def test_planned_backend_is_skipped(self):
+        self.tree(tiny_files(status="planned"))
+        self.assertEqual(self.build(), (0, "skipped cpu/tiny: status is planned\n"
+                                           "0 passed, 0 failed, 1 skipped\n", ""))
+
+    def test_bad_timeout_is_a_usage_error(self):
+        self.tree(tiny_files())
+        rc, out, err = self.build("--timeout", "0")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertIn("argument --timeout: must be a number of seconds > 0, not '0'", err)
+
+
+NVCC = shutil.which("nvcc")
+
+TINY_CU = """#include <cstdint>
+#include <cuda_runtime.h>
+#define GPUTINY_ABI_VERSION 1
+extern "C" uint32_t gputiny_abi_version(void) { return GPUTINY_ABI_VERSION; }
+extern "C" const char* gputiny_error_string(int code) { return code ? "bad argument" : "ok"; }
+__global__ void twice(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2.0f; }
+extern "C" int gputiny_twice(float* x, int n, cudaStream_t stream) {
+    twice<<<1, 32, 0, stream>>>(x, n);
+    return 0;
+}
+"""
+
+GPU_BUILD = Executable("""#!/bin/bash
+set -euo pipefail
+out_dir=$1
+cap=${2:-80}
+mkdir -p "$out_dir"
+"${NVCC:-nvcc}" -shared -Xcompiler -fPIC -gencode "arch=compute_${cap},code=sm_${cap}" $EXTRA_GENCODE \\
+    "$(dirname "$0")/tiny.cu" -o "$out_dir/libgputiny.so"
+""")
+
+
+@unittest.skipUnless(NVCC, "nvcc is not installed, so no CUDA fixture can be built")
+class CudaBuildTierTest(TreeTest):
+    def setUp(self):
+        super().setUp()
+        self.tree({
+            "backends/cuda/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental", "sources": ["tiny.cu"],
+                "build": {"script": "build.sh", "output": "libgputiny.so", "architectures": [80],
+                          "default_arch": 80}},
+            "backends/cuda/gputiny/tiny.cu": TINY_CU,
+            "backends/cuda/gputiny/build.sh": GPU_BUILD})
+
+    def build(self, extra):
+        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")],
+                        env={"EXTRA_GENCODE": extra})
+
+    def test_fatbinary_targets_match_the_manifest(self):
+        rc, out, err = self.build("")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\npassed cuda/gputiny: exports gputiny_abi_version and "
+                              r"gputiny_error_string; gputiny_abi_version\(\) = 1; SASS 80 \(")
+
+    def test_fatbinary_with_an_unclaimed_target_is_an_error(self):
+        rc, out, err = self.build("-gencode arch=compute_75,code=sm_75")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("[error] cuda/gputiny: the fatbinary of libgputiny.so holds SASS for 75, 80 but "
+                      "build.architectures is 80\n", out)
+
+
+class TestTierTest(TreeTest):
+    def run_tests(self, *args):
+        return run_main(["--repo-root", self.root, "test"] + list(args))
+
+    def test_backend_tests_run_from_the_repository_root(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/tests/__init__.py"] = ""
+        files["backends/cpu/tiny/tests/test_tiny.py"] = (
+            "import os, unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_cwd_is_the_repository_root(self):\n"
+            "        self.assertTrue(os.path.isdir('backends/cpu/tiny'))\n")
+        self.tree(files)
+        rc, out, err = self.run_tests()
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"\] test_cwd_is_the_repository_root \(.*\) \.\.\. ok\n")
+        self.assertRegex(out, r"\npassed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+
+    def test_failing_backend_tests_fail_the_run(self):
+        files = tiny_files()
+        files["backends/cpu/tiny/tests/__init__.py"] = ""
+        files["backends/cpu/tiny/tests/test_tiny.py"] = (
+            "import unittest\nclass T(unittest.TestCase):\n    def test_no(self):\n        self.fail('no')\n")
+        self.tree(files)
+        rc, out, err = self.run_tests()
+        self.assertEqual(rc, 1)
+        self.assertIn("\n[error] cpu/tiny: tests failed (exit status 1)\n0 passed, 1 failed, 0 skipped\n", out)
+
+    def test_backend_without_tests_gets_a_warning_only_here(self):
+        self.tree(tiny_files())
+        self.assertEqual(self.run_tests(), (0, "skipped cpu/tiny: no tests\n[warning] cpu/tiny: has no tests "
+                                          "(test_*.py) beside its kernels; add them under "
+                                          "backends/cpu/tiny/tests/\n0 passed, 0 failed, 1 skipped\n", ""))
+        rc, out, err = run_main(["--repo-root", self.root])
+        self.assertEqual((rc, out), (0, "checked cpu/tiny: status=experimental abi=2\n"
+                                        "1 backend(s), 0 error(s), 0 warning(s)\n"))
+
+    def test_planned_backend_without_tests_gets_no_warning(self):
+        self.tree(tiny_files(status="planned"))
+        self.assertEqual(self.run_tests()[1], "skipped cpu/tiny: status is planned and there are no tests\n"
+                                         "0 passed, 0 failed, 1 skipped\n")
+
+
+class ParityTierTest(TreeTest):
+    def parity(self, script, *args, status="validated"):
+        files = tiny_files(status=status)
+        files["backends/cpu/tiny/parity.py"] = script
+        self.tree(files)
+        return run_main(["--repo-root", self.root, "parity"] + list(args))
+
+    def test_passing_entrypoint(self):
+        rc, out, err = self.parity("print('rmsnorm max error 1e-8 <= 1e-7')\n")
+        self.assertEqual(rc, 0)
+        self.assertRegex(out, r"^==> parity cpu/tiny: .*\n\[ *[0-9.]+s\] rmsnorm max error 1e-8 <= 1e-7\n"
+                              r"passed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+
+    def test_failing_entrypoint(self):
+        rc, out, err = self.parity("import sys\nprint('too far')\nsys.exit(1)\n")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] cpu/tiny: backends/cpu/tiny/parity.py failed (exit status 1)\n", out)
+
+    def test_skip_line_means_skipped_with_the_reason(self):
+        rc, out, err = self.parity("print('SKIP: no CUDA GPU here')\n", "--format", "json")
+        self.assertEqual(rc, 0)
+        result = json.loads(out)
+        self.assertEqual((result["passed"], result["skipped"]), (0, 1))
+        self.assertEqual(result["results"][0]["detail"], "no CUDA GPU here")
+        self.assertRegex(err, r"\] SKIP: no CUDA GPU here\n")
+
+    def test_skip_line_with_failure_exit_is_a_failure(self):
+        rc, out, err = self.parity("import sys\nprint('SKIP: pretending')\nsys.exit(2)\n")
+        self.assertEqual(rc, 1)
+
+    def test_only_validated_backends_run_unless_named(self):
+        self.assertEqual(self.parity("print('x')\n", status="experimental"),
+                         (0, "0 passed, 0 failed, 0 skipped\n", ""))
+        rc, out, err = run_main(["--repo-root", self.root, "parity", "tiny"])
+        self.assertEqual(rc, 0)
+        self.assertIn("passed cpu/tiny (", out)
+
+
+if __name__ == "__main__":
+    unittest.main()
