@@ -1078,6 +1078,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         present = os.path.isdir(cache)
         same_fs = present and os.stat(cache).st_dev == backup_dev
         entry["caches"].append({"path": cache, "present": present,
+                                "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
                                 "method": "rename" if same_fs or not present else "tar",
                                 "backup": "%s/c%d%s" % (directory, number,
                                                         "" if same_fs or not present else ".tar")})
@@ -1271,6 +1272,7 @@ def restore_cache(state: State, entry: dict, cache: dict) -> None:
         if os.path.isdir(backup):
             remove_path(path)
             durable_rename(backup, path)
+            os.utime(path, ns=(cache["mtime_ns"], cache["mtime_ns"]), follow_symlinks=False)
         return
     if not os.path.isfile(backup):
         return
@@ -1312,9 +1314,9 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
             if os.path.isdir(directory) and not os.path.islink(directory):
                 os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
-    remove_path(os.path.join(state.root, "backups", str(entry["id"])))
     manifest["entries"].remove(entry)
     state.save(manifest)
+    remove_path(os.path.join(state.root, "backups", str(entry["id"])))
 
 
 def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) -> List[str]:
