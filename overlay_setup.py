@@ -70,11 +70,11 @@ import re
 import selectors
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -226,10 +226,48 @@ def install_file(target: str, source: Optional[str], data: Optional[bytes], mode
 
 
 def durable_copy(source: str, target: str) -> str:
-    """Copy a regular file with its mode and times, fsynced; returns its sha256."""
+    """Copy a regular file with its mode and times and fsync it; returns its
+    sha256.  The kernel copies (sendfile) while a thread hashes, so a large
+    artifact costs about one copy.  The caller fsyncs the directory once."""
+    mutation_point()
+    write_point(target)
     st = os.stat(source, follow_symlinks=False)
-    return install_file(target, source, None, stat.S_IMODE(st.st_mode),
-                        (st.st_atime_ns, st.st_mtime_ns))
+    digest: List[object] = []
+
+    def hash_source() -> None:
+        try:
+            digest.append(file_sha256(source))
+        except OSError as exc:
+            digest.append(exc)
+
+    hasher = threading.Thread(target=hash_source)
+    hasher.start()
+    try:
+        with open(source, "rb") as src:
+            fd = _open_new(target, 0o600)
+            try:
+                offset = 0
+                while offset < st.st_size:
+                    sent = os.sendfile(fd, src.fileno(), offset, min(st.st_size - offset, 1 << 30))
+                    if sent == 0:
+                        break
+                    offset += sent
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    finally:
+        hasher.join()
+    os.chmod(target, stat.S_IMODE(st.st_mode))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if isinstance(digest[0], OSError):
+        raise digest[0]
+    return digest[0]
+
+
+def file_identity(path: str) -> list:
+    """What changes whenever a file's content is rewritten (ctime included)."""
+    st = os.lstat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def durable_rename(source: str, target: str) -> None:
@@ -297,7 +335,7 @@ def is_within(path: str, root: str) -> bool:
 
 
 def host_name() -> str:
-    return socket.gethostname()
+    return os.uname().nodename
 
 
 # ---------------------------------------------------------------- owners
@@ -1053,17 +1091,17 @@ def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
 def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                        artifacts: List[str], caches: List[str], build: Optional[dict],
                        command: str) -> dict:
-    """Steps 1-2: journal the intent, make backups durable, set caches aside.
-    `changes` maps each source to its patched content (None: delete it)."""
+    """Steps 1-3: make the backups and the journal entry durable, then set the
+    caches aside and swap the sources.  `changes` maps each source to its
+    patched content (None: delete it).  A crash before the entry is journaled
+    leaves only unreferenced backups; the install is untouched until then."""
     entry_id = manifest["next_id"]
-    manifest["next_id"] = entry_id + 1
     directory = "backups/%d" % entry_id
-    entry = {"id": entry_id, "command": command, "state": "preparing",
+    entry = {"id": entry_id, "command": command, "state": "applying",
              "sources": [], "artifacts": [], "caches": [], "build": build,
              "scan": None, "untracked": None}
     for number, (source, patched) in enumerate(changes):
         record = record_file(source, "source")
-        record["patched"] = "%s/s%d.patched" % (directory, number) if patched is not None else None
         record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
         if record["present"]:
             record["backup"] = "%s/s%d" % (directory, number)
@@ -1088,26 +1126,23 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and parent not in entry["dirs"]:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
-    manifest["entries"].append(entry)
-    state.save(manifest)
 
-    makedirs_durable(os.path.join(state.root, directory))
-    for (source, patched), record in zip(changes, entry["sources"]):
-        if patched is not None:
-            durable_write(state.state_path(record["patched"]), patched)
-        if record["present"]:
-            record["sha256"] = durable_copy(source, state.state_path(record["backup"]))
-        else:
-            record["sha256"] = None
-    for record in entry["artifacts"]:
+    backup_dir = os.path.join(state.root, directory)
+    remove_path(backup_dir)
+    makedirs_durable(backup_dir)
+    for record in entry["sources"] + entry["artifacts"]:
+        record["sha256"] = None
         if record["present"]:
             record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
-        else:
-            record["sha256"] = None
+            record["identity"] = file_identity(record["path"])
     for cache in entry["caches"]:
         if cache["present"] and cache["method"] == "tar":
             snapshot_cache(cache["path"], state.state_path(cache["backup"]))
-    entry["state"] = "backed-up"
+    if build is not None:
+        write_prebuild_scan(state, entry)
+    fsync_dir(backup_dir)
+    manifest["next_id"] = entry_id + 1
+    manifest["entries"].append(entry)
     state.save(manifest)
 
     for cache in entry["caches"]:
@@ -1117,15 +1152,33 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
             durable_rename(cache["path"], state.state_path(cache["backup"]))
         else:
             remove_path(cache["path"])
-    for record in entry["sources"]:
-        if record["patched"] is None:
-            remove_path(record["path"])
+    for (source, patched), record in zip(changes, entry["sources"]):
+        if patched is None:
+            remove_path(source)
         else:
-            mode = record.get("mode", 0o644)
-            install_file(record["path"], state.state_path(record["patched"]), None, mode, None)
-    entry["state"] = "applied"
-    state.save(manifest)
+            install_file(source, None, patched, record.get("mode", 0o644), None)
+    if build is None:
+        entry["state"] = "applied"
+        state.save(manifest)
     return entry
+
+
+def write_prebuild_scan(state: State, entry: dict) -> None:
+    """What the build directory holds before the build, to find its untracked
+    products afterwards (also after a crash during the build)."""
+    cwd = entry["build"]["cwd"]
+    before, truncated = scan_tree(cwd, scan_exclusions(state, entry))
+    if truncated:
+        print("warning: more than %d entries under %s; untracked build products are looked for "
+              "only among the first %d" % (SCAN_LIMIT, cwd, SCAN_LIMIT), file=sys.stderr)
+    entry["scan"] = "backups/%d/prebuild-scan.json" % entry["id"]
+    path = state.state_path(entry["scan"])
+    mutation_point()
+    write_point(path)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(before, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def stream_build(command: str, cwd: str, timeout: Optional[float]) -> Tuple[Optional[int], float]:
@@ -1179,20 +1232,14 @@ def stream_build(command: str, cwd: str, timeout: Optional[float]) -> Tuple[Opti
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
-    before, truncated = scan_tree(build["cwd"], scan_exclusions(state, entry))
-    entry["scan"] = "backups/%d/prebuild-scan.json" % entry["id"]
-    durable_write(state.state_path(entry["scan"]), json.dumps(before).encode())
-    if truncated:
-        print("warning: more than %d entries under %s; untracked build products are looked for "
-              "only among the first %d" % (SCAN_LIMIT, build["cwd"], SCAN_LIMIT), file=sys.stderr)
-    entry["state"] = "building"
-    state.save(manifest)
     mutation_point()
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
     status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"))
     build["rc"], build["seconds"] = status, round(seconds, 3)
     for record in entry["artifacts"]:
-        record["built_sha256"] = file_sha256(record["path"])
+        unchanged = record["present"] and os.path.isfile(record["path"]) and \
+            file_identity(record["path"]) == record["identity"]
+        record["built_sha256"] = record["sha256"] if unchanged else file_sha256(record["path"])
     entry["untracked"] = untracked_products(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
     state.save(manifest)
@@ -1216,8 +1263,6 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
 
 def source_drift(entry: dict) -> List[str]:
     """Sources changed by someone else after the apply (neither original nor patched)."""
-    if entry["state"] == "preparing":
-        return []
     changed = []
     for record in entry["sources"]:
         current = file_sha256(record["path"])
@@ -1227,8 +1272,6 @@ def source_drift(entry: dict) -> List[str]:
 
 
 def check_entry_restorable(state: State, entry: dict) -> None:
-    if entry["state"] == "preparing":
-        return
     for record in entry["sources"] + entry["artifacts"]:
         if record["present"] and not os.path.isfile(state.state_path(record["backup"])):
             raise OverlayError("E503", "the backup of %s is missing from %s; nothing was changed: "
@@ -1300,20 +1343,16 @@ def remove_products(products: List[dict]) -> None:
 
 def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> None:
     """Restore one entry (idempotent: safe to run again after a crash)."""
-    if entry["state"] != "preparing":
-        products = [] if keep_untracked else untracked_products(state, entry)
-        if entry["state"] != "reverting":
-            entry["state"] = "reverting"
-            state.save(manifest)
-        for record in entry["sources"] + entry["artifacts"]:
-            restore_file(state, record)
-            remove_path(temp_beside(record["path"]))
-        for cache in entry["caches"]:
-            restore_cache(state, entry, cache)
-        remove_products(products)
-        for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
-            if os.path.isdir(directory) and not os.path.islink(directory):
-                os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+    products = [] if keep_untracked else untracked_products(state, entry)
+    for record in entry["sources"] + entry["artifacts"]:
+        restore_file(state, record)
+        remove_path(temp_beside(record["path"]))
+    for cache in entry["caches"]:
+        restore_cache(state, entry, cache)
+    remove_products(products)
+    for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
     manifest["entries"].remove(entry)
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
@@ -1531,7 +1570,6 @@ def cmd_add_native(args: argparse.Namespace) -> int:
         claim_owner(manifest, args.owner_pid)
         validate_native_plan(state, manifest, [source], artifacts, caches,
                              build and build["cwd"])
-        state.save(manifest)
         entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
                               "add-native")
     print("entry %d applied: %s; measure, then run `overlay_setup.py verify-native` and "
@@ -1561,6 +1599,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
                                "nothing was written: leave it out of the patch"
                                % (name, relative, " ".join(NATIVE_SUFFIXES)))
         target = os.path.join(root, relative)
+        if not os.path.isdir(os.path.dirname(target)):
+            raise OverlayError("E102", "%s: the directory of %s does not exist under %s; create "
+                               "it first (the overlay does not create directories)"
+                               % (name, relative, root))
         if os.path.islink(target):
             raise OverlayError("E104", "%s: %s is a symlink; patch the file it points to"
                                % (name, target))
@@ -1587,7 +1629,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
                                    "`overlay_setup.py revert` first" % module)
         validate_native_plan(state, manifest, [path for path, _ in natives], artifacts, caches,
                              build and build["cwd"])
-        state.save(manifest)
 
         def python_update() -> None:
             for module, content, package_dir, origin in modules:

@@ -430,6 +430,101 @@ class CProjectTest(OverlayTestCase):
         waiter.stderr.close()
 
 
+class RefusalTest(OverlayTestCase):
+    """Each remaining refusal, with its exact message; nothing changes."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n", "cache/x": "x\n"})
+        self.source = os.path.join(self.proj, "k.c")
+        self.fast = os.path.join(self.proj, "fast.c")
+
+    def add(self, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", self.source, "--patched", self.fast, *extra)
+
+    def test_symlinked_source_is_refused(self) -> None:
+        link = os.path.join(self.proj, "link.c")
+        os.symlink(self.source, link)
+        self.assertEqual(self.tool("add-native", "--source", link, "--patched", self.fast,
+                                   "--no-build"), (
+            1, "", "overlay_setup: E104 source %s is a symlink; pass the file it points to (%s)\n"
+            % (link, self.source)))
+
+    def test_artifact_inside_an_invalidated_cache_is_refused(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        self.assertEqual(self.add("--artifact", cache + "/x", "--invalidate-cache", cache,
+                                  "--no-build"), (
+            1, "", "overlay_setup: E106 %s/x lies inside --invalidate-cache %s, which is set aside "
+            "whole; drop one of them\n" % (cache, cache)))
+
+    def test_missing_build_directory_is_refused(self) -> None:
+        self.assertEqual(self.add("--build-cmd", "make", "--build-cwd", "/nonexistent"), (
+            1, "", "overlay_setup: E107 --build-cwd /nonexistent is not a directory; pass the "
+            "directory the build command runs in\n"))
+
+    def test_build_command_and_no_build_exclude_each_other(self) -> None:
+        self.assertEqual(self.add("--build-cmd", "make", "--no-build"), (
+            2, "", "overlay_setup: E109 --build-cmd and --no-build exclude each other; pass one\n"))
+
+    def test_module_already_overlaid_is_refused(self) -> None:
+        self.assertOk(self.tool("add-python", "pkg.mod", self.fast))
+        self.assertEqual(self.tool("add-python", "pkg.mod", self.fast), (
+            1, "", "overlay_setup: E103 module pkg.mod is already overlaid; run "
+            "`overlay_setup.py revert` first\n"))
+
+    def test_unreadable_journal_is_refused(self) -> None:
+        self.assertOk(self.tool("init"))
+        write_text_file(os.path.join(self.state, "manifest.json"), "{not json")
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertRegex(err, r"^overlay_setup: E202 journal %s/manifest.json is unreadable "
+                              r"\(.*\); inspect it, or move the state directory away if nothing "
+                              r"is applied\n$" % self.state)
+
+    def test_state_path_that_is_a_file_is_refused(self) -> None:
+        write_text_file(self.state, "")
+        self.assertEqual(self.tool("init"), (
+            1, "", "overlay_setup: E206 state directory %s is not a directory; pass another "
+            "--state\n" % self.state))
+
+    def test_missing_backup_is_refused_before_anything_changes(self) -> None:
+        self.assertOk(self.add("--no-build"))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        os.unlink(os.path.join(self.state, manifest["entries"][0]["sources"][0]["backup"]))
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E503 the backup of %s is missing from %s; nothing was changed: "
+            "restore that file by hand, then remove entry 1 from the journal\n"
+            % (self.source, self.state)))
+        self.assertEqual(read_text(self.source), "int k = 7;\n")
+
+    def test_new_file_in_a_missing_directory_is_refused(self) -> None:
+        write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/sub/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E102 new.diff: the directory of sub/new.c does not exist under "
+            "%s; create it first (the overlay does not create directories)\n" % self.proj))
+
+    def test_renaming_patch_is_refused(self) -> None:
+        write_tree(self.tmp, {"mv.diff": "diff --git a/k.c b/k2.c\nsimilarity index 100%\n"
+                                         "rename from k.c\nrename to k2.c\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "mv.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E305 mv.diff: renames and copies are not supported; regenerate "
+            "the patch with `git diff --no-renames`\n"))
+
+    def test_file_created_where_a_directory_now_stands_is_refused_on_revert(self) -> None:
+        new = os.path.join(self.proj, "new.c")
+        write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
+        self.assertOk(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root", self.proj,
+                                "--no-build"))
+        os.unlink(new)
+        os.mkdir(new)
+        self.assertEqual(self.tool("revert", "--force"), (
+            1, "", "overlay_setup: E504 %s was absent before the overlay and is now a directory; "
+            "remove it by hand, then run revert again\n" % new))
+
+
 class PatchTest(OverlayTestCase):
     """`apply` with real git diffs: natives in place, .py to the overlay."""
 
@@ -725,10 +820,10 @@ class CrashMatrixTest(unittest.TestCase):
             self.assertRestored(root, shm, expected, "ENOSPC at write %d" % write)
 
     def test_kill_at_every_point_of_add_native_is_recovered_by_gc_stale(self) -> None:
-        self.assertGreater(self.kill_matrix(self.add_native_args), 15)
+        self.assertGreater(self.kill_matrix(self.add_native_args), 10)
 
     def test_kill_at_every_point_of_apply_is_recovered_by_gc_stale(self) -> None:
-        self.assertGreater(self.kill_matrix(self.apply_args), 15)
+        self.assertGreater(self.kill_matrix(self.apply_args), 10)
 
     def test_kill_at_every_point_of_revert_is_recovered_by_gc_stale(self) -> None:
         point = 0
