@@ -177,52 +177,54 @@ def durable_write(path: str, data: bytes, mode: int = 0o600) -> None:
 
 
 def install_file(target: str, source: Optional[str], data: Optional[bytes], mode: int,
-                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False) -> str:
-    """Put content at `target` through a temp file and a rename, so a symlink
-    planted at `target` is replaced and never followed.  Returns the sha256 of
-    what was written.  With `link_ok` a hard link to `source` is tried first
-    (constant time for a backup on the same filesystem)."""
+                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False) -> None:
+    """Put `data` (or a copy of `source`) at `target` through a temp file and a
+    rename, so a symlink planted at `target` is replaced and never followed.
+    With `link_ok` a hard link to `source` is tried first: constant time for a
+    backup on the same filesystem, which stays until the entry is done."""
     mutation_point()
     write_point(target)
     tmp = temp_beside(target)
-    digest = None
-    if link_ok and source is not None:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        try:
-            os.link(source, tmp, follow_symlinks=False)
-        except OSError:
-            pass
-        else:
-            digest = ""
-    if digest is None:
+    if not (link_ok and _link(source, tmp)):
         fd = _open_new(tmp, 0o600)
-        hasher = hashlib.sha256()
         try:
             if data is not None:
-                hasher.update(data)
                 _write_all(fd, data)
             else:
-                with open(source, "rb") as src:
-                    while True:
-                        block = src.read(CHUNK)
-                        if not block:
-                            break
-                        hasher.update(block)
-                        _write_all(fd, block)
+                _copy_into(fd, source)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
             raise
         os.close(fd)
-        digest = hasher.hexdigest()
     os.chmod(tmp, mode)
     if mtime_ns is not None:
         os.utime(tmp, ns=mtime_ns, follow_symlinks=False)
     os.replace(tmp, target)
     fsync_dir(os.path.dirname(target))
-    return digest
+
+
+def _link(source: str, tmp: str) -> bool:
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _copy_into(fd: int, source: str) -> None:
+    """Copy a file's content into an open descriptor, in the kernel."""
+    with open(source, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(fd, src.fileno(), offset, min(size - offset, 1 << 30))
+            if sent == 0:
+                break
+            offset += sent
 
 
 def durable_copy(source: str, target: str) -> str:
@@ -243,18 +245,12 @@ def durable_copy(source: str, target: str) -> str:
     hasher = threading.Thread(target=hash_source)
     hasher.start()
     try:
-        with open(source, "rb") as src:
-            fd = _open_new(target, 0o600)
-            try:
-                offset = 0
-                while offset < st.st_size:
-                    sent = os.sendfile(fd, src.fileno(), offset, min(st.st_size - offset, 1 << 30))
-                    if sent == 0:
-                        break
-                    offset += sent
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fd = _open_new(target, 0o600)
+        try:
+            _copy_into(fd, source)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     finally:
         hasher.join()
     os.chmod(target, stat.S_IMODE(st.st_mode))
@@ -301,7 +297,7 @@ def makedirs_durable(path: str, mode: int = 0o700) -> None:
 
 
 def file_sha256(path: str) -> Optional[str]:
-    """sha256 of a regular file; None when absent; 'symlink:<target>' or 'dir' otherwise."""
+    """sha256 of a regular file; None when absent; 'symlink:<target>' or 'special' otherwise."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -733,6 +729,8 @@ class FilePatch:
 
     @property
     def path(self) -> str:
+        """The file patched: the new name (as `git apply` and `patch` use for
+        `--- foo.c.orig` / `+++ foo.c`), or the old one for a deletion."""
         return self.new if self.new is not None else self.old
 
 
@@ -778,9 +776,9 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
                             strip_components(lines[index + 1].rstrip("\n")[4:], strip, patch_name))
         if current.old is None and current.new is None:
             raise OverlayError("E301", "%s: a file goes from /dev/null to /dev/null" % patch_name)
-        if current.old is not None and current.new is not None and current.old != current.new:
-            raise OverlayError("E305", "%s: renaming %s to %s is not supported"
-                               % (patch_name, current.old, current.new))
+        if any(earlier.path == current.path for earlier in patches):
+            raise OverlayError("E301", "%s: %s appears twice; regenerate the patch with one diff "
+                               "per file" % (patch_name, current.path))
         patches.append(current)
         index += 2
         while index < len(lines):
@@ -797,6 +795,8 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
                 raw = lines[index]
                 tag = raw[:1]
                 if tag == "\\":
+                    if body:
+                        body[-1] = (body[-1][0], body[-1][1].rstrip("\n"))
                     index += 1
                     continue
                 if raw in ("\n", "\r\n"):

@@ -642,6 +642,18 @@ class PatchTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
+    def test_missing_final_newline_is_kept_on_both_sides(self) -> None:
+        write_tree(self.proj, {"tail.c": "int a;\nint b;"})
+        write_tree(self.work, {"tail.c": "int a;\nint b;"})
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        subprocess.run(self.git + ["commit", "-qm", "tail"], check=True)
+        patch = self.make_patch({"tail.c": "int a;\nint c;"})
+        self.assertEqual(read_text(patch).count("\\ No newline at end of file"), 2)
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint c;")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint b;")
+
     def test_unsupported_file_kind_is_refused(self) -> None:
         patch = self.make_patch({"Makefile": KERNELS["Makefile"] + "# more\n"})
         self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
