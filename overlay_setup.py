@@ -749,12 +749,7 @@ def strip_components(raw: str, strip: int, patch_name: str) -> Optional[str]:
     if len(parts) <= strip:
         raise OverlayError("E301", "%s: path %r has fewer than %d components to strip; pass a "
                            "smaller -p" % (patch_name, raw, strip))
-    path = "/".join(parts[strip:])
-    if (os.path.isabs(path) or not path or os.path.normpath(path) != path
-            or path.split("/")[0] == ".."):
-        raise OverlayError("E304", "%s: path %r leaves the --root directory; nothing was written"
-                           % (patch_name, raw))
-    return path
+    return "/".join(parts[strip:])
 
 
 def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
@@ -776,6 +771,11 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
                             strip_components(lines[index + 1].rstrip("\n")[4:], strip, patch_name))
         if current.old is None and current.new is None:
             raise OverlayError("E301", "%s: a file goes from /dev/null to /dev/null" % patch_name)
+        path = current.path
+        if (os.path.isabs(path) or not path or os.path.normpath(path) != path
+                or path.split("/")[0] == ".."):
+            raise OverlayError("E304", "%s: path %r leaves the --root directory; nothing was "
+                               "written" % (patch_name, path))
         if any(earlier.path == current.path for earlier in patches):
             raise OverlayError("E301", "%s: %s appears twice; regenerate the patch with one diff "
                                "per file" % (patch_name, current.path))
@@ -1572,8 +1572,12 @@ def cmd_add_native(args: argparse.Namespace) -> int:
                              build and build["cwd"])
         entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
                               "add-native")
-    print("entry %d applied: %s; measure, then run `overlay_setup.py verify-native` and "
-          "`overlay_setup.py revert`" % (entry["id"], source))
+    if build is None:
+        print("entry %d applied without a build: %s; run `overlay_setup.py revert` to take it "
+              "back" % (entry["id"], source))
+    else:
+        print("entry %d applied: %s; run `overlay_setup.py verify-native`, measure, then "
+              "`overlay_setup.py revert`" % (entry["id"], source))
     return 0
 
 

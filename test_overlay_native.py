@@ -665,7 +665,7 @@ class PatchTest(OverlayTestCase):
         write_tree(self.tmp, {"evil.diff": "--- a/../x.c\n+++ b/../x.c\n@@ -0,0 +1 @@\n+int x;\n"})
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "evil.diff"), "--root",
                                    self.proj, "--no-build"), (
-            1, "", "overlay_setup: E304 evil.diff: path 'a/../x.c' leaves the --root directory; "
+            1, "", "overlay_setup: E304 evil.diff: path '../x.c' leaves the --root directory; "
             "nothing was written\n"))
 
     def test_text_without_a_diff_is_refused(self) -> None:
