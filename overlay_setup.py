@@ -286,11 +286,11 @@ def remove_path(path: str) -> None:
     fsync_dir(os.path.dirname(path))
 
 
-def makedirs_durable(path: str, mode: int = 0o700) -> None:
+def makedirs_durable(path: str, mode: int = 0o755) -> None:
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
-    makedirs_durable(parent, mode)
+    makedirs_durable(parent)
     mutation_point()
     os.mkdir(path, mode)
     fsync_dir(parent)
@@ -314,6 +314,11 @@ def file_sha256(path: str) -> Optional[str]:
                 break
             hasher.update(block)
     return hasher.hexdigest()
+
+
+def written(exc: OSError) -> str:
+    """The file an I/O error is about, for a one-line message."""
+    return exc.filename if exc.filename is not None else "a file"
 
 
 # ---------------------------------------------------------------- paths
@@ -424,7 +429,7 @@ class State:
 
     def create(self) -> None:
         self.check_safe()
-        makedirs_durable(self.root)
+        makedirs_durable(self.root, 0o700)
 
     # -- lock
 
@@ -1548,9 +1553,9 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `overlay_setup.py revert` once the cause is fixed"
-                           % (exc.filename, exc.strerror, getattr(second, "strerror", second)))
+                           % (written(exc), exc.strerror, getattr(second, "strerror", second)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (exc.filename, exc.strerror))
+                       "run the command again" % (written(exc), exc.strerror))
 
 
 def cmd_add_native(args: argparse.Namespace) -> int:
@@ -1740,7 +1745,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
                                "what is left: fix the cause and run `overlay_setup.py revert` "
-                               "again" % (exc.filename, exc.strerror))
+                               "again" % (written(exc), exc.strerror))
     for line in done:
         print(line)
     print("reverted %s" % state.root)
@@ -1794,7 +1799,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
         except OSError as exc:
             failures += 1
             print("overlay_setup: E601 %s: could not write %s (%s); run `overlay_setup.py "
-                  "gc-stale` again once the cause is fixed" % (directory, exc.filename,
+                  "gc-stale` again once the cause is fixed" % (directory, written(exc),
                                                               exc.strerror), file=sys.stderr)
     if failures:
         print("overlay_setup: %d state director%s refused or failed; see above"
@@ -1902,7 +1907,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as exc:
         print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
               "fix the cause, then run `overlay_setup.py revert`"
-              % (exc.filename, exc.strerror), file=sys.stderr)
+              % (written(exc), exc.strerror), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("overlay_setup: interrupted; run `overlay_setup.py status`, then "

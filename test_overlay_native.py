@@ -714,6 +714,31 @@ class PythonOverlayTest(OverlayTestCase):
         self.assertEqual(self.tool("rebind", "pkg.mathops", "pkg.fast:scale"), (
             2, "", "overlay_setup: E105 TARGET 'pkg.mathops' must look like pkg.mod:attr\n"))
 
+    def test_init_is_idempotent_and_env_prints_the_exports(self) -> None:
+        first = self.tool("init")
+        self.assertEqual(first, self.tool("init"))
+        self.assertEqual(first, (0, "overlay state ready at %s (owner pid %d on %s (live))\n"
+                                 % (self.state, os.getppid(), overlay_setup.host_name()), ""))
+        existing = os.environ.get("PYTHONPATH")
+        expected = os.path.join(self.state, "site") + (os.pathsep + existing if existing else "")
+        self.assertEqual(self.tool("env"), (0, "export PYTHONPATH=%s\nexport OVERLAY_STATE=%s\n"
+                                            % (expected, self.state), ""))
+        self.assertEqual(json.loads(self.tool("env", "--json")[1]),
+                         {"PYTHONPATH": expected, "OVERLAY_STATE": self.state})
+
+    def test_status_json_shows_modules_rebinds_and_a_live_owner(self) -> None:
+        self.assertOk(self.tool("add-python", "pkg.mathops", os.path.join(self.proj, "shadow.py")))
+        self.assertOk(self.tool("rebind", "pkg.fast:scale", "pkg.mathops:scale"))
+        status = json.loads(self.tool("status", "--json")[1])
+        self.assertEqual(status["owner"]["liveness"], "live")
+        self.assertEqual(sorted(status["manifest"]["python"]["modules"]), ["pkg.mathops"])
+        self.assertEqual(status["manifest"]["python"]["rebinds"],
+                         {"pkg.fast:scale": "pkg.mathops:scale"})
+        rc, out, err = self.tool("status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("python: pkg.mathops <- %s\nrebind: pkg.fast:scale -> pkg.mathops:scale\n"
+                      % os.path.join(self.proj, "shadow.py"), out)
+
     def test_env_without_an_overlay_says_what_to_run(self) -> None:
         self.assertEqual(self.tool("env"), (
             1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py init` first\n"
