@@ -817,6 +817,9 @@ class CrashMatrixTest(unittest.TestCase):
 
     def assertRestored(self, root: str, shm: str, expected: tuple, context: str) -> None:
         self.assertEqual((tree_state(root), tree_state(shm)), expected, context)
+        served = os.path.join(os.path.dirname(root), "state", "site", "overlay.json")
+        if os.path.exists(served):
+            self.assertFalse(read_json(served)["enabled"], "Python overlay still on: " + context)
 
     def kill_matrix(self, make_args) -> int:
         point = 0
