@@ -1277,7 +1277,14 @@ def source_drift(entry: dict) -> List[str]:
 
 
 def check_entry_restorable(state: State, entry: dict) -> None:
+    """Everything a revert of `entry` needs, checked before anything changes."""
     for record in entry["sources"] + entry["artifacts"]:
+        path = record["path"]
+        if os.path.isdir(path) and not os.path.islink(path):
+            # Someone's directory: a revert never removes one wholesale.
+            raise OverlayError("E504", "%s is now a directory where the overlay %s a file; nothing "
+                               "was reverted: move it away by hand, then run revert again"
+                               % (path, "restores" if record["present"] else "removes"))
         if record["present"] and not os.path.isfile(state.state_path(record["backup"])):
             raise OverlayError("E503", "the backup of %s is missing from %s; nothing was changed: "
                                "restore that file by hand, then remove entry %d from the journal"
@@ -1292,15 +1299,9 @@ def check_entry_restorable(state: State, entry: dict) -> None:
 def restore_file(state: State, record: dict) -> None:
     path = record["path"]
     if not record["present"]:
-        if os.path.lexists(path):
-            if os.path.isdir(path) and not os.path.islink(path):
-                raise OverlayError("E504", "%s was absent before the overlay and is now a "
-                                   "directory; remove it by hand, then run revert again" % path)
-            remove_path(path)
+        remove_path(path)
         return
     backup = state.state_path(record["backup"])
-    if os.path.isdir(path) and not os.path.islink(path):
-        remove_path(path)
     same_fs = os.stat(backup).st_dev == os.stat(os.path.dirname(path)).st_dev
     install_file(path, backup, None, record["mode"], (record["atime_ns"], record["mtime_ns"]),
                  link_ok=same_fs)

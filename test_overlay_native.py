@@ -514,14 +514,18 @@ class RefusalTest(OverlayTestCase):
 
     def test_file_created_where_a_directory_now_stands_is_refused_on_revert(self) -> None:
         new = os.path.join(self.proj, "new.c")
+        before = tree_state(self.proj)
         write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
         self.assertOk(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root", self.proj,
                                 "--no-build"))
         os.unlink(new)
         os.mkdir(new)
         self.assertEqual(self.tool("revert", "--force"), (
-            1, "", "overlay_setup: E504 %s was absent before the overlay and is now a directory; "
-            "remove it by hand, then run revert again\n" % new))
+            1, "", "overlay_setup: E504 %s is now a directory where the overlay removes a file; "
+            "nothing was reverted: move it away by hand, then run revert again\n" % new))
+        os.rmdir(new)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
 
 
 class PatchTest(OverlayTestCase):
