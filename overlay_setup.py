@@ -1665,13 +1665,19 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     manifest = state.load()
     checked = 0
     problems = []
-    for entry in manifest["entries"]:
+    # An artifact is judged by the latest entry that rebuilt it: a later build
+    # of a shared library legitimately changes what an earlier one produced.
+    seen = set()
+    for entry in reversed(manifest["entries"]):
         if entry["state"] != "built":
             if entry["build"] is not None:
                 problems.append("entry %d is %s, not built: run `overlay_setup.py revert` and "
                                 "apply again" % (entry["id"], entry["state"]))
             continue
         for record in entry["artifacts"]:
+            if record["path"] in seen:
+                continue
+            seen.add(record["path"])
             checked += 1
             current = file_sha256(record["path"])
             if current is None:

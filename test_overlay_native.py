@@ -190,6 +190,24 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
 
+    def test_two_entries_sharing_an_artifact_are_reverted_in_reverse_order(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.add_kernel_b())
+        write_tree(self.tmp, {"kernel_a_fast.c": KERNELS["kernel_a.c"].replace("1.0", "1.5")})
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                os.path.join(self.tmp, "kernel_a_fast.c"),
+                                "--artifact", self.p("kernel_a.o"), "--artifact", self.lib,
+                                "--invalidate-cache", self.p("cache"),
+                                "--build-cmd", "make -j2", "--build-cwd", self.proj))
+        self.assertEqual(self.tool("verify-native"),
+                         (0, "3 artifact(s) rebuilt from the patched sources\n", ""))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\nreverted %s\n"
+                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), self.state))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+
     def test_silent_noop_build_fails_verify_native_naming_the_artifact(self) -> None:
         self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
                                 self.patched, "--artifact", self.lib, "--build-cmd", "true",
