@@ -1,0 +1,1926 @@
+#!/usr/bin/env python3
+"""overlay_setup.py: try a patched kernel inside a real install, then take it back out.
+
+One tool, one journal, one revert for two kinds of change:
+
+* native: a compiled source (.cu .cuh .hip .cpp .cc .cxx .c .h .hpp) is patched
+  in place inside an installed package, the install's own build command rebuilds
+  it incrementally, and `revert` gives back sources, artifacts and caches
+  byte-exact (content, mode, mtime; "absent" means removed);
+* Python: a module is shadowed (or an attribute rebound) for every Python
+  process started with the overlay's PYTHONPATH, through a generated
+  `sitecustomize.py` that chains to any other `sitecustomize` further along
+  the path.
+
+Promise: every mutation of the install is preceded by a durable journal record
+and durable backups (fsync, write-new-then-rename, fsync of the directory).  A
+run killed at any point leaves a state from which `revert` or `gc-stale`
+restores the tree byte-exact.  `revert` and `gc-stale` never run a command
+taken from the journal.
+
+Usage:
+  overlay_setup.py [--state DIR] init [--owner-pid PID]
+  overlay_setup.py [--state DIR] add-python MODULE FILE [--owner-pid PID]
+  overlay_setup.py [--state DIR] rebind pkg.mod:attr other.mod:attr [--owner-pid PID]
+  overlay_setup.py [--state DIR] env [--json]
+  overlay_setup.py [--state DIR] add-native --source PATH --patched FILE
+        [--artifact PATH]... [--invalidate-cache DIR]...
+        (--build-cmd CMD | --no-build) [--build-cwd DIR] [--timeout S] [--owner-pid PID]
+  overlay_setup.py [--state DIR] apply PATCH [--root DIR] [-p N] [--artifact PATH]...
+        [--invalidate-cache DIR]... (--build-cmd CMD | --no-build)
+        [--build-cwd DIR] [--timeout S] [--owner-pid PID]
+  overlay_setup.py [--state DIR] verify-native
+  overlay_setup.py [--state DIR] status [--json]
+  overlay_setup.py [--state DIR] revert [--force] [--keep-untracked]
+  overlay_setup.py gc-stale [--root DIR] [--dry-run]
+
+  --state may come before or after the subcommand; default $OVERLAY_STATE,
+  else ./.overlay.  The owner (--owner-pid, default: the parent process) is
+  recorded with its start time and host so that gc-stale tells a crashed run
+  from a live one, also after the pid was reused.
+
+Exit codes:
+  0  done (also: revert with nothing to revert)
+  1  failed; the message says what to run next
+  2  usage: a wrong option, a relative or unnormalised path, a bad module name
+
+Diagnostic codes (stable, never reused):
+  E1xx  arguments and preconditions (paths, files, modules, conflicts)
+  E2xx  the state directory and its journal (format, ownership, tampering, lock)
+  E3xx  patches (malformed, hunk does not apply, unsupported file kind)
+  E4xx  builds and verification
+  E5xx  revert and recovery
+  E6xx  I/O errors (no space, permission) during a change; the state stays recoverable
+
+Test hooks (for the crash and I/O-error tests only; never set them in use):
+  OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
+                            its N-th mutation (1-based) of the install or state.
+  OVERLAY_TEST_ENOSPC_AT=N  the N-th data write fails with OSError(ENOSPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+FORMAT_VERSION = 1
+TOOL_NAME = "overlay_setup"
+NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
+SCAN_LIMIT = 50000
+CHUNK = 1 << 20
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
+MTIME_KEY = "OVERLAY.mtime_ns"
+
+
+# ---------------------------------------------------------------- errors
+
+
+class OverlayError(Exception):
+    """A failure the user can act on: one line, a stable code, exit status 1."""
+
+    status = 1
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class UsageError(OverlayError):
+    status = 2
+
+
+# ---------------------------------------------------------------- fault hooks
+
+
+_FAULTS = {"points": 0, "writes": 0}
+
+
+def mutation_point() -> None:
+    """Count one mutation; the kill hook fires just before the chosen one."""
+    _FAULTS["points"] += 1
+    kill_at = os.environ.get("OVERLAY_TEST_KILL_AT")
+    if kill_at and int(kill_at) == _FAULTS["points"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_point(path: str) -> None:
+    _FAULTS["writes"] += 1
+    fail_at = os.environ.get("OVERLAY_TEST_ENOSPC_AT")
+    if fail_at and int(fail_at) == _FAULTS["writes"]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+# ---------------------------------------------------------------- durable file operations
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_beside(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, ".%s.overlay-tmp" % tail)
+
+
+def _open_new(path: str, mode: int) -> int:
+    if os.path.lexists(path):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def durable_write(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to `path` as a new file renamed into place, all fsynced."""
+    mutation_point()
+    write_point(path)
+    tmp = temp_beside(path)
+    fd = _open_new(tmp, mode)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def install_file(target: str, source: Optional[str], data: Optional[bytes], mode: int,
+                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False) -> None:
+    """Put `data` (or a copy of `source`) at `target` through a temp file and a
+    rename, so a symlink planted at `target` is replaced and never followed.
+    With `link_ok` a hard link to `source` is tried first: constant time for a
+    backup on the same filesystem, which stays until the entry is done."""
+    mutation_point()
+    write_point(target)
+    tmp = temp_beside(target)
+    if not (link_ok and _link(source, tmp)):
+        fd = _open_new(tmp, 0o600)
+        try:
+            if data is not None:
+                _write_all(fd, data)
+            else:
+                _copy_into(fd, source)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+    os.chmod(tmp, mode)
+    if mtime_ns is not None:
+        os.utime(tmp, ns=mtime_ns, follow_symlinks=False)
+    os.replace(tmp, target)
+    fsync_dir(os.path.dirname(target))
+
+
+def _link(source: str, tmp: str) -> bool:
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _copy_into(fd: int, source: str) -> None:
+    """Copy a file's content into an open descriptor, in the kernel."""
+    with open(source, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(fd, src.fileno(), offset, min(size - offset, 1 << 30))
+            if sent == 0:
+                break
+            offset += sent
+
+
+def durable_copy(source: str, target: str) -> str:
+    """Copy a regular file with its mode and times and fsync it; returns its
+    sha256.  The kernel copies (sendfile) while a thread hashes, so a large
+    artifact costs about one copy.  The caller fsyncs the directory once."""
+    mutation_point()
+    write_point(target)
+    st = os.stat(source, follow_symlinks=False)
+    digest: List[object] = []
+
+    def hash_source() -> None:
+        try:
+            digest.append(file_sha256(source))
+        except OSError as exc:
+            digest.append(exc)
+
+    hasher = threading.Thread(target=hash_source)
+    hasher.start()
+    try:
+        fd = _open_new(target, 0o600)
+        try:
+            _copy_into(fd, source)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        hasher.join()
+    os.chmod(target, stat.S_IMODE(st.st_mode))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if isinstance(digest[0], OSError):
+        raise digest[0]
+    return digest[0]
+
+
+def file_identity(path: str) -> list:
+    """What changes whenever a file's content is rewritten (ctime included)."""
+    st = os.lstat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def durable_rename(source: str, target: str) -> None:
+    mutation_point()
+    os.rename(source, target)
+    fsync_dir(os.path.dirname(source))
+    if os.path.dirname(source) != os.path.dirname(target):
+        fsync_dir(os.path.dirname(target))
+
+
+def remove_path(path: str) -> None:
+    """Remove a file, symlink or directory tree without following symlinks."""
+    if not os.path.lexists(path):
+        return
+    mutation_point()
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    fsync_dir(os.path.dirname(path))
+
+
+def makedirs_durable(path: str, mode: int = 0o755) -> None:
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    makedirs_durable(parent)
+    mutation_point()
+    os.mkdir(path, mode)
+    fsync_dir(parent)
+
+
+def file_sha256(path: str) -> Optional[str]:
+    """sha256 of a regular file; None when absent; 'symlink:<target>' or 'special' otherwise."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink:" + os.readlink(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "special"
+    hasher = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(CHUNK)
+            if not block:
+                break
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def written(exc: OSError) -> str:
+    """The file an I/O error is about, for a one-line message."""
+    return exc.filename if exc.filename is not None else "a file"
+
+
+# ---------------------------------------------------------------- paths
+
+
+def require_abs_normal(path: str, option: str) -> str:
+    if not path or not os.path.isabs(path) or os.path.normpath(path) != path or path == "/":
+        raise UsageError("E101", "%s must be an absolute, normalised path (got %r); pass it as "
+                         "e.g. %s" % (option, path, os.path.normpath(os.path.abspath(path or "."))))
+    return path
+
+
+def is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def host_name() -> str:
+    return os.uname().nodename
+
+
+# ---------------------------------------------------------------- owners
+
+
+def process_start_time(pid: int) -> Optional[str]:
+    """Start time of a process in clock ticks since boot (Linux), else None."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            text = handle.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def make_owner(pid: int) -> dict:
+    if pid <= 0 or not pid_exists(pid):
+        raise UsageError("E108", "--owner-pid %d is not a running process; pass the pid of the "
+                         "process that owns this overlay" % pid)
+    return {"pid": pid, "start_time": process_start_time(pid), "host": host_name()}
+
+
+def owner_liveness(owner: Optional[dict]) -> str:
+    """'live', 'gone', or 'other-host' (which cannot be checked from here)."""
+    if not owner:
+        return "gone"
+    if owner.get("host") != host_name():
+        return "other-host"
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or not pid_exists(pid):
+        return "gone"
+    recorded = owner.get("start_time")
+    if recorded is not None and process_start_time(pid) != recorded:
+        return "gone"
+    return "live"
+
+
+def describe_owner(owner: Optional[dict]) -> str:
+    if not owner:
+        return "none"
+    return "pid %s on %s (%s)" % (owner.get("pid"), owner.get("host"), owner_liveness(owner))
+
+
+# ---------------------------------------------------------------- the state directory
+
+
+class State:
+    """The state directory: journal, lock, backups, Python overlay."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.manifest_path = os.path.join(root, "manifest.json")
+        self.lock_path = os.path.join(root, "lock")
+        self.backups = os.path.join(root, "backups")
+        self.site = os.path.join(root, "site")
+        self.python = os.path.join(root, "python")
+        self.lock_fd: Optional[int] = None
+
+    # -- existence and safety
+
+    def exists(self) -> bool:
+        return os.path.isfile(self.manifest_path)
+
+    def check_safe(self) -> None:
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise OverlayError("E206", "state directory %s is not a directory; pass another "
+                               "--state" % self.root)
+        if st.st_uid != os.geteuid():
+            raise OverlayError("E204", "state directory %s is owned by uid %d, not by you (uid %d); "
+                               "refusing to use it" % (self.root, st.st_uid, os.geteuid()))
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise OverlayError("E204", "state directory %s is writable by group or others (mode "
+                               "%03o); refusing to use it: run `chmod go-w %s` if you trust its "
+                               "contents" % (self.root, stat.S_IMODE(st.st_mode), self.root))
+
+    def create(self) -> None:
+        self.check_safe()
+        makedirs_durable(self.root, 0o700)
+
+    # -- lock
+
+    def holder(self) -> str:
+        try:
+            with open(self.lock_path, encoding="utf-8") as handle:
+                info = json.loads(handle.read() or "{}")
+        except (OSError, ValueError):
+            return "an unknown process"
+        return "pid %s on %s (%s since %s)" % (info.get("pid"), info.get("host"),
+                                              info.get("command"), info.get("since"))
+
+    def try_lock(self, command: str) -> bool:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._hold(fd, command)
+        return True
+
+    def lock(self, command: str) -> None:
+        if self.try_lock(command):
+            return
+        print("waiting for the lock on %s, held by %s" % (self.root, self.holder()),
+              file=sys.stderr, flush=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._hold(fd, command)
+
+    def _hold(self, fd: int, command: str) -> None:
+        info = {"pid": os.getpid(), "host": host_name(), "command": command,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.lock_fd = fd
+
+    def unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.ftruncate(self.lock_fd, 0)
+            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+    # -- journal
+
+    def load(self) -> dict:
+        try:
+            with open(self.manifest_path, encoding="utf-8") as handle:
+                manifest = json.load(handle)
+        except FileNotFoundError:
+            return empty_manifest()
+        except (OSError, ValueError) as exc:
+            raise OverlayError("E202", "journal %s is unreadable (%s); inspect it, or move the "
+                               "state directory away if nothing is applied"
+                               % (self.manifest_path, exc))
+        if not isinstance(manifest, dict) or manifest.get("tool") != TOOL_NAME:
+            raise OverlayError("E202", "journal %s is not an overlay_setup journal; pass another "
+                               "--state" % self.manifest_path)
+        version = manifest.get("format")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise OverlayError("E201", "journal %s has format %r, newer than this tool understands "
+                               "(%d); use the overlay_setup.py that wrote it"
+                               % (self.manifest_path, version, FORMAT_VERSION))
+        try:
+            self.validate(manifest)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise OverlayError("E202", "journal %s lacks or mistypes a field (%s); inspect it"
+                               % (self.manifest_path, exc))
+        return manifest
+
+    def save(self, manifest: dict) -> None:
+        durable_write(self.manifest_path,
+                      (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+    def state_path(self, relative: str) -> str:
+        """A path recorded relative to the state directory, checked to stay inside it."""
+        if (not isinstance(relative, str) or not relative or os.path.isabs(relative)
+                or os.path.normpath(relative) != relative or relative.split("/")[0] == ".."):
+            raise OverlayError("E203", "journal %s names backup %r outside the state directory; "
+                               "the journal was tampered with, nothing was changed"
+                               % (self.manifest_path, relative))
+        full = os.path.join(self.root, relative)
+        real_root = os.path.realpath(self.root)
+        if not is_within(os.path.realpath(os.path.dirname(full)), real_root):
+            raise OverlayError("E203", "journal %s names backup %r that resolves outside the state "
+                               "directory; nothing was changed" % (self.manifest_path, relative))
+        return full
+
+    def validate(self, manifest: dict) -> None:
+        """Check every path of a journal read back from disk before anything acts on it."""
+        def target(path: object, what: str) -> None:
+            if (not isinstance(path, str) or not os.path.isabs(path)
+                    or os.path.normpath(path) != path or path == "/"):
+                raise OverlayError("E203", "journal %s names %s %r that is not an absolute, "
+                                   "normalised path; the journal was tampered with, nothing was "
+                                   "changed" % (self.manifest_path, what, path))
+        entries = manifest.get("entries")
+        if not isinstance(entries, list):
+            raise OverlayError("E202", "journal %s has no entry list; inspect it"
+                               % self.manifest_path)
+        for entry in entries:
+            for record in entry.get("sources", []) + entry.get("artifacts", []):
+                target(record.get("path"), "target")
+                if record.get("backup") is not None:
+                    self.state_path(record["backup"])
+            for cache in entry.get("caches", []):
+                target(cache.get("path"), "cache")
+                self.state_path(cache["backup"])
+            build = entry.get("build")
+            if build:
+                target(build.get("cwd"), "build directory")
+                for product in entry.get("untracked") or []:
+                    target(product.get("path"), "build product")
+                    if not is_within(product["path"], build["cwd"]):
+                        raise OverlayError("E203", "journal %s names build product %r outside "
+                                           "the build directory %s; nothing was changed"
+                                           % (self.manifest_path, product["path"], build["cwd"]))
+            if entry.get("scan") is not None:
+                self.state_path(entry["scan"])
+            for directory in entry.get("dirs", {}):
+                target(directory, "directory")
+        for name, module in manifest.get("python", {}).get("modules", {}).items():
+            if module.get("file") is not None:
+                self.state_path(module["file"])
+
+
+def empty_manifest() -> dict:
+    return {"tool": TOOL_NAME, "format": FORMAT_VERSION, "owner": None, "next_id": 1,
+            "entries": [], "python": {"modules": {}, "rebinds": {}}}
+
+
+def anything_applied(manifest: dict) -> bool:
+    python = manifest.get("python", {})
+    return bool(manifest["entries"] or python.get("modules") or python.get("rebinds"))
+
+
+def claim_owner(manifest: dict, owner_pid: Optional[int]) -> None:
+    """Record the owner; a state directory with changes from another owner is refused."""
+    owner = make_owner(owner_pid if owner_pid is not None else os.getppid())
+    current = manifest.get("owner")
+    if anything_applied(manifest) and current and (
+            current.get("pid"), current.get("start_time"), current.get("host")) != (
+            owner["pid"], owner["start_time"], owner["host"]):
+        raise OverlayError("E205", "this overlay belongs to %s; run `overlay_setup.py revert` "
+                           "(or `gc-stale` if that owner is gone) first, or pass --owner-pid %s"
+                           % (describe_owner(current), current.get("pid")))
+    manifest["owner"] = owner
+
+
+# ---------------------------------------------------------------- the Python overlay
+
+SITECUSTOMIZE = '''"""Generated by overlay_setup.py; rewritten by every change to the overlay.
+
+Serves overlaid modules and rebinds listed in overlay.json next to this file,
+then runs any other sitecustomize found further along sys.path.  With the
+overlay switched off it installs nothing and only chains.
+"""
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _config():
+    try:
+        with open(os.path.join(_HERE, "overlay.json"), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return {"enabled": False}
+
+
+class _RebindingLoader(importlib.abc.Loader):
+    def __init__(self, loader, rebinds):
+        self._loader = loader
+        self._rebinds = rebinds
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        for attr, replacement in sorted(self._rebinds.items()):
+            other, _, other_attr = replacement.partition(":")
+            setattr(module, attr, getattr(importlib.import_module(other), other_attr))
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _OverlayFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, modules, rebinds):
+        self._modules = modules
+        self._rebinds = rebinds
+
+    def find_spec(self, fullname, path=None, target=None):
+        module = self._modules.get(fullname)
+        if module is not None:
+            if module["file"] is None:
+                raise ModuleNotFoundError("module %r is deleted by the overlay" % fullname,
+                                          name=fullname)
+            spec = importlib.util.spec_from_file_location(
+                fullname, module["file"],
+                submodule_search_locations=module.get("package_dir") and [module["package_dir"]])
+        elif fullname in self._rebinds:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        if spec is not None and spec.loader is not None and fullname in self._rebinds:
+            spec.loader = _RebindingLoader(spec.loader, self._rebinds[fullname])
+        return spec
+
+
+def _install():
+    config = _config()
+    if not config.get("enabled"):
+        return
+    rebinds = {}
+    for target, replacement in config.get("rebinds", {}).items():
+        module, _, attr = target.partition(":")
+        rebinds.setdefault(module, {})[attr] = replacement
+    sys.meta_path.insert(0, _OverlayFinder(config.get("modules", {}), rebinds))
+
+
+def _chain():
+    entries = [os.path.abspath(entry or os.getcwd()) for entry in sys.path]
+    if _HERE not in entries:
+        return
+    later = sys.path[entries.index(_HERE) + 1:]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is None or spec.loader is None:
+        return
+    if spec.origin and os.path.abspath(spec.origin) == os.path.abspath(__file__):
+        return
+    chained = importlib.util.module_from_spec(spec)
+    sys.modules["_overlay_chained_sitecustomize"] = chained
+    spec.loader.exec_module(chained)
+
+
+_install()
+_chain()
+'''
+
+
+def write_python_overlay(state: State, manifest: dict) -> None:
+    """Regenerate the site directory from the journal's Python section."""
+    makedirs_durable(state.site)
+    python = manifest["python"]
+    modules = {}
+    for name, module in python["modules"].items():
+        modules[name] = {"file": module["file"] and os.path.join(state.root, module["file"]),
+                         "package_dir": module.get("package_dir")}
+    config = {"enabled": bool(modules or python["rebinds"]), "modules": modules,
+              "rebinds": python["rebinds"]}
+    sitecustomize = os.path.join(state.site, "sitecustomize.py")
+    if file_sha256(sitecustomize) != hashlib.sha256(SITECUSTOMIZE.encode()).hexdigest():
+        durable_write(sitecustomize, SITECUSTOMIZE.encode(), 0o644)
+    durable_write(os.path.join(state.site, "overlay.json"),
+                  (json.dumps(config, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+
+
+def check_module_name(name: str, what: str) -> None:
+    if not MODULE_RE.match(name):
+        raise UsageError("E105", "%s %r is not a dotted module name (e.g. pkg.mod)" % (what, name))
+
+
+def stage_python_module(state: State, manifest: dict, name: str, content: Optional[bytes],
+                        package_dir: Optional[str], origin: str) -> None:
+    """Store a module's overlay content in the state directory and record it."""
+    if name in manifest["python"]["modules"]:
+        raise OverlayError("E103", "module %s is already overlaid; run `overlay_setup.py revert` "
+                           "first" % name)
+    relative = None
+    if content is not None:
+        makedirs_durable(state.python)
+        relative = "python/%s.py" % name
+        durable_write(os.path.join(state.root, relative), content, 0o644)
+    manifest["python"]["modules"][name] = {"file": relative, "package_dir": package_dir,
+                                           "origin": origin}
+
+
+# ---------------------------------------------------------------- unified diffs
+
+
+class FilePatch:
+    def __init__(self, old: Optional[str], new: Optional[str]):
+        self.old = old
+        self.new = new
+        self.hunks: List[Tuple[int, int, int, int, List[Tuple[str, str]]]] = []
+
+    @property
+    def path(self) -> str:
+        """The file patched: the new name (as `git apply` and `patch` use for
+        `--- foo.c.orig` / `+++ foo.c`), or the old one for a deletion."""
+        return self.new if self.new is not None else self.old
+
+
+def split_lines(text: str) -> List[str]:
+    return LINE_RE.findall(text)
+
+
+def strip_components(raw: str, strip: int, patch_name: str) -> Optional[str]:
+    raw = raw.split("\t")[0].rstrip("\r")
+    if raw.startswith('"'):
+        raise OverlayError("E301", "%s: quoted path %s is not supported; regenerate the patch "
+                           "with `git diff --no-prefix` or plain names" % (patch_name, raw))
+    if raw == "/dev/null":
+        return None
+    parts = raw.split("/")
+    if len(parts) <= strip:
+        raise OverlayError("E301", "%s: path %r has fewer than %d components to strip; pass a "
+                           "smaller -p" % (patch_name, raw, strip))
+    return "/".join(parts[strip:])
+
+
+def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
+    lines = split_lines(text)
+    patches: List[FilePatch] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index].rstrip("\n").rstrip("\r")
+        if line.startswith(("rename from", "copy from")):
+            raise OverlayError("E305", "%s: renames and copies are not supported; regenerate the "
+                               "patch with `git diff --no-renames`" % patch_name)
+        if line.startswith(("Binary files", "GIT binary patch")):
+            raise OverlayError("E305", "%s: binary patches are not supported" % patch_name)
+        if not (line.startswith("--- ") and index + 1 < len(lines)
+                and lines[index + 1].startswith("+++ ")):
+            index += 1
+            continue
+        current = FilePatch(strip_components(line[4:], strip, patch_name),
+                            strip_components(lines[index + 1].rstrip("\n")[4:], strip, patch_name))
+        if current.old is None and current.new is None:
+            raise OverlayError("E301", "%s: a file goes from /dev/null to /dev/null" % patch_name)
+        path = current.path
+        if (os.path.isabs(path) or not path or os.path.normpath(path) != path
+                or path.split("/")[0] == ".."):
+            raise OverlayError("E304", "%s: path %r leaves the --root directory; nothing was "
+                               "written" % (patch_name, path))
+        if any(earlier.path == current.path for earlier in patches):
+            raise OverlayError("E301", "%s: %s appears twice; regenerate the patch with one diff "
+                               "per file" % (patch_name, current.path))
+        patches.append(current)
+        index += 2
+        while index < len(lines):
+            match = HUNK_RE.match(lines[index])
+            if not match:
+                break
+            old_start, new_start = int(match.group(1)), int(match.group(3))
+            old_len = int(match.group(2)) if match.group(2) is not None else 1
+            new_len = int(match.group(4)) if match.group(4) is not None else 1
+            body: List[Tuple[str, str]] = []
+            index += 1
+            seen_old = seen_new = 0
+            while index < len(lines) and (seen_old < old_len or seen_new < new_len):
+                raw = lines[index]
+                tag = raw[:1]
+                if tag == "\\":
+                    if body:
+                        body[-1] = (body[-1][0], body[-1][1].rstrip("\n"))
+                    index += 1
+                    continue
+                if raw in ("\n", "\r\n"):
+                    tag, raw = " ", " " + raw
+                if tag not in (" ", "-", "+"):
+                    break
+                body.append((tag, raw[1:]))
+                seen_old += tag in (" ", "-")
+                seen_new += tag in (" ", "+")
+                index += 1
+            if index < len(lines) and lines[index].startswith("\\"):
+                if body:
+                    body[-1] = (body[-1][0], body[-1][1].rstrip("\n"))
+                index += 1
+            if (seen_old, seen_new) != (old_len, new_len):
+                raise OverlayError("E301", "%s: hunk %d of %s is truncated or malformed (expected "
+                                   "-%d +%d lines); regenerate the patch"
+                                   % (patch_name, len(current.hunks) + 1, current.path,
+                                      old_len, new_len))
+            current.hunks.append((old_start, old_len, new_start, new_len, body))
+    if not patches:
+        raise OverlayError("E301", "%s holds no unified diff (no ---/+++ file headers); pass a "
+                           "patch made by `git diff` or `diff -u`" % patch_name)
+    return patches
+
+
+def apply_hunks(file_patch: FilePatch, original: Optional[bytes], patch_name: str) -> Optional[bytes]:
+    """Result of the file's hunks on `original`, with exact context at the stated
+    lines and no fuzz; None for a deleted file."""
+    if file_patch.old is None and original is not None:
+        raise OverlayError("E302", "%s: hunk 1 of %s creates a file that already exists; nothing "
+                           "was written" % (patch_name, file_patch.path))
+    if file_patch.old is not None and original is None:
+        raise OverlayError("E302", "%s: hunk 1 of %s patches a file that does not exist; nothing "
+                           "was written" % (patch_name, file_patch.path))
+    text = (original or b"").decode("utf-8", "surrogateescape")
+    lines = split_lines(text)
+    result: List[str] = []
+    cursor = 0
+    for number, (old_start, old_len, _new_start, _new_len, body) in enumerate(file_patch.hunks, 1):
+        expected = [content for tag, content in body if tag in (" ", "-")]
+        position = old_start if old_len == 0 else old_start - 1
+        if position < cursor or lines[position:position + len(expected)] != expected:
+            raise OverlayError("E302", "%s: hunk %d of %s (@@ -%d,%d @@) does not match the file "
+                               "at line %d; nothing was written: regenerate the patch against "
+                               "the current tree" % (patch_name, number, file_patch.path,
+                                                      old_start, old_len, old_start))
+        result.extend(lines[cursor:position])
+        result.extend(content for tag, content in body if tag in (" ", "+"))
+        cursor = position + len(expected)
+    result.extend(lines[cursor:])
+    if file_patch.new is None:
+        if result:
+            raise OverlayError("E302", "%s: %s is deleted by the patch but its hunks do not cover "
+                               "the whole file; nothing was written" % (patch_name, file_patch.path))
+        return None
+    return "".join(result).encode("utf-8", "surrogateescape")
+
+
+def module_for_path(relative: str) -> Tuple[str, bool]:
+    """'pkg/sub/mod.py' -> ('pkg.sub.mod', False); 'pkg/__init__.py' -> ('pkg', True)."""
+    parts = relative[:-3].split("/")
+    package = parts[-1] == "__init__"
+    if package:
+        parts = parts[:-1]
+    return ".".join(parts), package
+
+
+# ---------------------------------------------------------------- build products
+
+
+def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
+    """{path: [kind, size, mtime_ns]} under `root`, bounded to SCAN_LIMIT entries."""
+    found: Dict[str, list] = {}
+    pending = [root]
+    while pending:
+        directory = pending.pop()
+        try:
+            iterator = os.scandir(directory)
+        except OSError:
+            continue
+        with iterator:
+            for item in iterator:
+                if any(is_within(item.path, path) for path in excluded):
+                    continue
+                if len(found) >= SCAN_LIMIT:
+                    return found, True
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    found[item.path] = ["d", 0, 0]
+                    pending.append(item.path)
+                else:
+                    kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
+                    found[item.path] = [kind, st.st_size, st.st_mtime_ns]
+    return found, False
+
+
+def scan_exclusions(state: State, entry: dict) -> List[str]:
+    return ([os.path.realpath(state.root), state.root]
+            + [record["path"] for record in entry["sources"] + entry["artifacts"]]
+            + [cache["path"] for cache in entry["caches"]])
+
+
+def untracked_products(state: State, entry: dict) -> List[dict]:
+    """Files and directories the build created or changed that nothing tracks."""
+    if entry.get("untracked") is not None:
+        return entry["untracked"]
+    if not entry.get("scan") or not entry.get("build"):
+        return []
+    try:
+        with open(state.state_path(entry["scan"]), encoding="utf-8") as handle:
+            before = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    after, _ = scan_tree(entry["build"]["cwd"], scan_exclusions(state, entry))
+    products = []
+    for path, info in sorted(after.items()):
+        old = before.get(path)
+        if old is None:
+            products.append({"path": path, "kind": info[0], "created": True})
+        elif info[0] != "d" and old != info:
+            products.append({"path": path, "kind": info[0], "created": False})
+    return products
+
+
+# ---------------------------------------------------------------- tar snapshots
+
+
+def snapshot_cache(cache: str, archive: str) -> None:
+    """A tar snapshot of a cache directory, with modes, ns mtimes and symlinks."""
+    mutation_point()
+    write_point(archive)
+    tmp = temp_beside(archive)
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for directory, dirs, files in os.walk(cache):
+            dirs.sort()
+            for name in [""] + sorted(dirs + files) if directory == cache else sorted(dirs + files):
+                path = os.path.join(directory, name) if name else directory
+                arcname = os.path.relpath(path, cache)
+                info = tar.gettarinfo(path, arcname)
+                if info is None:
+                    raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
+                                       "directory nor a symlink; clear it before the overlay"
+                                       % (cache, path))
+                info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
+                if info.isreg():
+                    with open(path, "rb") as handle:
+                        tar.addfile(info, handle)
+                else:
+                    tar.addfile(info)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, archive)
+    fsync_dir(os.path.dirname(archive))
+
+
+def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]:
+    """Every member, refusing absolute paths, '..', device files and links that
+    leave the snapshot, before anything is extracted."""
+    members = tar.getmembers()
+    links = set()
+    for member in members:
+        name = member.name
+        def refuse(why: str) -> OverlayError:
+            return OverlayError("E502", "snapshot %s holds member %r, %s; nothing was restored "
+                                "from it: the snapshot was tampered with, rebuild the cache "
+                                "instead" % (archive, name, why))
+        parts = name.split("/")
+        if name.startswith("/") or not name:
+            raise refuse("an absolute path")
+        if ".." in parts:
+            raise refuse("a path with '..'")
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            raise refuse("a device, fifo or other special file")
+        for depth in range(1, len(parts)):
+            if os.path.normpath("/".join(parts[:depth])) in links:
+                raise refuse("a path through a symlink")
+        if member.issym() or member.islnk():
+            link = member.linkname
+            resolved = os.path.normpath(os.path.join(os.path.dirname(name), link)
+                                        if member.issym() else link)
+            if os.path.isabs(link) or resolved == ".." or resolved.startswith("../"):
+                raise refuse("a link leaving the snapshot (to %r)" % link)
+        if member.issym():
+            links.add(os.path.normpath(name))
+    return members
+
+
+def extract_snapshot(archive: str, destination: str) -> None:
+    """Extract into a fresh `destination` (must not exist) member by member."""
+    with tarfile.open(archive, "r") as tar:
+        members = checked_members(archive, tar)
+        mutation_point()
+        os.mkdir(destination, 0o700)
+        directories = []
+        for member in members:
+            path = os.path.normpath(os.path.join(destination, member.name))
+            mtime = int(member.pax_headers.get(MTIME_KEY, int(member.mtime * 1e9)))
+            if member.isdir():
+                if path != destination:
+                    os.mkdir(path, 0o700)
+                directories.append((path, member.mode, mtime))
+            elif member.issym():
+                os.symlink(member.linkname, path)
+                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+            elif member.islnk():
+                os.link(os.path.join(destination, member.linkname), path, follow_symlinks=False)
+            else:
+                write_point(path)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    source = tar.extractfile(member)
+                    while True:
+                        block = source.read(CHUNK)
+                        if not block:
+                            break
+                        _write_all(fd, block)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.chmod(path, member.mode)
+                os.utime(path, ns=(mtime, mtime))
+        for path, mode, mtime in reversed(directories):
+            os.chmod(path, mode)
+            os.utime(path, ns=(mtime, mtime))
+    fsync_dir(os.path.dirname(destination))
+
+
+# ---------------------------------------------------------------- native entries
+
+
+def record_file(path: str, role: str) -> dict:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return {"path": path, "role": role, "present": False, "backup": None}
+    if not stat.S_ISREG(st.st_mode):
+        raise OverlayError("E104", "%s %s is not a regular file (a symlink, directory or special "
+                           "file); pass the file itself" % (role, path))
+    return {"path": path, "role": role, "present": True, "backup": None,
+            "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns,
+            "atime_ns": st.st_atime_ns, "uid": st.st_uid, "gid": st.st_gid}
+
+
+def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
+                         caches: List[str], build_cwd: Optional[str]) -> None:
+    overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
+    state_real = os.path.realpath(state.root)
+    for source in sources:
+        if source in overlaid:
+            raise OverlayError("E103", "source %s is already overlaid; run `overlay_setup.py "
+                               "revert` first" % source)
+        if os.path.islink(source):
+            raise OverlayError("E104", "source %s is a symlink; pass the file it points to (%s)"
+                               % (source, os.path.realpath(source)))
+    for path in sources + artifacts:
+        if is_within(path, state.root) or is_within(path, state_real):
+            raise OverlayError("E106", "%s lies inside the state directory %s; keep the state "
+                               "directory outside the install" % (path, state.root))
+        for cache in caches:
+            if is_within(path, cache):
+                raise OverlayError("E106", "%s lies inside --invalidate-cache %s, which is set "
+                                   "aside whole; drop one of them" % (path, cache))
+    for artifact in artifacts:
+        if artifact in sources:
+            raise OverlayError("E106", "%s is both the source and an --artifact; drop the "
+                               "--artifact" % artifact)
+    for cache in caches:
+        if is_within(state.root, cache) or is_within(state_real, cache) or is_within(cache, state.root):
+            raise OverlayError("E106", "--invalidate-cache %s overlaps the state directory %s; "
+                               "keep them apart" % (cache, state.root))
+        if os.path.lexists(cache) and (os.path.islink(cache) or not os.path.isdir(cache)):
+            raise OverlayError("E104", "--invalidate-cache %s is not a directory; pass the cache "
+                               "directory itself" % cache)
+        if build_cwd and is_within(build_cwd, cache):
+            raise OverlayError("E106", "--build-cwd %s lies inside --invalidate-cache %s; pick "
+                               "another build directory" % (build_cwd, cache))
+    if len(set(caches)) != len(caches) or len(set(artifacts)) != len(artifacts):
+        raise UsageError("E106", "an --artifact or --invalidate-cache is given twice; give each once")
+    if build_cwd is not None and not os.path.isdir(build_cwd):
+        raise OverlayError("E107", "--build-cwd %s is not a directory; pass the directory the "
+                           "build command runs in" % build_cwd)
+
+
+def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
+    return [path for path, _ in changes]
+
+
+def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
+                       artifacts: List[str], caches: List[str], build: Optional[dict],
+                       command: str) -> dict:
+    """Steps 1-3: make the backups and the journal entry durable, then set the
+    caches aside and swap the sources.  `changes` maps each source to its
+    patched content (None: delete it).  A crash before the entry is journaled
+    leaves only unreferenced backups; the install is untouched until then."""
+    entry_id = manifest["next_id"]
+    directory = "backups/%d" % entry_id
+    entry = {"id": entry_id, "command": command, "state": "applying",
+             "sources": [], "artifacts": [], "caches": [], "build": build,
+             "scan": None, "untracked": None}
+    for number, (source, patched) in enumerate(changes):
+        record = record_file(source, "source")
+        record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
+        if record["present"]:
+            record["backup"] = "%s/s%d" % (directory, number)
+        entry["sources"].append(record)
+    for number, artifact in enumerate(artifacts):
+        record = record_file(artifact, "artifact")
+        if record["present"]:
+            record["backup"] = "%s/a%d" % (directory, number)
+        entry["artifacts"].append(record)
+    backup_dev = os.stat(state.root).st_dev
+    for number, cache in enumerate(caches):
+        present = os.path.isdir(cache)
+        same_fs = present and os.stat(cache).st_dev == backup_dev
+        entry["caches"].append({"path": cache, "present": present,
+                                "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
+                                "method": "rename" if same_fs or not present else "tar",
+                                "backup": "%s/c%d%s" % (directory, number,
+                                                        "" if same_fs or not present else ".tar")})
+    # Parent directories get their mtimes back too: temp files and renames touch them.
+    entry["dirs"] = {}
+    for path in changes_paths(changes) + artifacts + caches:
+        parent = os.path.dirname(path)
+        if os.path.isdir(parent) and parent not in entry["dirs"]:
+            entry["dirs"][parent] = os.stat(parent).st_mtime_ns
+
+    backup_dir = os.path.join(state.root, directory)
+    remove_path(backup_dir)
+    makedirs_durable(backup_dir)
+    for record in entry["sources"] + entry["artifacts"]:
+        record["sha256"] = None
+        if record["present"]:
+            record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
+            record["identity"] = file_identity(record["path"])
+    for cache in entry["caches"]:
+        if cache["present"] and cache["method"] == "tar":
+            snapshot_cache(cache["path"], state.state_path(cache["backup"]))
+    if build is not None:
+        write_prebuild_scan(state, entry)
+    fsync_dir(backup_dir)
+    manifest["next_id"] = entry_id + 1
+    manifest["entries"].append(entry)
+    state.save(manifest)
+
+    for cache in entry["caches"]:
+        if not cache["present"]:
+            continue
+        if cache["method"] == "rename":
+            durable_rename(cache["path"], state.state_path(cache["backup"]))
+        else:
+            remove_path(cache["path"])
+    for (source, patched), record in zip(changes, entry["sources"]):
+        if patched is None:
+            remove_path(source)
+        else:
+            install_file(source, None, patched, record.get("mode", 0o644), None)
+    if build is None:
+        entry["state"] = "applied"
+        state.save(manifest)
+    return entry
+
+
+def write_prebuild_scan(state: State, entry: dict) -> None:
+    """What the build directory holds before the build, to find its untracked
+    products afterwards (also after a crash during the build)."""
+    cwd = entry["build"]["cwd"]
+    before, truncated = scan_tree(cwd, scan_exclusions(state, entry))
+    if truncated:
+        print("warning: more than %d entries under %s; untracked build products are looked for "
+              "only among the first %d" % (SCAN_LIMIT, cwd, SCAN_LIMIT), file=sys.stderr)
+    entry["scan"] = "backups/%d/prebuild-scan.json" % entry["id"]
+    path = state.state_path(entry["scan"])
+    mutation_point()
+    write_point(path)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(before, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def stream_build(command: str, cwd: str, timeout: Optional[float]) -> Tuple[Optional[int], float]:
+    """Run the caller's build command, streaming its output with the elapsed time.
+    Returns (exit status or None on timeout, seconds)."""
+    start = time.monotonic()
+    process = subprocess.Popen(command, shell=True, cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    pending = b""
+    timed_out = False
+    while True:
+        remaining = None if timeout is None else timeout - (time.monotonic() - start)
+        if remaining is not None and remaining <= 0:
+            timed_out = True
+            break
+        if not selector.select(remaining):
+            continue
+        block = os.read(process.stdout.fileno(), 65536)
+        if not block:
+            break
+        pending += block
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            print("[%7.1fs] %s" % (time.monotonic() - start,
+                                   line.decode("utf-8", "replace")), flush=True)
+    if pending:
+        print("[%7.1fs] %s" % (time.monotonic() - start, pending.decode("utf-8", "replace")),
+              flush=True)
+    selector.close()
+    if timed_out:
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, signum)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(2)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        process.wait()
+        process.stdout.close()
+        return None, time.monotonic() - start
+    process.stdout.close()
+    return process.wait(), time.monotonic() - start
+
+
+def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
+    """Steps 4-5: build, record status, artifact hashes and untracked products."""
+    build = entry["build"]
+    mutation_point()
+    print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
+    status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"))
+    build["rc"], build["seconds"] = status, round(seconds, 3)
+    for record in entry["artifacts"]:
+        unchanged = record["present"] and os.path.isfile(record["path"]) and \
+            file_identity(record["path"]) == record["identity"]
+        record["built_sha256"] = record["sha256"] if unchanged else file_sha256(record["path"])
+    entry["untracked"] = untracked_products(state, entry)
+    entry["state"] = "built" if status == 0 else "build-failed"
+    state.save(manifest)
+    if entry["untracked"]:
+        print("warning: the build created or changed files that no --artifact or "
+              "--invalidate-cache covers (revert removes them): %s"
+              % ", ".join(product["path"] for product in entry["untracked"]), file=sys.stderr)
+    if status is None:
+        raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
+                           "patch stays applied: run `overlay_setup.py revert`" % seconds)
+    if status != 0:
+        raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
+                           "stays applied for inspection: run `overlay_setup.py revert`"
+                           % (status, seconds))
+    print("build finished in %.1fs" % seconds)
+    return 0
+
+
+# ---------------------------------------------------------------- revert
+
+
+def source_drift(entry: dict) -> List[str]:
+    """Sources changed by someone else after the apply (neither original nor patched)."""
+    changed = []
+    for record in entry["sources"]:
+        current = file_sha256(record["path"])
+        if current not in (record.get("sha256"), record.get("patched_sha256")):
+            changed.append(record["path"])
+    return changed
+
+
+def check_entry_restorable(state: State, entry: dict) -> None:
+    """Everything a revert of `entry` needs, checked before anything changes."""
+    for record in entry["sources"] + entry["artifacts"]:
+        path = record["path"]
+        if os.path.isdir(path) and not os.path.islink(path):
+            # Someone's directory: a revert never removes one wholesale.
+            raise OverlayError("E504", "%s is now a directory where the overlay %s a file; nothing "
+                               "was reverted: move it away by hand, then run revert again"
+                               % (path, "restores" if record["present"] else "removes"))
+        if record["present"] and not os.path.isfile(state.state_path(record["backup"])):
+            raise OverlayError("E503", "the backup of %s is missing from %s; nothing was changed: "
+                               "restore that file by hand, then remove entry %d from the journal"
+                               % (record["path"], state.root, entry["id"]))
+    for cache in entry["caches"]:
+        archive = state.state_path(cache["backup"])
+        if cache["present"] and cache["method"] == "tar" and os.path.isfile(archive):
+            with tarfile.open(archive, "r") as tar:
+                checked_members(archive, tar)
+
+
+def restore_file(state: State, record: dict) -> None:
+    path = record["path"]
+    if not record["present"]:
+        remove_path(path)
+        return
+    backup = state.state_path(record["backup"])
+    same_fs = os.stat(backup).st_dev == os.stat(os.path.dirname(path)).st_dev
+    install_file(path, backup, None, record["mode"], (record["atime_ns"], record["mtime_ns"]),
+                 link_ok=same_fs)
+    if os.geteuid() == 0:
+        st = os.lstat(path)
+        if (st.st_uid, st.st_gid) != (record["uid"], record["gid"]):
+            os.chown(path, record["uid"], record["gid"], follow_symlinks=False)
+
+
+def restore_cache(state: State, entry: dict, cache: dict) -> None:
+    backup = state.state_path(cache["backup"])
+    path = cache["path"]
+    if not cache["present"]:
+        remove_path(path)
+        return
+    if cache["method"] == "rename":
+        if os.path.isdir(backup):
+            remove_path(path)
+            durable_rename(backup, path)
+            os.utime(path, ns=(cache["mtime_ns"], cache["mtime_ns"]), follow_symlinks=False)
+        return
+    if not os.path.isfile(backup):
+        return
+    staging = os.path.join(os.path.dirname(path), ".%s.overlay-restore-%d"
+                           % (os.path.basename(path), entry["id"]))
+    remove_path(staging)
+    extract_snapshot(backup, staging)
+    remove_path(path)
+    durable_rename(staging, path)
+
+
+def remove_products(products: List[dict]) -> None:
+    for product in products:
+        path = product["path"]
+        if product["kind"] != "d" and os.path.lexists(path) and not (
+                os.path.isdir(path) and not os.path.islink(path)):
+            remove_path(path)
+    for product in sorted(products, key=lambda p: p["path"], reverse=True):
+        if product["kind"] == "d" and product["created"] and os.path.isdir(product["path"]):
+            try:
+                os.rmdir(product["path"])
+            except OSError:
+                pass
+
+
+def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> None:
+    """Restore one entry (idempotent: safe to run again after a crash)."""
+    products = [] if keep_untracked else untracked_products(state, entry)
+    for record in entry["sources"] + entry["artifacts"]:
+        restore_file(state, record)
+        remove_path(temp_beside(record["path"]))
+    for cache in entry["caches"]:
+        restore_cache(state, entry, cache)
+    remove_products(products)
+    for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+    manifest["entries"].remove(entry)
+    state.save(manifest)
+    remove_path(os.path.join(state.root, "backups", str(entry["id"])))
+
+
+def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) -> List[str]:
+    """Switch the Python overlay off and restore every native entry in reverse order."""
+    if not force:
+        for entry in manifest["entries"]:
+            changed = source_drift(entry)
+            if changed:
+                raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
+                                   "the original nor the patched content); nothing was reverted: "
+                                   "run `overlay_setup.py revert --force` to restore the original "
+                                   "anyway" % changed[0])
+    for entry in manifest["entries"]:
+        check_entry_restorable(state, entry)
+    done = []
+    python = manifest["python"]
+    if python["modules"] or python["rebinds"]:
+        done.append("Python overlay switched off (%d module(s), %d rebind(s))"
+                    % (len(python["modules"]), len(python["rebinds"])))
+        # The served configuration goes first: a crash in between leaves the
+        # journal still listing the modules, so the next revert finishes it.
+        manifest["python"] = {"modules": {}, "rebinds": {}}
+        write_python_overlay(state, manifest)
+        state.save(manifest)
+    remove_path(state.python)
+    for entry in reversed(list(manifest["entries"])):
+        revert_entry(state, manifest, entry, keep_untracked)
+        done.append("entry %d restored: %s" % (
+            entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+    remove_path(state.backups)
+    return done
+
+
+# ---------------------------------------------------------------- commands
+
+
+def open_state(args: argparse.Namespace) -> State:
+    root = args.state or os.environ.get("OVERLAY_STATE") or os.path.join(os.getcwd(), ".overlay")
+    state = State(os.path.normpath(os.path.abspath(root)))
+    state.check_safe()
+    return state
+
+
+class Locked:
+    """`with Locked(state, 'cmd') as manifest:` creates, locks and loads the state."""
+
+    def __init__(self, state: State, command: str, create: bool = True):
+        self.state = state
+        self.command = command
+        self.create = create
+
+    def __enter__(self) -> dict:
+        if self.create:
+            self.state.create()
+        self.state.lock(self.command)
+        try:
+            if self.create and not self.state.exists():
+                self.state.save(empty_manifest())
+            return self.state.load()
+        except BaseException:
+            self.state.unlock()
+            raise
+
+    def __exit__(self, *exc_info) -> None:
+        self.state.unlock()
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    state = open_state(args)
+    with Locked(state, "init") as manifest:
+        claim_owner(manifest, args.owner_pid)
+        state.save(manifest)
+        write_python_overlay(state, manifest)
+    print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(manifest["owner"])))
+    return 0
+
+
+def cmd_add_python(args: argparse.Namespace) -> int:
+    check_module_name(args.module, "MODULE")
+    state = open_state(args)
+    try:
+        with open(args.file, "rb") as handle:
+            content = handle.read()
+    except OSError as exc:
+        raise OverlayError("E102", "cannot read %s (%s); pass a readable Python file"
+                           % (args.file, exc.strerror))
+    with Locked(state, "add-python") as manifest:
+        claim_owner(manifest, args.owner_pid)
+        stage_python_module(state, manifest, args.module, content, None,
+                            os.path.abspath(args.file))
+        state.save(manifest)
+        write_python_overlay(state, manifest)
+    print("module %s now served from %s to processes started with `overlay_setup.py env`"
+          % (args.module, os.path.abspath(args.file)))
+    return 0
+
+
+def cmd_rebind(args: argparse.Namespace) -> int:
+    for spec, what in ((args.target, "TARGET"), (args.replacement, "REPLACEMENT")):
+        module, colon, attr = spec.partition(":")
+        if not colon or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", attr):
+            raise UsageError("E105", "%s %r must look like pkg.mod:attr" % (what, spec))
+        check_module_name(module, what)
+    state = open_state(args)
+    with Locked(state, "rebind") as manifest:
+        claim_owner(manifest, args.owner_pid)
+        if args.target in manifest["python"]["rebinds"]:
+            raise OverlayError("E103", "%s is already rebound; run `overlay_setup.py revert` first"
+                               % args.target)
+        manifest["python"]["rebinds"][args.target] = args.replacement
+        state.save(manifest)
+        write_python_overlay(state, manifest)
+    print("%s is replaced by %s when %s is imported" % (args.target, args.replacement,
+                                                       args.target.partition(":")[0]))
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    state = open_state(args)
+    if not os.path.isfile(os.path.join(state.site, "sitecustomize.py")):
+        raise OverlayError("E207", "no overlay at %s; run `overlay_setup.py init` first" % state.root)
+    existing = os.environ.get("PYTHONPATH", "")
+    entries = [state.site] + [entry for entry in existing.split(os.pathsep)
+                              if entry and entry != state.site]
+    value = os.pathsep.join(entries)
+    if args.json:
+        print(json.dumps({"PYTHONPATH": value, "OVERLAY_STATE": state.root}, sort_keys=True))
+    else:
+        print("export PYTHONPATH=%s" % shell_quote(value))
+        print("export OVERLAY_STATE=%s" % shell_quote(state.root))
+    return 0
+
+
+def shell_quote(text: str) -> str:
+    if re.match(r"^[A-Za-z0-9_@%+=:,./-]+$", text):
+        return text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
+    artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
+    caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
+    if args.build_cmd is None and not args.no_build:
+        raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build")
+    if args.build_cmd is not None and args.no_build:
+        raise UsageError("E109", "--build-cmd and --no-build exclude each other; pass one")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError("E109", "--timeout must be a positive number of seconds")
+    if args.build_cwd is not None:
+        require_abs_normal(args.build_cwd, "--build-cwd")
+    build = None
+    if args.build_cmd is not None:
+        build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
+                 "timeout": args.timeout, "rc": None, "seconds": None}
+    return artifacts, caches, build
+
+
+def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
+                  artifacts: List[str], caches: List[str], build: Optional[dict], command: str,
+                  python_update=None) -> dict:
+    """Apply natives (and the Python part), rolling back if anything fails before the build."""
+    entry = None
+    entry_id = manifest["next_id"]
+    modules_before = set(manifest["python"]["modules"])
+    try:
+        if changes:
+            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build, command)
+        if python_update is not None:
+            python_update()
+    except OSError as exc:
+        rollback(state, entry_id, modules_before, exc)
+    if entry is not None and build is not None:
+        run_entry_build(state, manifest, entry)
+    return entry
+
+
+def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> None:
+    """Undo what this command did (the journal on disk says how far it got)."""
+    try:
+        manifest = state.load()
+        modules = manifest["python"]["modules"]
+        if set(modules) - modules_before:
+            for name in set(modules) - modules_before:
+                del modules[name]
+            write_python_overlay(state, manifest)
+            state.save(manifest)
+        for entry in list(manifest["entries"]):
+            if entry["id"] == entry_id:
+                revert_entry(state, manifest, entry, keep_untracked=False)
+    except (OSError, OverlayError) as second:
+        raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
+                           "run `overlay_setup.py revert` once the cause is fixed"
+                           % (written(exc), exc.strerror, getattr(second, "strerror", second)))
+    raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
+                       "run the command again" % (written(exc), exc.strerror))
+
+
+def cmd_add_native(args: argparse.Namespace) -> int:
+    source = require_abs_normal(args.source, "--source")
+    artifacts, caches, build = native_options(args)
+    try:
+        with open(args.patched, "rb") as handle:
+            patched = handle.read()
+    except OSError as exc:
+        raise OverlayError("E102", "cannot read --patched %s (%s); pass the patched file"
+                           % (args.patched, exc.strerror))
+    if not os.path.isfile(source):
+        raise OverlayError("E102", "--source %s does not exist; pass the installed file to patch "
+                           "(or use `apply` with a patch that creates it)" % source)
+    state = open_state(args)
+    with Locked(state, "add-native") as manifest:
+        claim_owner(manifest, args.owner_pid)
+        validate_native_plan(state, manifest, [source], artifacts, caches,
+                             build and build["cwd"])
+        entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
+                              "add-native")
+    if build is None:
+        print("entry %d applied without a build: %s; run `overlay_setup.py revert` to take it "
+              "back" % (entry["id"], source))
+    else:
+        print("entry %d applied: %s; run `overlay_setup.py verify-native`, measure, then "
+              "`overlay_setup.py revert`" % (entry["id"], source))
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    root = require_abs_normal(args.root or os.getcwd(), "--root")
+    if args.p < 0:
+        raise UsageError("E109", "-p must be 0 or more")
+    artifacts, caches, build = native_options(args)
+    try:
+        with open(args.patch, "rb") as handle:
+            text = handle.read().decode("utf-8", "surrogateescape")
+    except OSError as exc:
+        raise OverlayError("E102", "cannot read patch %s (%s)" % (args.patch, exc.strerror))
+    name = os.path.basename(args.patch)
+    file_patches = parse_patch(text, args.p, name)
+    natives: List[Tuple[str, Optional[bytes]]] = []
+    modules: List[Tuple[str, Optional[bytes], Optional[str], str]] = []
+    for file_patch in file_patches:
+        relative = file_patch.path
+        suffix = os.path.splitext(relative)[1]
+        if suffix not in NATIVE_SUFFIXES + (".py",):
+            raise OverlayError("E303", "%s: %s is neither a compiled source (%s) nor a .py file; "
+                               "nothing was written: leave it out of the patch"
+                               % (name, relative, " ".join(NATIVE_SUFFIXES)))
+        target = os.path.join(root, relative)
+        if not os.path.isdir(os.path.dirname(target)):
+            raise OverlayError("E102", "%s: the directory of %s does not exist under %s; create "
+                               "it first (the overlay does not create directories)"
+                               % (name, relative, root))
+        if os.path.islink(target):
+            raise OverlayError("E104", "%s: %s is a symlink; patch the file it points to"
+                               % (name, target))
+        original = None
+        if os.path.isfile(target):
+            with open(target, "rb") as handle:
+                original = handle.read()
+        result = apply_hunks(file_patch, original, name)
+        if suffix == ".py":
+            module, package = module_for_path(relative)
+            check_module_name(module, "module of %s" % relative)
+            modules.append((module, result, os.path.dirname(target) if package else None, target))
+        else:
+            natives.append((target, result))
+    if natives and not artifacts and build is not None:
+        print("warning: no --artifact given; verify-native will have nothing to check",
+              file=sys.stderr)
+    state = open_state(args)
+    with Locked(state, "apply") as manifest:
+        claim_owner(manifest, args.owner_pid)
+        for module, _content, _package, _origin in modules:
+            if module in manifest["python"]["modules"]:
+                raise OverlayError("E103", "module %s is already overlaid; run "
+                                   "`overlay_setup.py revert` first" % module)
+        validate_native_plan(state, manifest, [path for path, _ in natives], artifacts, caches,
+                             build and build["cwd"])
+
+        def python_update() -> None:
+            for module, content, package_dir, origin in modules:
+                stage_python_module(state, manifest, module, content, package_dir, origin)
+            if modules:
+                state.save(manifest)
+                write_python_overlay(state, manifest)
+
+        entry = finish_native(state, manifest, natives, artifacts, caches,
+                              build if natives else None, "apply", python_update)
+    parts = []
+    if entry is not None:
+        parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
+    if modules:
+        parts.append("%d Python module(s) overlaid (%s)" % (
+            len(modules), ", ".join(module for module, _, _, _ in modules)))
+    print("applied %s: %s; run `overlay_setup.py revert` to take it back"
+          % (name, "; ".join(parts)))
+    return 0
+
+
+def cmd_verify_native(args: argparse.Namespace) -> int:
+    state = open_state(args)
+    manifest = state.load()
+    checked = 0
+    problems = []
+    # An artifact is judged by the latest entry that rebuilt it: a later build
+    # of a shared library legitimately changes what an earlier one produced.
+    seen = set()
+    for entry in reversed(manifest["entries"]):
+        if entry["state"] != "built":
+            if entry["build"] is not None:
+                problems.append("entry %d is %s, not built: run `overlay_setup.py revert` and "
+                                "apply again" % (entry["id"], entry["state"]))
+            continue
+        for record in entry["artifacts"]:
+            if record["path"] in seen:
+                continue
+            seen.add(record["path"])
+            checked += 1
+            current = file_sha256(record["path"])
+            if current is None:
+                problems.append("artifact %s is missing after the build" % record["path"])
+            elif current == record.get("sha256"):
+                problems.append("artifact %s is unchanged by the build (a silent no-op build?): "
+                                "check the build command and the --invalidate-cache directories"
+                                % record["path"])
+            elif current != record.get("built_sha256"):
+                problems.append("artifact %s changed after the build finished" % record["path"])
+    for problem in problems:
+        print("overlay_setup: E403 %s" % problem, file=sys.stderr)
+    if problems:
+        return 1
+    if checked == 0:
+        print("overlay_setup: E405 no built artifact to verify; pass --artifact to add-native or "
+              "apply", file=sys.stderr)
+        return 1
+    print("%d artifact(s) rebuilt from the patched sources" % checked)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = open_state(args)
+    manifest = state.load() if state.exists() else None
+    if args.json:
+        print(json.dumps({"state": state.root, "manifest": manifest,
+                          "owner": manifest and manifest["owner"] and dict(
+                              manifest["owner"], liveness=owner_liveness(manifest["owner"]))},
+                         indent=1, sort_keys=True))
+        return 0
+    if manifest is None:
+        print("no overlay at %s" % state.root)
+        return 0
+    print("state: %s" % state.root)
+    print("owner: %s" % describe_owner(manifest["owner"]))
+    if not state.try_lock("status"):
+        print("lock: held by %s" % state.holder())
+    else:
+        state.unlock()
+    for name, module in sorted(manifest["python"]["modules"].items()):
+        print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
+    for target, replacement in sorted(manifest["python"]["rebinds"].items()):
+        print("rebind: %s -> %s" % (target, replacement))
+    for entry in manifest["entries"]:
+        build = entry["build"]
+        rc = "" if not build else " (build status %s, %ss)" % (build["rc"], build["seconds"])
+        print("entry %d [%s]%s" % (entry["id"], entry["state"], rc))
+        for record in entry["sources"] + entry["artifacts"]:
+            print("  %s %s%s" % (record["role"], record["path"],
+                                 "" if record["present"] else " (absent before)"))
+        for cache in entry["caches"]:
+            print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
+        for product in entry.get("untracked") or []:
+            print("  untracked build product %s" % product["path"])
+    if not anything_applied(manifest):
+        print("nothing applied")
+    return 0
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    state = open_state(args)
+    if not state.exists():
+        print("nothing to revert: no overlay at %s" % state.root)
+        return 0
+    with Locked(state, "revert", create=False) as manifest:
+        if not anything_applied(manifest):
+            print("nothing to revert at %s" % state.root)
+            return 0
+        try:
+            done = revert_all(state, manifest, args.force, args.keep_untracked)
+        except OSError as exc:
+            raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
+                               "what is left: fix the cause and run `overlay_setup.py revert` "
+                               "again" % (written(exc), exc.strerror))
+    for line in done:
+        print(line)
+    print("reverted %s" % state.root)
+    return 0
+
+
+def find_state_dirs(root: str) -> List[str]:
+    found = []
+    for directory, dirs, files in os.walk(root):
+        if "manifest.json" in files and "lock" in files:
+            found.append(directory)
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(name for name in dirs
+                         if not os.path.islink(os.path.join(directory, name)))
+    return sorted(found)
+
+
+def cmd_gc_stale(args: argparse.Namespace) -> int:
+    root = os.path.abspath(args.root or os.getcwd())
+    if not os.path.isdir(root):
+        raise OverlayError("E107", "--root %s is not a directory" % root)
+    failures = 0
+    for directory in find_state_dirs(root):
+        state = State(directory)
+        try:
+            state.check_safe()
+            if not state.try_lock("gc-stale"):
+                print("live: %s (locked by %s)" % (directory, state.holder()))
+                continue
+            try:
+                manifest = state.load()
+                liveness = owner_liveness(manifest["owner"])
+                if not anything_applied(manifest):
+                    continue
+                if liveness != "gone":
+                    print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
+                    continue
+                if args.dry_run:
+                    print("stale: %s (owner %s): would revert" % (
+                        directory, describe_owner(manifest["owner"])))
+                    continue
+                revert_all(state, manifest, force=False, keep_untracked=False)
+                print("stale: %s (owner %s): reverted" % (directory,
+                                                          describe_owner(manifest["owner"])))
+            finally:
+                state.unlock()
+        except OverlayError as exc:
+            failures += 1
+            print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+        except OSError as exc:
+            failures += 1
+            print("overlay_setup: E601 %s: could not write %s (%s); run `overlay_setup.py "
+                  "gc-stale` again once the cause is fixed" % (directory, written(exc),
+                                                              exc.strerror), file=sys.stderr)
+    if failures:
+        print("overlay_setup: %d state director%s refused or failed; see above"
+              % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- CLI
+
+EPILOG = """examples:
+  overlay_setup.py add-native --source /opt/pkg/csrc/gemm.cu --patched gemm_fast.cu \\
+      --artifact /opt/pkg/build/gemm.o --artifact /opt/pkg/lib/libpkg.so \\
+      --build-cmd 'make -C /opt/pkg -j2' --build-cwd /opt/pkg
+  overlay_setup.py verify-native && run-benchmark && overlay_setup.py revert
+  overlay_setup.py apply fix.diff --root /opt/pkg -p1 --artifact /opt/pkg/lib/libpkg.so \\
+      --build-cmd 'make -j2' --build-cwd /opt/pkg
+  eval "$(overlay_setup.py env)"; python3 -c 'import pkg.mod'
+  overlay_setup.py gc-stale --root /work --dry-run
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    state_help = "state directory (default: $OVERLAY_STATE, else ./.overlay)"
+    parser = argparse.ArgumentParser(
+        prog="overlay_setup.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reversible, crash-safe in-place patches of native sources and Python "
+                    "overlays in an installed package.", epilog=EPILOG)
+    parser.add_argument("--state", default=None, help=state_help)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    def command(name: str, help_text: str, owner: bool = False) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--state", default=argparse.SUPPRESS, help=state_help)
+        if owner:
+            sub.add_argument("--owner-pid", type=int, default=None, metavar="PID",
+                             help="process owning the overlay (default: the parent process)")
+        return sub
+
+    def native(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--artifact", action="append", default=[], metavar="PATH",
+                         help="a build output to back up and check (repeatable)")
+        sub.add_argument("--invalidate-cache", action="append", default=[], metavar="DIR",
+                         help="a build cache directory set aside for the build (repeatable)")
+        sub.add_argument("--build-cmd", metavar="CMD", help="the install's own build command")
+        sub.add_argument("--no-build", action="store_true", help="patch without building")
+        sub.add_argument("--build-cwd", metavar="DIR",
+                         help="directory the build runs in (default: the current directory)")
+        sub.add_argument("--timeout", type=float, metavar="S", help="kill the build after S seconds")
+
+    command("init", "create the state directory (idempotent)", owner=True)
+    sub = command("add-python", "serve FILE as module MODULE to processes using `env`", owner=True)
+    sub.add_argument("module", metavar="MODULE")
+    sub.add_argument("file", metavar="FILE")
+    sub = command("rebind", "replace pkg.mod:attr by other.mod:attr on import", owner=True)
+    sub.add_argument("target", metavar="TARGET")
+    sub.add_argument("replacement", metavar="REPLACEMENT")
+    sub = command("env", "print the environment that activates the Python overlay")
+    sub.add_argument("--json", action="store_true", help="print JSON instead of shell exports")
+    sub = command("add-native", "patch one compiled source in place and rebuild", owner=True)
+    sub.add_argument("--source", required=True, metavar="PATH", help="installed file to patch")
+    sub.add_argument("--patched", required=True, metavar="FILE", help="its patched content")
+    native(sub)
+    sub = command("apply", "apply a unified diff: natives in place, .py files as overlay",
+                  owner=True)
+    sub.add_argument("patch", metavar="PATCH")
+    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
+                                                   "(default: the current directory)")
+    sub.add_argument("-p", type=int, default=1, metavar="N",
+                     help="strip N leading path components (default: 1, as for git diffs)")
+    native(sub)
+    command("verify-native", "check that every tracked artifact was rebuilt")
+    sub = command("status", "show what is applied")
+    sub.add_argument("--json", action="store_true", help="print the journal as JSON")
+    sub = command("revert", "take everything back out, byte-exact")
+    sub.add_argument("--force", action="store_true",
+                     help="restore sources even if someone changed them after the apply")
+    sub.add_argument("--keep-untracked", action="store_true",
+                     help="keep files the build made that no --artifact/--invalidate-cache covers")
+    sub = command("gc-stale", "revert overlays whose owner is gone")
+    sub.add_argument("--root", metavar="DIR", help="where to look (default: the current directory)")
+    sub.add_argument("--dry-run", action="store_true", help="only report what would be reverted")
+    return parser
+
+
+COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
+            "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
+            "verify-native": cmd_verify_native, "status": cmd_status, "revert": cmd_revert,
+            "gc-stale": cmd_gc_stale}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    _FAULTS["points"] = _FAULTS["writes"] = 0
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        return COMMANDS[args.command](args)
+    except OverlayError as exc:
+        print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+        return exc.status
+    except OSError as exc:
+        print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
+              "fix the cause, then run `overlay_setup.py revert`"
+              % (written(exc), exc.strerror), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("overlay_setup: interrupted; run `overlay_setup.py status`, then "
+              "`overlay_setup.py revert`", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

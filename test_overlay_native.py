@@ -1,0 +1,1087 @@
+"""Tests for overlay_setup.py with real tools: gcc, make, git, ctypes, real
+processes killed with real signals, and a real second filesystem (/dev/shm)
+for tar snapshots.  No GPU needed."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "overlay_setup.py")
+sys.path.insert(0, HERE)
+import overlay_setup  # noqa: E402
+
+KERNELS = {
+    "kernels.h": "double kernel_a(void);\ndouble kernel_b(void);\ndouble kernel_c(void);\n"
+                 "double run_b(void);\n",
+    "kernel_a.c": '#include "kernels.h"\ndouble kernel_a(void) { return 1.0; }\n',
+    "kernel_b.c": '#include "kernels.h"\ndouble kernel_b(void)\n{\n    return 4.0;\n}\n',
+    "kernel_c.c": '#include "kernels.h"\ndouble kernel_c(void) { return 9.0; }\n',
+    "api.c": '#include "kernels.h"\ndouble run_b(void) { return kernel_b(); }\n',
+    "Makefile": (
+        "CFLAGS = -O1 -fPIC\n"
+        "OBJS = kernel_a.o kernel_b.o kernel_c.o api.o\n"
+        "libkernels.so: $(OBJS)\n"
+        "\t$(CC) -shared -o $@ $(OBJS)\n"
+        "\tmkdir -p cache && echo linked > cache/last-link\n"
+        "%.o: %.c kernels.h\n"
+        "\t$(CC) $(CFLAGS) -c -o $@ $<\n"),
+    "cache/old-entry": "cached\n",
+    "pkg/__init__.py": "",
+    "pkg/mathops.py": "def scale():\n    return 2\n",
+    "pkg/other.py": "def scale():\n    return 5\n",
+}
+
+CALL_B = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+          "lib.run_b.restype = ctypes.c_double; print(lib.run_b())")
+
+
+def write_tree(root: str, files: dict) -> None:
+    for relative, content in files.items():
+        path = os.path.join(root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(content)
+
+
+def read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def read_json(path: str) -> dict:
+    return json.loads(read_text(path))
+
+
+def write_text_file(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(value, handle)
+
+
+def tree_state(root: str) -> dict:
+    """path -> (type, content hash, mode, mtime_ns, symlink target) for every entry."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            relative = os.path.relpath(path, root)
+            if stat.S_ISLNK(st.st_mode):
+                found[relative] = ("link", None, None, st.st_mtime_ns, os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                found[relative] = ("dir", None, stat.S_IMODE(st.st_mode), st.st_mtime_ns, None)
+            else:
+                with open(path, "rb") as handle:
+                    digest = hashlib.sha256(handle.read()).hexdigest()
+                found[relative] = ("file", digest, stat.S_IMODE(st.st_mode), st.st_mtime_ns, None)
+    return found
+
+
+def call(*argv: str) -> tuple:
+    """Run main() in-process and return (rc, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = overlay_setup.main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def run_tool(args: list, env: dict = None, cwd: str = None, own: bool = False):
+    """Run the tool as a real process; with `own` it is its own owner, so it is
+    a dead owner once it exits or is killed."""
+    full_env = dict(os.environ)
+    full_env.pop("OVERLAY_STATE", None)
+    full_env.update(env or {})
+    if own:
+        command = ["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable, TOOL] + args
+    else:
+        command = [sys.executable, TOOL] + args
+    return subprocess.run(command, env=full_env, cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, universal_newlines=True)
+
+
+class OverlayTestCase(unittest.TestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="overlay-test-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.state = os.path.join(self.tmp, "state")
+        self.old_cwd = os.getcwd()
+        os.chdir(self.tmp)
+        self.addCleanup(os.chdir, self.old_cwd)
+
+    def tool(self, *argv: str) -> tuple:
+        return call("--state", self.state, *argv)
+
+    def assertOk(self, result: tuple) -> tuple:
+        self.assertEqual(result[0], 0, result)
+        return result
+
+
+class CProjectTest(OverlayTestCase):
+    """A real C project: several .c files, a Makefile, objects, a shared library."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, KERNELS)
+        self.make()
+        self.lib = os.path.join(self.proj, "libkernels.so")
+        self.patched = os.path.join(self.tmp, "kernel_b_fast.c")
+        write_tree(self.tmp, {"kernel_b_fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
+        time.sleep(0.01)
+
+    def make(self, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-j2", "-C", self.proj] + list(extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True)
+
+    def output(self) -> str:
+        return subprocess.run([sys.executable, "-c", CALL_B, self.lib], stdout=subprocess.PIPE,
+                              universal_newlines=True, check=True).stdout.strip()
+
+    def p(self, relative: str) -> str:
+        return os.path.join(self.proj, relative)
+
+    def add_kernel_b(self, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched", self.patched,
+                         "--artifact", self.p("kernel_b.o"), "--artifact", self.lib,
+                         "--invalidate-cache", self.p("cache"),
+                         "--build-cmd", "make -j2", "--build-cwd", self.proj, *extra)
+
+    def test_patched_kernel_is_rebuilt_alone_and_revert_restores_the_tree(self) -> None:
+        before = tree_state(self.proj)
+        self.assertEqual(self.output(), "4.0")
+        rc, out, err = self.add_kernel_b()
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("cc -O1 -fPIC -c -o kernel_b.o kernel_b.c", out)
+        self.assertNotIn("kernel_a.c", out)
+        self.assertNotIn("kernel_c.c", out)
+        self.assertNotIn("api.c", out)
+        after = tree_state(self.proj)
+        for unchanged in ("kernel_a.o", "kernel_c.o", "api.o", "kernel_a.c", "Makefile"):
+            self.assertEqual(after[unchanged], before[unchanged], unchanged)
+        self.assertNotEqual(after["kernel_b.o"], before["kernel_b.o"])
+        self.assertNotIn("cache/old-entry", after)
+        self.assertEqual(self.output(), "7.0")
+        self.assertEqual(self.tool("verify-native"),
+                         (0, "2 artifact(s) rebuilt from the patched sources\n", ""))
+
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(out, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"),
+                                                                       self.state))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+        self.assertEqual(self.output(), "4.0")
+
+    def test_two_entries_sharing_an_artifact_are_reverted_in_reverse_order(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.add_kernel_b())
+        write_tree(self.tmp, {"kernel_a_fast.c": KERNELS["kernel_a.c"].replace("1.0", "1.5")})
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                os.path.join(self.tmp, "kernel_a_fast.c"),
+                                "--artifact", self.p("kernel_a.o"), "--artifact", self.lib,
+                                "--invalidate-cache", self.p("cache"),
+                                "--build-cmd", "make -j2", "--build-cwd", self.proj))
+        self.assertEqual(self.tool("verify-native"),
+                         (0, "3 artifact(s) rebuilt from the patched sources\n", ""))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\nreverted %s\n"
+                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), self.state))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+
+    def test_silent_noop_build_fails_verify_native_naming_the_artifact(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                self.patched, "--artifact", self.lib, "--build-cmd", "true",
+                                "--build-cwd", self.proj))
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E403 artifact %s is unchanged by the build (a silent no-op "
+            "build?): check the build command and the --invalidate-cache directories\n" % self.lib))
+
+    def test_verify_native_with_nothing_built_fails(self) -> None:
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E405 no built artifact to verify; pass --artifact to add-native "
+            "or apply\n"))
+
+    def test_artifact_created_by_the_build_is_removed_by_revert(self) -> None:
+        before = tree_state(self.proj)
+        extra = self.p("libextra.so")
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                self.patched, "--artifact", extra,
+                                "--build-cmd", "cp libkernels.so libextra.so",
+                                "--build-cwd", self.proj))
+        self.assertTrue(os.path.isfile(extra))
+        self.assertEqual(self.tool("verify-native")[0], 0)
+        self.assertOk(self.tool("revert"))
+        self.assertFalse(os.path.exists(extra))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_double_revert_and_revert_without_state_are_noops(self) -> None:
+        self.assertEqual(self.tool("revert"), (0, "nothing to revert: no overlay at %s\n"
+                                               % self.state, ""))
+        self.assertOk(self.add_kernel_b())
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.tool("revert"), (0, "nothing to revert at %s\n" % self.state, ""))
+
+    def test_revert_without_a_build(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build"))
+        with open(self.p("kernel_b.c")) as handle:
+            self.assertIn("7.0", handle.read())
+        self.assertEqual(self.make("-q").returncode, 1)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+
+    def test_failed_build_exits_1_and_stays_applied_for_revert(self) -> None:
+        before = tree_state(self.proj)
+        write_tree(self.tmp, {"broken.c": "double kernel_b(void) { return }\n"})
+        rc, out, err = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                 os.path.join(self.tmp, "broken.c"), "--artifact", self.lib,
+                                 "--build-cmd", "make", "--build-cwd", self.proj)
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"^overlay_setup: E401 the build command exited with status 2 after "
+                              r"\d+\.\ds; the patch stays applied for inspection: run "
+                              r"`overlay_setup.py revert`\n$")
+        rc, out, _ = self.tool("status")
+        self.assertIn("entry 1 [build-failed] (build status 2", out)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_build_timeout_kills_the_build(self) -> None:
+        rc, out, err = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                 self.patched, "--build-cmd", "sleep 30", "--timeout", "0.5",
+                                 "--build-cwd", self.proj)
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"^overlay_setup: E402 the build command timed out after 0\.\ds and "
+                              r"was killed; the patch stays applied: run `overlay_setup.py "
+                              r"revert`\n$")
+        self.assertOk(self.tool("revert"))
+
+    def test_untracked_build_products_are_named_and_removed(self) -> None:
+        os.unlink(self.p("api.o"))
+        before = tree_state(self.proj)
+        rc, out, err = self.add_kernel_b()
+        self.assertEqual(rc, 0)
+        self.assertEqual(err, "warning: the build created or changed files that no --artifact or "
+                              "--invalidate-cache covers (revert removes them): %s\n"
+                         % self.p("api.o"))
+        self.assertIn("untracked build product %s" % self.p("api.o"), self.tool("status")[1])
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_keep_untracked_keeps_build_products(self) -> None:
+        os.unlink(self.p("api.o"))
+        self.assertOk(self.add_kernel_b())
+        self.assertOk(self.tool("revert", "--keep-untracked"))
+        self.assertTrue(os.path.isfile(self.p("api.o")))
+
+    def test_source_changed_after_apply_is_refused_without_force(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build"))
+        with open(self.p("kernel_b.c"), "a") as handle:
+            handle.write("/* edited */\n")
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
+            "original nor the patched content); nothing was reverted: run `overlay_setup.py "
+            "revert --force` to restore the original anyway\n" % self.p("kernel_b.c")))
+        self.assertOk(self.tool("revert", "--force"))
+        self.assertEqual(read_text(self.p("kernel_b.c")), KERNELS["kernel_b.c"])
+
+    def test_symlink_planted_at_the_source_is_replaced_not_followed(self) -> None:
+        before = tree_state(self.proj)
+        victim = os.path.join(self.tmp, "victim.txt")
+        write_tree(self.tmp, {"victim.txt": "precious\n"})
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build"))
+        os.unlink(self.p("kernel_b.c"))
+        os.symlink(victim, self.p("kernel_b.c"))
+        self.assertEqual(self.tool("revert")[0], 1)
+        self.assertOk(self.tool("revert", "--force"))
+        self.assertEqual(read_text(victim), "precious\n")
+        self.assertFalse(os.path.islink(self.p("kernel_b.c")))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_source_already_overlaid_is_refused(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build"))
+        self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                   "--patched", self.patched, "--no-build"), (
+            1, "", "overlay_setup: E103 source %s is already overlaid; run `overlay_setup.py "
+            "revert` first\n" % self.p("kernel_b.c")))
+
+    def test_relative_or_unnormalised_paths_are_usage_errors(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", "proj/kernel_b.c",
+                                   "--patched", self.patched, "--no-build"), (
+            2, "", "overlay_setup: E101 --source must be an absolute, normalised path (got "
+            "'proj/kernel_b.c'); pass it as e.g. %s\n" % self.p("kernel_b.c")))
+        self.assertEqual(self.tool("add-native", "--source", self.proj + "/../proj/kernel_b.c",
+                                   "--patched", self.patched, "--no-build")[0], 2)
+        self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                   self.patched, "--artifact", "libkernels.so", "--no-build")[0], 2)
+
+    def test_build_command_or_no_build_is_required(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                   "--patched", self.patched), (
+            2, "", "overlay_setup: E109 pass --build-cmd CMD (the install's own build) or "
+            "--no-build\n"))
+
+    def test_unreadable_patched_file_and_missing_source_are_refused(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                   "--patched", "/nonexistent.c", "--no-build"), (
+            1, "", "overlay_setup: E102 cannot read --patched /nonexistent.c (No such file or "
+            "directory); pass the patched file\n"))
+        self.assertEqual(self.tool("add-native", "--source", self.p("nope.c"),
+                                   "--patched", self.patched, "--no-build"), (
+            1, "", "overlay_setup: E102 --source %s does not exist; pass the installed file to "
+            "patch (or use `apply` with a patch that creates it)\n" % self.p("nope.c")))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_another_owner_is_refused(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build"))
+        rc, out, err = self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                 self.patched, "--no-build", "--owner-pid", str(os.getpid()))
+        self.assertEqual(rc, 1)
+        self.assertEqual(err, "overlay_setup: E205 this overlay belongs to pid %d on %s (live); "
+                              "run `overlay_setup.py revert` (or `gc-stale` if that owner is gone) "
+                              "first, or pass --owner-pid %d\n"
+                         % (os.getppid(), overlay_setup.host_name(), os.getppid()))
+
+    def test_dead_owner_pid_is_a_usage_error(self) -> None:
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        self.assertEqual(self.tool("init", "--owner-pid", str(dead.pid)), (
+            2, "", "overlay_setup: E108 --owner-pid %d is not a running process; pass the pid of "
+            "the process that owns this overlay\n" % dead.pid))
+
+    def test_state_option_is_accepted_after_the_subcommand_and_from_the_environment(self) -> None:
+        self.assertOk(call("init", "--state", self.state))
+        self.assertTrue(os.path.isfile(os.path.join(self.state, "manifest.json")))
+        other = os.path.join(self.tmp, "other-state")
+        os.environ["OVERLAY_STATE"] = other
+        try:
+            self.assertOk(call("init"))
+        finally:
+            del os.environ["OVERLAY_STATE"]
+        self.assertTrue(os.path.isdir(other))
+        self.assertOk(call("init"))
+        self.assertTrue(os.path.isdir(os.path.join(self.tmp, ".overlay")))
+
+    def test_newer_journal_format_is_refused(self) -> None:
+        self.assertOk(self.tool("init"))
+        path = os.path.join(self.state, "manifest.json")
+        manifest = read_json(path)
+        manifest["format"] = overlay_setup.FORMAT_VERSION + 1
+        write_json(path, manifest)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E201 journal %s has format 2, newer than this tool understands "
+            "(1); use the overlay_setup.py that wrote it\n" % path))
+
+    def test_tampered_journal_paths_are_refused_before_acting(self) -> None:
+        self.assertOk(self.add_kernel_b())
+        path = os.path.join(self.state, "manifest.json")
+        good = read_text(path)
+        manifest = json.loads(good)
+        manifest["entries"][0]["sources"][0]["backup"] = "../../etc/passwd"
+        write_json(path, manifest)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E203 journal %s names backup '../../etc/passwd' outside the "
+            "state directory; the journal was tampered with, nothing was changed\n" % path))
+        manifest = json.loads(good)
+        manifest["entries"][0]["artifacts"][0]["path"] = self.proj + "/../proj/x.o"
+        write_json(path, manifest)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E203 journal %s names target %r that is not an absolute, "
+            "normalised path; the journal was tampered with, nothing was changed\n"
+            % (path, self.proj + "/../proj/x.o")))
+        write_text_file(path, good)
+        self.assertOk(self.tool("revert"))
+
+    def test_journal_never_runs_a_command_on_revert(self) -> None:
+        self.assertOk(self.add_kernel_b())
+        path = os.path.join(self.state, "manifest.json")
+        manifest = read_json(path)
+        marker = os.path.join(self.tmp, "ran")
+        manifest["entries"][0]["build"]["cmd"] = "touch %s" % marker
+        write_json(path, manifest)
+        self.assertOk(self.tool("revert"))
+        self.assertFalse(os.path.exists(marker))
+
+    def test_a_second_command_waits_for_the_lock_naming_its_holder(self) -> None:
+        self.assertOk(self.tool("init"))
+        state = overlay_setup.State(self.state)
+        self.assertTrue(state.try_lock("test-holder"))
+        try:
+            waiter = subprocess.Popen([sys.executable, TOOL, "--state", self.state, "init",
+                                       "--owner-pid", str(os.getpid())],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      universal_newlines=True)
+            line = waiter.stderr.readline()
+            self.assertRegex(line, r"^waiting for the lock on %s, held by pid %d on .* "
+                                   r"\(test-holder since .*Z\)\n$" % (self.state, os.getpid()))
+            self.assertIsNone(waiter.poll())
+        finally:
+            state.unlock()
+        self.assertEqual(waiter.wait(10), 0)
+        waiter.stdout.close()
+        waiter.stderr.close()
+
+
+class RefusalTest(OverlayTestCase):
+    """Each remaining refusal, with its exact message; nothing changes."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n", "cache/x": "x\n"})
+        self.source = os.path.join(self.proj, "k.c")
+        self.fast = os.path.join(self.proj, "fast.c")
+
+    def add(self, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", self.source, "--patched", self.fast, *extra)
+
+    def test_symlinked_source_is_refused(self) -> None:
+        link = os.path.join(self.proj, "link.c")
+        os.symlink(self.source, link)
+        self.assertEqual(self.tool("add-native", "--source", link, "--patched", self.fast,
+                                   "--no-build"), (
+            1, "", "overlay_setup: E104 source %s is a symlink; pass the file it points to (%s)\n"
+            % (link, self.source)))
+
+    def test_artifact_inside_an_invalidated_cache_is_refused(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        self.assertEqual(self.add("--artifact", cache + "/x", "--invalidate-cache", cache,
+                                  "--no-build"), (
+            1, "", "overlay_setup: E106 %s/x lies inside --invalidate-cache %s, which is set aside "
+            "whole; drop one of them\n" % (cache, cache)))
+
+    def test_missing_build_directory_is_refused(self) -> None:
+        self.assertEqual(self.add("--build-cmd", "make", "--build-cwd", "/nonexistent"), (
+            1, "", "overlay_setup: E107 --build-cwd /nonexistent is not a directory; pass the "
+            "directory the build command runs in\n"))
+
+    def test_build_command_and_no_build_exclude_each_other(self) -> None:
+        self.assertEqual(self.add("--build-cmd", "make", "--no-build"), (
+            2, "", "overlay_setup: E109 --build-cmd and --no-build exclude each other; pass one\n"))
+
+    def test_module_already_overlaid_is_refused(self) -> None:
+        self.assertOk(self.tool("add-python", "pkg.mod", self.fast))
+        self.assertEqual(self.tool("add-python", "pkg.mod", self.fast), (
+            1, "", "overlay_setup: E103 module pkg.mod is already overlaid; run "
+            "`overlay_setup.py revert` first\n"))
+
+    def test_unreadable_journal_is_refused(self) -> None:
+        self.assertOk(self.tool("init"))
+        write_text_file(os.path.join(self.state, "manifest.json"), "{not json")
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertRegex(err, r"^overlay_setup: E202 journal %s/manifest.json is unreadable "
+                              r"\(.*\); inspect it, or move the state directory away if nothing "
+                              r"is applied\n$" % self.state)
+
+    def test_state_path_that_is_a_file_is_refused(self) -> None:
+        write_text_file(self.state, "")
+        self.assertEqual(self.tool("init"), (
+            1, "", "overlay_setup: E206 state directory %s is not a directory; pass another "
+            "--state\n" % self.state))
+
+    def test_missing_backup_is_refused_before_anything_changes(self) -> None:
+        self.assertOk(self.add("--no-build"))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        os.unlink(os.path.join(self.state, manifest["entries"][0]["sources"][0]["backup"]))
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E503 the backup of %s is missing from %s; nothing was changed: "
+            "restore that file by hand, then remove entry 1 from the journal\n"
+            % (self.source, self.state)))
+        self.assertEqual(read_text(self.source), "int k = 7;\n")
+
+    def test_new_file_in_a_missing_directory_is_refused(self) -> None:
+        write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/sub/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E102 new.diff: the directory of sub/new.c does not exist under "
+            "%s; create it first (the overlay does not create directories)\n" % self.proj))
+
+    def test_renaming_patch_is_refused(self) -> None:
+        write_tree(self.tmp, {"mv.diff": "diff --git a/k.c b/k2.c\nsimilarity index 100%\n"
+                                         "rename from k.c\nrename to k2.c\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "mv.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E305 mv.diff: renames and copies are not supported; regenerate "
+            "the patch with `git diff --no-renames`\n"))
+
+    def test_file_created_where_a_directory_now_stands_is_refused_on_revert(self) -> None:
+        new = os.path.join(self.proj, "new.c")
+        before = tree_state(self.proj)
+        write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
+        self.assertOk(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root", self.proj,
+                                "--no-build"))
+        os.unlink(new)
+        os.mkdir(new)
+        self.assertEqual(self.tool("revert", "--force"), (
+            1, "", "overlay_setup: E504 %s is now a directory where the overlay removes a file; "
+            "nothing was reverted: move it away by hand, then run revert again\n" % new))
+        os.rmdir(new)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+
+class PatchTest(OverlayTestCase):
+    """`apply` with real git diffs: natives in place, .py to the overlay."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, KERNELS)
+        subprocess.run(["make", "-j2", "-s", "-C", self.proj], check=True)
+        self.work = os.path.join(self.tmp, "work")
+        shutil.copytree(self.proj, self.work, symlinks=True)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", self.work]
+        subprocess.run(git + ["init", "-q"], check=True)
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-qm", "base"], check=True)
+        self.git = git
+
+    def make_patch(self, edits: dict, deletes: tuple = (), name: str = "change.diff") -> str:
+        """A real `git diff` of edits made in the work copy."""
+        for relative, content in edits.items():
+            write_tree(self.work, {relative: content})
+        for relative in deletes:
+            os.unlink(os.path.join(self.work, relative))
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        diff = subprocess.run(self.git + ["diff", "--cached"], check=True,
+                              stdout=subprocess.PIPE).stdout
+        subprocess.run(self.git + ["reset", "-q", "--hard"], check=True)
+        path = os.path.join(self.tmp, name)
+        with open(path, "wb") as handle:
+            handle.write(diff)
+        return path
+
+    def test_mixed_python_and_c_patch_round_trips(self) -> None:
+        before = tree_state(self.proj)
+        patch = self.make_patch({
+            "kernel_b.c": KERNELS["kernel_b.c"].replace("4.0", "7.0"),
+            "pkg/mathops.py": "def scale():\n    return 3\n"})
+        rc, out, err = self.tool("apply", patch, "--root", self.proj,
+                                 "--artifact", os.path.join(self.proj, "kernel_b.o"),
+                                 "--artifact", os.path.join(self.proj, "libkernels.so"),
+                                 "--invalidate-cache", os.path.join(self.proj, "cache"),
+                                 "--build-cmd", "make -j2", "--build-cwd", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("applied change.diff: entry 1: 1 native file(s); 1 Python module(s) "
+                      "overlaid (pkg.mathops); run `overlay_setup.py revert` to take it back", out)
+        self.assertEqual(self.tool("verify-native")[0], 0)
+
+        env_line = self.tool("env")[1].splitlines()[0]
+        probe = ("import ctypes, pkg.mathops; lib = ctypes.CDLL(%r); "
+                 "lib.run_b.restype = ctypes.c_double; print(pkg.mathops.scale(), lib.run_b())"
+                 % os.path.join(self.proj, "libkernels.so"))
+        script = '%s; cd %s && "%s" -c "$1"' % (env_line, self.proj, sys.executable)
+        seen = subprocess.run(["sh", "-c", script, "sh", probe], stdout=subprocess.PIPE,
+                              universal_newlines=True, check=True).stdout
+        self.assertEqual(seen, "3 7.0\n")
+        with open(os.path.join(self.proj, "pkg/mathops.py")) as handle:
+            self.assertEqual(handle.read(), KERNELS["pkg/mathops.py"])
+
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+        seen = subprocess.run(["sh", "-c", script, "sh", probe], stdout=subprocess.PIPE,
+                              universal_newlines=True, check=True).stdout
+        self.assertEqual(seen, "2 4.0\n")
+
+    def test_new_and_deleted_files_with_plain_diff_and_p0(self) -> None:
+        before = tree_state(self.proj)
+        stamp = "\t2026-01-01 00:00:00.000000000 +0000\n"
+        diff = ("--- kernel_c.c" + stamp + "+++ /dev/null" + stamp + "@@ -1,2 +0,0 @@\n"
+                + "".join("-" + line for line in KERNELS["kernel_c.c"].splitlines(True))
+                + "--- /dev/null" + stamp + "+++ kernel_d.c" + stamp + "@@ -0,0 +1 @@\n"
+                "+double kernel_d(void) { return 2.0; }\n"
+                "--- /dev/null" + stamp + "+++ pkg/fresh.py" + stamp + "@@ -0,0 +1 @@\n"
+                "+VALUE = 11\n")
+        patch = os.path.join(self.tmp, "plain.diff")
+        write_tree(self.tmp, {"plain.diff": diff})
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "-p", "0", "--no-build"))
+        self.assertFalse(os.path.exists(os.path.join(self.proj, "kernel_c.c")))
+        self.assertTrue(os.path.isfile(os.path.join(self.proj, "kernel_d.c")))
+        env = json.loads(self.tool("env", "--json")[1])
+        seen = subprocess.run([sys.executable, "-c", "import pkg.fresh; print(pkg.fresh.VALUE)"],
+                              env=dict(os.environ, PYTHONPATH=env["PYTHONPATH"]), cwd=self.proj,
+                              stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+        self.assertEqual(seen, "11\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_deleted_python_module_is_hidden_by_the_overlay(self) -> None:
+        patch = self.make_patch({}, deletes=("pkg/other.py",))
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        env = json.loads(self.tool("env", "--json")[1])
+        probe = subprocess.run([sys.executable, "-c", "import pkg.other"], cwd=self.proj,
+                               env=dict(os.environ, PYTHONPATH=env["PYTHONPATH"]),
+                               stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(probe.returncode, 1)
+        self.assertIn("ModuleNotFoundError: module 'pkg.other' is deleted by the overlay",
+                      probe.stderr)
+        self.assertTrue(os.path.isfile(os.path.join(self.proj, "pkg/other.py")))
+        self.assertOk(self.tool("revert"))
+
+    def test_a_wrong_hunk_changes_nothing_and_names_file_and_hunk(self) -> None:
+        source = "".join("int line%d;\n" % number for number in range(1, 30))
+        write_tree(self.proj, {"big.c": source})
+        write_tree(self.work, {"big.c": source})
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        subprocess.run(self.git + ["commit", "-qm", "big"], check=True)
+        edited = source.replace("int line3;", "int line3x;").replace("int line25;", "int l25;")
+        patch = self.make_patch({"big.c": edited,
+                                 "kernel_a.c": KERNELS["kernel_a.c"].replace("1.0", "1.5")})
+        write_tree(self.proj, {"big.c": source.replace("int line24;", "int changed24;")})
+        before = tree_state(self.proj)
+        rc, out, err = self.tool("apply", patch, "--root", self.proj, "--no-build")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E302 change.diff: hunk 2 of big.c (@@ -22,7 @@) does "
+                              "not match the file at line 22; nothing was written: regenerate the "
+                              "patch against the current tree\n")
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_missing_final_newline_is_kept_on_both_sides(self) -> None:
+        write_tree(self.proj, {"tail.c": "int a;\nint b;"})
+        write_tree(self.work, {"tail.c": "int a;\nint b;"})
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        subprocess.run(self.git + ["commit", "-qm", "tail"], check=True)
+        patch = self.make_patch({"tail.c": "int a;\nint c;"})
+        self.assertEqual(read_text(patch).count("\\ No newline at end of file"), 2)
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint c;")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint b;")
+
+    def test_unsupported_file_kind_is_refused(self) -> None:
+        patch = self.make_patch({"Makefile": KERNELS["Makefile"] + "# more\n"})
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E303 change.diff: Makefile is neither a compiled source "
+            "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp) nor a .py file; nothing was written: leave "
+            "it out of the patch\n"))
+
+    def test_patch_paths_leaving_the_root_are_refused(self) -> None:
+        write_tree(self.tmp, {"evil.diff": "--- a/../x.c\n+++ b/../x.c\n@@ -0,0 +1 @@\n+int x;\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "evil.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E304 evil.diff: path '../x.c' leaves the --root directory; "
+            "nothing was written\n"))
+
+    def test_text_without_a_diff_is_refused(self) -> None:
+        write_tree(self.tmp, {"notes.txt": "hello\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "notes.txt"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E301 notes.txt holds no unified diff (no ---/+++ file headers); "
+            "pass a patch made by `git diff` or `diff -u`\n"))
+
+
+class PythonOverlayTest(OverlayTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {
+            "pkg/__init__.py": "",
+            "pkg/mathops.py": "def scale():\n    return 2\n",
+            "pkg/fast.py": "def scale():\n    return 8\n",
+            "other_site/sitecustomize.py": "import os\nos.environ['CHAINED'] = 'yes'\n",
+            "shadow.py": "def scale():\n    return 6\n"})
+
+    def python(self, code: str, extra_path: str = "") -> str:
+        env = json.loads(self.tool("env", "--json")[1])
+        path = env["PYTHONPATH"] + (os.pathsep + extra_path if extra_path else "")
+        return subprocess.run([sys.executable, "-c", code], cwd=self.proj,
+                              env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.PIPE,
+                              universal_newlines=True, check=True).stdout
+
+    def test_add_python_shadows_the_module_and_chains_sitecustomize(self) -> None:
+        self.assertOk(self.tool("add-python", "pkg.mathops", os.path.join(self.proj, "shadow.py")))
+        code = "import os, pkg.mathops; print(pkg.mathops.scale(), os.environ.get('CHAINED'))"
+        self.assertEqual(self.python(code, os.path.join(self.proj, "other_site")), "6 yes\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.python(code, os.path.join(self.proj, "other_site")), "2 yes\n")
+
+    def test_rebind_replaces_the_attribute_on_import(self) -> None:
+        self.assertEqual(self.tool("rebind", "pkg.mathops:scale", "pkg.fast:scale"), (
+            0, "pkg.mathops:scale is replaced by pkg.fast:scale when pkg.mathops is imported\n",
+            ""))
+        self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "8\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "2\n")
+
+    def test_bad_module_names_are_usage_errors(self) -> None:
+        self.assertEqual(self.tool("add-python", "pkg-x", "shadow.py"), (
+            2, "", "overlay_setup: E105 MODULE 'pkg-x' is not a dotted module name (e.g. pkg.mod)\n"))
+        self.assertEqual(self.tool("rebind", "pkg.mathops", "pkg.fast:scale"), (
+            2, "", "overlay_setup: E105 TARGET 'pkg.mathops' must look like pkg.mod:attr\n"))
+
+    def test_init_is_idempotent_and_env_prints_the_exports(self) -> None:
+        first = self.tool("init")
+        self.assertEqual(first, self.tool("init"))
+        self.assertEqual(first, (0, "overlay state ready at %s (owner pid %d on %s (live))\n"
+                                 % (self.state, os.getppid(), overlay_setup.host_name()), ""))
+        existing = os.environ.get("PYTHONPATH")
+        expected = os.path.join(self.state, "site") + (os.pathsep + existing if existing else "")
+        self.assertEqual(self.tool("env"), (0, "export PYTHONPATH=%s\nexport OVERLAY_STATE=%s\n"
+                                            % (expected, self.state), ""))
+        self.assertEqual(json.loads(self.tool("env", "--json")[1]),
+                         {"PYTHONPATH": expected, "OVERLAY_STATE": self.state})
+
+    def test_status_json_shows_modules_rebinds_and_a_live_owner(self) -> None:
+        self.assertOk(self.tool("add-python", "pkg.mathops", os.path.join(self.proj, "shadow.py")))
+        self.assertOk(self.tool("rebind", "pkg.fast:scale", "pkg.mathops:scale"))
+        status = json.loads(self.tool("status", "--json")[1])
+        self.assertEqual(status["owner"]["liveness"], "live")
+        self.assertEqual(sorted(status["manifest"]["python"]["modules"]), ["pkg.mathops"])
+        self.assertEqual(status["manifest"]["python"]["rebinds"],
+                         {"pkg.fast:scale": "pkg.mathops:scale"})
+        rc, out, err = self.tool("status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("python: pkg.mathops <- %s\nrebind: pkg.fast:scale -> pkg.mathops:scale\n"
+                      % os.path.join(self.proj, "shadow.py"), out)
+
+    def test_env_without_an_overlay_says_what_to_run(self) -> None:
+        self.assertEqual(self.tool("env"), (
+            1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py init` first\n"
+            % self.state))
+
+
+def crash_fixture(root: str, shm: str) -> None:
+    """Tree for the crash matrices: a source, an artifact the build rewrites, a
+    same-filesystem cache (renamed aside), a cross-filesystem one (tar
+    snapshot) and a Python module."""
+    write_tree(root, {"src/k.c": "int k(void) { return 4; }\n", "src/k.h": "int k(void);\n",
+                      "build/k.so": "old artifact\n", "cache/a": "A\n", "cache/sub/b": "B\n",
+                      "pkg/__init__.py": "", "pkg/m.py": "X = 1\n", "other.c": "int o;\n"})
+    os.symlink("sub/b", os.path.join(root, "cache/link"))
+    os.chmod(os.path.join(root, "build/k.so"), 0o755)
+    write_tree(shm, {"x": "shm cache\n", "d/y": "Y\n"})
+    os.symlink("d/y", os.path.join(shm, "ly"))
+    past = time.time() - 3600
+    for base in (root, shm):
+        for directory, dirs, files in os.walk(base, topdown=False):
+            for name in files + dirs:
+                os.utime(os.path.join(directory, name), (past, past), follow_symlinks=False)
+            os.utime(directory, (past, past))
+
+
+def shm_available() -> bool:
+    return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) and \
+        os.stat("/dev/shm").st_dev != os.stat(tempfile.gettempdir()).st_dev
+
+
+class CrashMatrixTest(unittest.TestCase):
+    """SIGKILL at every mutation point, ENOSPC at every write: always recoverable.
+    The second cache lives on /dev/shm where that is another filesystem, so
+    the tar snapshot path is crashed too."""
+
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="overlay-crash-")
+        self.shm_base = tempfile.mkdtemp(prefix="overlay-crash-",
+                                         dir="/dev/shm" if shm_available() else self.tmp)
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.addCleanup(shutil.rmtree, self.shm_base, True)
+        self.round = 0
+
+    def fresh(self) -> tuple:
+        self.round += 1
+        root = os.path.join(self.tmp, "r%d" % self.round, "tree")
+        shm = os.path.join(self.shm_base, "r%d" % self.round)
+        os.makedirs(os.path.dirname(root))
+        crash_fixture(root, shm)
+        state = os.path.join(os.path.dirname(root), "state")
+        return root, shm, state, (tree_state(root), tree_state(shm))
+
+    def add_native_args(self, root: str, shm: str, state: str) -> list:
+        patched = os.path.join(os.path.dirname(root), "k_fast.c")
+        write_tree(os.path.dirname(root), {"k_fast.c": "int k(void) { return 7; }\n"})
+        return ["--state", state, "add-native", "--source", os.path.join(root, "src/k.c"),
+                "--patched", patched, "--artifact", os.path.join(root, "build/k.so"),
+                "--artifact", os.path.join(root, "build/new.so"),
+                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
+                "--build-cmd", "cp src/k.c build/k.so && cp src/k.c build/new.so && "
+                               "mkdir -p cache && echo x > cache/fresh && echo t > stray.o",
+                "--build-cwd", root]
+
+    def apply_args(self, root: str, shm: str, state: str) -> list:
+        patch = os.path.join(os.path.dirname(root), "p.diff")
+        write_tree(os.path.dirname(root), {"p.diff": (
+            "--- a/src/k.c\n+++ b/src/k.c\n@@ -1 +1 @@\n-int k(void) { return 4; }\n"
+            "+int k(void) { return 7; }\n"
+            "--- a/src/k.h\n+++ /dev/null\n@@ -1 +0,0 @@\n-int k(void);\n"
+            "--- /dev/null\n+++ b/src/new.c\n@@ -0,0 +1 @@\n+int n;\n"
+            "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-X = 1\n+X = 2\n")})
+        return ["--state", state, "apply", patch, "--root", root,
+                "--artifact", os.path.join(root, "build/k.so"),
+                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
+                "--build-cmd", "cp src/k.c build/k.so && echo t > stray.o", "--build-cwd", root]
+
+    def assertRestored(self, root: str, shm: str, expected: tuple, context: str) -> None:
+        self.assertEqual((tree_state(root), tree_state(shm)), expected, context)
+        served = os.path.join(os.path.dirname(root), "state", "site", "overlay.json")
+        if os.path.exists(served):
+            self.assertFalse(read_json(served)["enabled"], "Python overlay still on: " + context)
+
+    def kill_matrix(self, make_args) -> int:
+        point = 0
+        while True:
+            point += 1
+            self.assertLess(point, 300)
+            root, shm, state, expected = self.fresh()
+            result = run_tool(make_args(root, shm, state), {"OVERLAY_TEST_KILL_AT": str(point)},
+                              own=True)
+            if result.returncode == 0:
+                run_tool(["--state", state, "revert"]).check_returncode()
+                self.assertRestored(root, shm, expected, "completed run")
+                return point
+            self.assertEqual(result.returncode, -9, result.stderr)
+            gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
+            self.assertEqual(gc.returncode, 0, gc.stderr)
+            self.assertRestored(root, shm, expected, "killed at point %d" % point)
+            again = run_tool(["--state", state, "revert"])
+            self.assertEqual(again.returncode, 0, again.stderr)
+            self.assertRestored(root, shm, expected, "revert after gc, point %d" % point)
+
+    def enospc_matrix(self, make_args) -> int:
+        write = 0
+        while True:
+            write += 1
+            self.assertLess(write, 300)
+            root, shm, state, expected = self.fresh()
+            result = run_tool(make_args(root, shm, state), {"OVERLAY_TEST_ENOSPC_AT": str(write)},
+                              own=True)
+            if result.returncode == 0:
+                run_tool(["--state", state, "revert"]).check_returncode()
+                return write
+            self.assertEqual(result.returncode, 1)
+            self.assertRegex(result.stderr, r"(?m)^overlay_setup: E601 could not write .*"
+                                            r"\(No space left on device\)")
+            self.assertNotIn("Traceback", result.stderr)
+            fixed = run_tool(["--state", state, "revert"])
+            self.assertEqual(fixed.returncode, 0, fixed.stderr)
+            self.assertRestored(root, shm, expected, "ENOSPC at write %d" % write)
+
+    def test_kill_at_every_point_of_add_native_is_recovered_by_gc_stale(self) -> None:
+        self.assertGreater(self.kill_matrix(self.add_native_args), 10)
+
+    def test_kill_at_every_point_of_apply_is_recovered_by_gc_stale(self) -> None:
+        self.assertGreater(self.kill_matrix(self.apply_args), 10)
+
+    def test_kill_at_every_point_of_revert_is_recovered_by_gc_stale(self) -> None:
+        point = 0
+        while True:
+            point += 1
+            self.assertLess(point, 300)
+            root, shm, state, expected = self.fresh()
+            run_tool(self.apply_args(root, shm, state), own=True).check_returncode()
+            result = run_tool(["--state", state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
+            if result.returncode == 0:
+                self.assertRestored(root, shm, expected, "completed revert")
+                break
+            self.assertEqual(result.returncode, -9, result.stderr)
+            gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
+            self.assertEqual(gc.returncode, 0, gc.stderr)
+            self.assertRestored(root, shm, expected, "revert killed at point %d" % point)
+        self.assertGreater(point, 10)
+
+    def test_no_space_at_every_write_of_add_native_and_apply_is_recoverable(self) -> None:
+        self.assertGreater(self.enospc_matrix(self.add_native_args), 8)
+        self.assertGreater(self.enospc_matrix(self.apply_args), 8)
+
+    def test_no_space_at_every_write_of_revert_is_recoverable(self) -> None:
+        write = 0
+        while True:
+            write += 1
+            self.assertLess(write, 300)
+            root, shm, state, expected = self.fresh()
+            run_tool(self.add_native_args(root, shm, state), own=True).check_returncode()
+            result = run_tool(["--state", state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": str(write)})
+            if result.returncode == 0:
+                break
+            self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
+            self.assertIn("(No space left on device) while reverting; the journal keeps what is "
+                          "left: fix the cause and run `overlay_setup.py revert` again",
+                          result.stderr)
+            run_tool(["--state", state, "revert"]).check_returncode()
+            self.assertRestored(root, shm, expected, "revert ENOSPC at write %d" % write)
+        self.assertGreater(write, 3)
+
+
+class GcStaleTest(OverlayTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.original = tree_state(self.proj)
+
+    def apply(self, owner: int = None) -> subprocess.CompletedProcess:
+        args = ["--state", self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
+                "--patched", os.path.join(self.proj, "fast.c"), "--no-build"]
+        if owner is None:
+            return run_tool(args, own=True)
+        return run_tool(args + ["--owner-pid", str(owner)])
+
+    def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.proj, "k.c"), "--patched",
+                           os.path.join(self.proj, "fast.c"), "--build-cmd", "kill -9 $PPID",
+                           "--build-cwd", self.proj], own=True)
+        self.assertEqual(killed.returncode, -9)
+        live_state = os.path.join(self.tmp, "sub", ".overlay")
+        live_proj = os.path.join(self.tmp, "live")
+        write_tree(live_proj, {"k.c": "int k;\n"})
+        self.assertOk(call("--state", live_state, "add-native", "--source",
+                           os.path.join(live_proj, "k.c"), "--patched",
+                           os.path.join(self.proj, "fast.c"), "--no-build",
+                           "--owner-pid", str(os.getpid())))
+        self.assertEqual(call("gc-stale", "--dry-run"), (
+            0, "stale: %s (owner pid %d on %s (gone)): would revert\nlive: %s (owner pid %d on %s "
+            "(live))\n" % (self.state, read_json(self.state + "/manifest.json")["owner"]
+                           ["pid"], overlay_setup.host_name(), live_state, os.getpid(),
+                           overlay_setup.host_name()), ""))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+        rc, out, err = call("gc-stale")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("stale: %s (owner pid" % self.state, out)
+        self.assertIn("): reverted\n", out)
+        self.assertEqual(tree_state(self.proj), self.original)
+        self.assertIn("int k = 7;", read_text(os.path.join(live_proj, "k.c")))
+        self.assertOk(call("--state", live_state, "revert"))
+
+    def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        path = os.path.join(self.state, "manifest.json")
+        manifest = read_json(path)
+        manifest["owner"]["start_time"] = "1"
+        write_json(path, manifest)
+        rc, out, _ = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 0)
+        self.assertIn("): reverted", out)
+        self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_locked_state_is_live(self) -> None:
+        self.assertEqual(self.apply().returncode, 0)
+        state = overlay_setup.State(self.state)
+        self.assertTrue(state.try_lock("holder"))
+        try:
+            rc, out, _ = call("gc-stale", "--root", self.tmp)
+        finally:
+            state.unlock()
+        self.assertEqual(rc, 0)
+        self.assertRegex(out, r"^live: %s \(locked by pid %d on .*\)\n$" % (self.state, os.getpid()))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+
+    def test_group_writable_state_is_refused_and_reported(self) -> None:
+        self.assertEqual(self.apply().returncode, 0)
+        os.chmod(self.state, 0o770)
+        self.assertEqual(call("gc-stale", "--root", self.tmp), (
+            1, "", "overlay_setup: E204 state directory %s is writable by group or others (mode "
+            "770); refusing to use it: run `chmod go-w %s` if you trust its contents\n"
+            "overlay_setup: 1 state directory refused or failed; see above\n"
+            % (self.state, self.state)))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+        self.assertEqual(self.tool("revert")[0], 1)
+
+    @unittest.skipUnless(os.geteuid() == 0, "changing a directory's owner needs root")
+    def test_state_owned_by_another_user_is_refused_and_reported(self) -> None:
+        self.assertEqual(self.apply().returncode, 0)
+        os.chown(self.state, 4242, 4242)
+        self.assertEqual(call("gc-stale", "--root", self.tmp), (
+            1, "", "overlay_setup: E204 state directory %s is owned by uid 4242, not by you (uid "
+            "0); refusing to use it\noverlay_setup: 1 state directory refused or failed; see "
+            "above\n" % self.state))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+
+
+@unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+class TarSnapshotTest(OverlayTestCase):
+    """A cache on another filesystem is snapshotted with tar and restored safely."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.cache = tempfile.mkdtemp(prefix="overlay-cache-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, self.cache, True)
+        write_tree(self.cache, {"obj/k.o": "object\n", "index": "1\n"})
+        os.symlink("obj/k.o", os.path.join(self.cache, "latest"))
+        os.chmod(os.path.join(self.cache, "index"), 0o640)
+        self.before = tree_state(self.cache)
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                "--patched", os.path.join(self.proj, "fast.c"),
+                                "--invalidate-cache", self.cache, "--no-build"))
+        self.assertFalse(os.path.exists(self.cache))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        self.archive = os.path.join(self.state, manifest["entries"][0]["caches"][0]["backup"])
+        self.assertTrue(self.archive.endswith(".tar"))
+
+    def plant(self, *members) -> None:
+        with tarfile.open(self.archive, "w") as tar:
+            for name, kind, link in members:
+                info = tarfile.TarInfo(name)
+                info.type = kind
+                info.linkname = link
+                if kind == tarfile.REGTYPE:
+                    info.size = 2
+                    tar.addfile(info, io.BytesIO(b"x\n"))
+                else:
+                    tar.addfile(info)
+
+    def refused(self, name: str, why: str) -> None:
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E502 snapshot %s holds member %r, %s; nothing was "
+                              "restored from it: the snapshot was tampered with, rebuild the cache "
+                              "instead\n" % (self.archive, name, why))
+        self.assertFalse(os.path.exists(self.cache))
+        self.assertIn("int k = 7;", read_text(os.path.join(self.proj, "k.c")))
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "escaped")))
+
+    def test_cache_on_another_filesystem_round_trips_through_tar(self) -> None:
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.cache), self.before)
+
+    def test_member_with_dotdot_is_refused(self) -> None:
+        self.plant((".", tarfile.DIRTYPE, ""), ("../escaped", tarfile.REGTYPE, ""))
+        self.refused("../escaped", "a path with '..'")
+
+    def test_absolute_member_is_refused(self) -> None:
+        self.plant(("/tmp/escaped", tarfile.REGTYPE, ""))
+        self.refused("/tmp/escaped", "an absolute path")
+
+    def test_device_member_is_refused(self) -> None:
+        self.plant(("null", tarfile.CHRTYPE, ""))
+        self.refused("null", "a device, fifo or other special file")
+
+    def test_symlink_leaving_the_snapshot_is_refused(self) -> None:
+        self.plant(("out", tarfile.SYMTYPE, "../../escaped"))
+        self.refused("out", "a link leaving the snapshot (to '../../escaped')")
+
+    def test_write_through_a_symlink_member_is_refused(self) -> None:
+        self.plant(("sub", tarfile.SYMTYPE, "."), ("sub/file", tarfile.REGTYPE, ""))
+        self.refused("sub/file", "a path through a symlink")
+
+
+if __name__ == "__main__":
+    unittest.main()
