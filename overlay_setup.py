@@ -78,6 +78,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
@@ -1829,6 +1830,26 @@ EPILOG = """examples:
 """
 
 
+COMMAND_EXAMPLES = {
+    "init": "overlay_setup.py --state /tmp/try-gemm init --owner-pid $$",
+    "add-python": "overlay_setup.py add-python vllm.model_executor.layers.layernorm "
+                  "./layernorm_fast.py",
+    "rebind": "overlay_setup.py rebind vllm._custom_ops:rms_norm myops.fast:rms_norm",
+    "env": 'eval "$(overlay_setup.py env)"; python3 -m vllm.entrypoints.openai.api_server ...',
+    "add-native": "overlay_setup.py add-native --source /opt/pkg/csrc/gemm.cu "
+                  "--patched gemm_fast.cu \\\n"
+                  "      --artifact /opt/pkg/lib/libpkg.so --invalidate-cache /opt/pkg/build/gemm \\\n"
+                  "      --build-cmd 'make -C /opt/pkg -j2' --build-cwd /opt/pkg",
+    "apply": "overlay_setup.py apply fix.diff --root /opt/pkg -p1 "
+             "--artifact /opt/pkg/lib/libpkg.so \\\n"
+             "      --build-cmd 'make -j2' --build-cwd /opt/pkg",
+    "verify-native": "overlay_setup.py verify-native && run-benchmark && overlay_setup.py revert",
+    "status": "overlay_setup.py status --json",
+    "revert": "overlay_setup.py --state /tmp/try-gemm revert",
+    "gc-stale": "overlay_setup.py gc-stale --root /work --dry-run",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     state_help = "state directory (default: $OVERLAY_STATE, else ./.overlay)"
     parser = argparse.ArgumentParser(
@@ -1836,11 +1857,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reversible, crash-safe in-place patches of native sources and Python "
                     "overlays in an installed package.", epilog=EPILOG)
     parser.add_argument("--state", default=None, help=state_help)
+    parser.add_argument("--version", action="version", version="%(prog)s " + VERSION)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
     def command(name: str, help_text: str, owner: bool = False) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(name, help=help_text, description=help_text,
+                                  epilog="example:\n  " + COMMAND_EXAMPLES[name],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("--state", default=argparse.SUPPRESS, help=state_help)
         if owner:
             sub.add_argument("--owner-pid", type=int, default=None, metavar="PID",
