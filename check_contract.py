@@ -491,6 +491,11 @@ def find_abi_defines(text):
 
 def strip_sh_comment(line):
     """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
+    if "'" not in line and '"' not in line:
+        index = line.find("#")
+        while index > 0 and not (line[index - 1].isspace() or line[index - 1] in ";&|("):
+            index = line.find("#", index + 1)
+        return line if index < 0 else line[:index]
     quote = None
     prev = " "
     for index, char in enumerate(line):
