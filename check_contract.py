@@ -616,6 +616,33 @@ def split_commands(line):
     return [c.strip() for c in commands if c.strip()]
 
 
+# Words that hold only variables and double quotes, as (text, variable,
+# text, ..., text); the same words recur in every backend's build script.
+SH_TEMPLATES = {}
+
+
+def word_template(word):
+    """The template of a word with variables, or () when the word needs the
+    full expansion (single quotes, backslashes, `$( )`, or a double quote
+    inside `${...}`)."""
+    simple = SH_SIMPLE_WORD_RE.match(word)
+    if simple:
+        return ("", simple.group(2) or simple.group(3), "")
+    if "'" in word or "\\" in word or "$(" in word or ("{" in word and '"' in word[1:-1]):
+        return ()
+    # The double quotes change nothing but themselves: substitute the
+    # variables of each quoted or bare run.
+    template = [""]
+    for part in word.split('"'):
+        pieces = SH_VAR_RE.split(part)  # text, ${body}, $name, text, ...
+        template[-1] += pieces[0]
+        for index in range(1, len(pieces), 3):
+            braced = pieces[index]
+            template.append(pieces[index + 1] if braced is None else braced)
+            template.append(pieces[index + 2])
+    return tuple(template)
+
+
 class ScriptReader:
     """What a build script's default invocation (`./script <out-dir>`) builds.
 
@@ -681,16 +708,14 @@ class ScriptReader:
         """The word with variables substituted and quotes removed."""
         if "$" not in word and "'" not in word and "\\" not in word:
             return word.replace('"', "") if '"' in word else word
-        simple = SH_SIMPLE_WORD_RE.match(word)
-        if simple:
-            return self.expand_var(simple.group(2) or simple.group(3))
-        if "'" not in word and "\\" not in word and "$(" not in word and (
-                "{" not in word or '"' not in word[1:-1]):
-            # Only variables and double quotes, none of them inside `${...}`:
-            # the quotes change nothing but themselves, so substitute the
-            # variables of each quoted or bare run.
-            return "".join(SH_VAR_RE.sub(self._expand_match, part) if "$" in part else part
-                           for part in word.split('"'))
+        template = SH_TEMPLATES.get(word)
+        if template is None:
+            template = SH_TEMPLATES[word] = word_template(word)
+        if template:
+            out = template[0]
+            for index in range(1, len(template), 2):
+                out += self.expand_var(template[index]) + template[index + 1]
+            return out
         out = []
         pos, in_double = 0, False
         while True:
@@ -718,10 +743,6 @@ class ScriptReader:
             else:
                 body = match.group(1) if match.group(1) is not None else match.group(2)
                 out.append(self.expand_var(body))
-
-    def _expand_match(self, match):
-        body = match.group(1)
-        return self.expand_var(match.group(2) if body is None else body)
 
     def mentions_out_dir(self, text):
         for match in SH_VAR_RE.finditer(text):
