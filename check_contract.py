@@ -523,6 +523,11 @@ def logical_lines(text):
         else:
             line = strip_sh_comment(raw).rstrip()
         if not pending:
+            if not line:
+                continue
+            if "=(" not in line and not line.endswith("\\"):  # a line of its own
+                joined.append((number, line.lstrip()))
+                continue
             start = number
         if line.endswith("\\"):
             pending += line[:-1] + " "
@@ -1459,6 +1464,17 @@ def run_check(repo, names=(), parallel=False):
     """Check the named backends (all by default).  With parallel=True and
     many backends, worker processes share the work (see check_in_parallel);
     the diagnostics are the same either way."""
+    import gc
+    collecting = gc.isenabled()
+    gc.disable()  # the run makes no reference cycles worth collecting
+    try:
+        return _run_check(repo, names, parallel)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_check(repo, names, parallel):
     if parallel and not names:
         run = check_in_parallel(repo)
         if run is not None:
