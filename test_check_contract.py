@@ -888,6 +888,7 @@ def many_backends(count):
     return files
 
 
+@unittest.skipUnless(hasattr(os, "fork"), "worker processes need os.fork")
 class ParallelTest(TreeTest):
     """Many backends are checked by worker processes; the report must be the
     serial one, byte for byte."""
