@@ -23,6 +23,11 @@ Usage:
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
 
+Environment:
+    CHECK_CONTRACT_JOBS  processes that `check` uses for 200 or more backend
+                         directories (default: the CPUs available; 1 checks
+                         serially); the report is the same either way.
+
 Exit codes:
     0  no errors (for build/test/parity: nothing failed)
     1  errors found (or warnings, with --strict); a build, test or parity run failed
@@ -172,6 +177,9 @@ class Diagnostic:
 
     def sort_key(self):
         return (self.backend, self.path or "", self.line or 0, self.code, self.message)
+
+    def as_tuple(self):
+        return (self.level, self.code, self.backend, self.path, self.line, self.message)
 
     def as_dict(self):
         return {"level": self.level, "code": self.code, "backend": self.backend,
@@ -483,6 +491,11 @@ def find_abi_defines(text):
 
 def strip_sh_comment(line):
     """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
+    if "'" not in line and '"' not in line:
+        index = line.find("#")
+        while index > 0 and not (line[index - 1].isspace() or line[index - 1] in ";&|("):
+            index = line.find("#", index + 1)
+        return line if index < 0 else line[:index]
     quote = None
     prev = " "
     for index, char in enumerate(line):
@@ -503,8 +516,18 @@ def logical_lines(text):
     joined = []
     pending, start = "", 0
     for number, raw in enumerate(text.split("\n"), 1):
-        line = (strip_sh_comment(raw) if "#" in raw else raw).rstrip()
+        if "#" not in raw:
+            line = raw.rstrip()
+        elif raw.lstrip().startswith("#"):
+            line = ""
+        else:
+            line = strip_sh_comment(raw).rstrip()
         if not pending:
+            if not line:
+                continue
+            if "=(" not in line and not line.endswith("\\"):  # a line of its own
+                joined.append((number, line.lstrip()))
+                continue
             start = number
         if line.endswith("\\"):
             pending += line[:-1] + " "
@@ -532,7 +555,57 @@ def paren_depth(text):
 
 def split_words(text):
     """Shell words, quotes kept, `$( )` and `${ }` kept whole."""
+    if "'" not in text and "\\" not in text and "$(" not in text:
+        # No quote or ${...} spans a blank when every blank-separated piece
+        # pairs its quotes and closes each ${ before any quote: then the
+        # blanks are the word breaks.
+        words = text.split()
+        for word in words:
+            if '"' in word and word.count('"') % 2:
+                break
+            start = word.find("${")
+            while start >= 0:
+                end = word.find("}", start)
+                if end < 0 or '"' in word[start:end]:
+                    break
+                start = word.find("${", end)
+            if start >= 0:
+                break
+        else:
+            return words
     return SH_WORD_RE.findall(text)
+
+
+# Build scripts of many backends share most of their lines, and how a line
+# splits into commands and words does not depend on the variables; so each
+# distinct line is parsed once per run.
+SH_LINE_CACHE = {}
+
+
+def parse_sh_line(line):
+    """The commands of a logical line that can matter, each as
+    ("assign", name, append, value, array words or None) or ("run", words)."""
+    parsed = SH_LINE_CACHE.get(line)
+    if parsed is not None:
+        return parsed
+    parsed = []
+    if "=" in line or SH_RELEVANT_RE.search(line) is not None:
+        for command in split_commands(line):
+            assign = SH_ASSIGN_RE.match(command)
+            if assign and not SH_SPACE_RE.search(command, 0, assign.start(3)):
+                value = assign.group(3).strip()
+                items = (split_words(value[1:-1])
+                         if value.startswith("(") and value.endswith(")") else None)
+                parsed.append(("assign", assign.group(1), assign.group(2) == "+", value,
+                               None if items is None else tuple(items)))
+                continue
+            words = split_words(command)
+            while words and (words[0] in SH_PREFIX_WORDS or SH_ENV_WORD_RE.match(words[0])):
+                words = words[1:]
+            if words:
+                parsed.append(("run", tuple(words)))
+    parsed = SH_LINE_CACHE[line] = tuple(parsed)
+    return parsed
 
 
 def split_commands(line):
@@ -546,6 +619,33 @@ def split_commands(line):
             start = match.end()
     commands.append(line[start:])
     return [c.strip() for c in commands if c.strip()]
+
+
+# Words that hold only variables and double quotes, as (text, variable,
+# text, ..., text); the same words recur in every backend's build script.
+SH_TEMPLATES = {}
+
+
+def word_template(word):
+    """The template of a word with variables, or () when the word needs the
+    full expansion (single quotes, backslashes, `$( )`, or a double quote
+    inside `${...}`)."""
+    simple = SH_SIMPLE_WORD_RE.match(word)
+    if simple:
+        return ("", simple.group(2) or simple.group(3), "")
+    if "'" in word or "\\" in word or "$(" in word or ("{" in word and '"' in word[1:-1]):
+        return ()
+    # The double quotes change nothing but themselves: substitute the
+    # variables of each quoted or bare run.
+    template = [""]
+    for part in word.split('"'):
+        pieces = SH_VAR_RE.split(part)  # text, ${body}, $name, text, ...
+        template[-1] += pieces[0]
+        for index in range(1, len(pieces), 3):
+            braced = pieces[index]
+            template.append(pieces[index + 1] if braced is None else braced)
+            template.append(pieces[index + 2])
+    return tuple(template)
 
 
 class ScriptReader:
@@ -565,10 +665,11 @@ class ScriptReader:
         self.outputs = []       # (line, path after the output directory)
         self.arch_tokens = []   # (line, expanded words of a compiler or make command)
         for number, line in logical_lines(text):
-            if "=" not in line and SH_RELEVANT_RE.search(line) is None:
-                continue
-            for command in split_commands(line):
-                self.command(number, command)
+            for command in parse_sh_line(line):
+                if command[0] == "assign":
+                    self.assign(*command[1:])
+                else:
+                    self.command(number, command[1])
 
     # -- expansion
     def lookup(self, name):
@@ -578,6 +679,9 @@ class ScriptReader:
 
     def expand_var(self, body):
         """Value of the text inside `${...}` (or a bare name)."""
+        if body.isalnum() and body.isascii() and not body[0].isdigit():
+            value = self.lookup(body)  # a plain name: the common case
+            return UNRESOLVED if value is None else value
         match = SH_PARAM_RE.match(body)
         if not match or body.startswith("#"):
             return UNRESOLVED
@@ -609,9 +713,14 @@ class ScriptReader:
         """The word with variables substituted and quotes removed."""
         if "$" not in word and "'" not in word and "\\" not in word:
             return word.replace('"', "") if '"' in word else word
-        simple = SH_SIMPLE_WORD_RE.match(word)
-        if simple:
-            return self.expand_var(simple.group(2) or simple.group(3))
+        template = SH_TEMPLATES.get(word)
+        if template is None:
+            template = SH_TEMPLATES[word] = word_template(word)
+        if template:
+            out = template[0]
+            for index in range(1, len(template), 2):
+                out += self.expand_var(template[index]) + template[index + 1]
+            return out
         out = []
         pos, in_double = 0, False
         while True:
@@ -673,16 +782,8 @@ class ScriptReader:
         return out
 
     # -- commands
-    def command(self, number, command):
-        assign = SH_ASSIGN_RE.match(command)
-        if assign and not SH_SPACE_RE.search(command, 0, assign.start(3)):
-            self.assign(assign.group(1), assign.group(2) == "+", assign.group(3).strip())
-            return
-        words = split_words(command)
-        while words and (words[0] in SH_PREFIX_WORDS or SH_ENV_WORD_RE.match(words[0])):
-            words = words[1:]
-        if not words:
-            return
+    def command(self, number, words):
+        """A simple command (its words, after any prefix words)."""
         program = self.expand(words[0]).rsplit("/", 1)[-1]
         if program != "make" and program not in COMPILERS:
             return
@@ -694,9 +795,10 @@ class ScriptReader:
         if outputs:
             self.outputs.append((number, outputs[-1]))
 
-    def assign(self, name, append, value):
-        if value.startswith("(") and value.endswith(")"):
-            items = self.expand_words(split_words(value[1:-1]))
+    def assign(self, name, append, value, words):
+        """`name=value` or `name+=value`; `words` are those of an array value."""
+        if words is not None:
+            items = self.expand_words(words)
             if any(UNRESOLVED in item for item in items) and (name in self.arrays or name in self.vars):
                 return
             self.arrays[name] = (self.arrays.get(name, []) + items) if append else items
@@ -731,12 +833,14 @@ class ScriptReader:
             text = "\n".join(w for w in words if UNRESOLVED not in w)
             archs = []
             if platform in ("cuda", None):
-                for code in CUDA_CODE_RE.findall(text):
-                    archs.extend(CUDA_SM_RE.findall(code))
-                archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
-            if platform in ("hip", None):
+                if "code" in text:
+                    for code in CUDA_CODE_RE.findall(text):
+                        archs.extend(CUDA_SM_RE.findall(code))
+                if "-arch" in text or "--gpu-architecture" in text:
+                    archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
+            if platform in ("hip", None) and "--" in text:
                 archs.extend(HIP_ARCH_RE.findall(text))
-            if platform in ("cpu", None):
+            if platform in ("cpu", None) and "-march=" in text:
                 archs.extend(CPU_ARCH_RE.findall(text))
             for arch in archs:
                 found.setdefault(arch, line)
@@ -756,10 +860,25 @@ def discover(repo):
     """(backends, diagnostics): every backend directory with a manifest, and the
     findings about directories that should have one."""
     backends, diagnostics = [], []
+    for platform, candidates in candidate_dirs(repo):
+        found = [classify(backend) for backend in candidates]
+        if not add_platform(repo, platform, found, diagnostics):
+            continue
+        for backend, (is_backend, _, loose) in zip(candidates, found):
+            diagnostics.extend(loose)
+            if is_backend:
+                backends.append(backend)
+    return backends, diagnostics
+
+
+def candidate_dirs(repo):
+    """[(platform, [Backend])]: every directory below a platform directory,
+    sorted, not yet walked."""
+    groups = []
     try:
         top_entries = sorted(os.scandir(repo.backends_path), key=lambda e: e.name)
     except OSError:
-        return backends, diagnostics
+        return groups
     for platform_entry in top_entries:
         if platform_entry.name.startswith(".") or platform_entry.name in SKIPPED_DIRS:
             continue
@@ -776,38 +895,50 @@ def discover(repo):
             if child.name.startswith(".") or child.name in SKIPPED_DIRS:
                 continue
             rel_dir = repo.backends_dir + "/" + platform + "/" + child.name
-            backend = Backend(child.name, platform, child.path, rel_dir)
-            backend.files = walk_files(child.path)
-            candidates.append(backend)
-        if platform not in PLATFORMS:
-            relevant = [b for b in candidates
-                        if b.name + MANIFEST_SUFFIX in b.files
-                        or any(is_kernel_source(p) for p in b.files)]
-            if not relevant:
-                continue
-            diagnostics.append(Diagnostic(
-                "warning", "D003", platform, repo.backends_dir + "/" + platform, None,
-                'unknown platform directory "%s"; only platform-independent checks run '
-                "(known platforms: %s)" % (platform, ", ".join(PLATFORMS))))
-        for backend in candidates:
-            manifest_name = backend.name + MANIFEST_SUFFIX
-            stray = sorted(p for p in backend.files
-                           if "/" not in p and p.endswith(MANIFEST_SUFFIX) and p != manifest_name)
-            for name in stray:
-                diagnostics.append(Diagnostic(
-                    "error", "D002", backend.key, backend.rel(name), None,
-                    "manifest %s is never discovered: the manifest of directory %s must be "
-                    "named %s" % (name, backend.name, manifest_name)))
-            if manifest_name in backend.files or os.path.lexists(backend.manifest_path):
-                backends.append(backend)
-                continue
-            kernels = sorted(p for p in backend.files if is_kernel_source(p))
-            if kernels and not stray:
-                diagnostics.append(Diagnostic(
-                    "error", "D001", backend.key, backend.rel_dir, None,
-                    "has kernel sources (%s) but no %s manifest"
-                    % (", ".join(kernels[:3]), manifest_name)))
-    return backends, diagnostics
+            candidates.append(Backend(child.name, platform, child.path, rel_dir))
+        groups.append((platform, candidates))
+    return groups
+
+
+def classify(backend):
+    """Walk a candidate directory: (whether it is a backend, whether it has a
+    manifest or kernel sources at all, its discovery findings)."""
+    backend.files = files = walk_files(backend.dir)
+    manifest_name = backend.name + MANIFEST_SUFFIX
+    has_manifest = manifest_name in files
+    relevant = has_manifest or any(is_kernel_source(p) for p in files)
+    diagnostics = []
+    stray = sorted(p for p in files
+                   if "/" not in p and p.endswith(MANIFEST_SUFFIX) and p != manifest_name)
+    for name in stray:
+        diagnostics.append(Diagnostic(
+            "error", "D002", backend.key, backend.rel(name), None,
+            "manifest %s is never discovered: the manifest of directory %s must be "
+            "named %s" % (name, backend.name, manifest_name)))
+    if has_manifest or os.path.lexists(backend.manifest_path):
+        return True, relevant, diagnostics
+    kernels = sorted(p for p in files if is_kernel_source(p))
+    if kernels and not stray:
+        diagnostics.append(Diagnostic(
+            "error", "D001", backend.key, backend.rel_dir, None,
+            "has kernel sources (%s) but no %s manifest"
+            % (", ".join(kernels[:3]), manifest_name)))
+    return False, relevant, diagnostics
+
+
+def add_platform(repo, platform, found, diagnostics):
+    """Whether the candidates of a platform directory count (those of an
+    unknown platform only when one has a manifest or kernel sources, and
+    then with a warning); `found` holds classify()'s answer for each."""
+    if platform in PLATFORMS:
+        return True
+    if not any(answer[1] for answer in found):
+        return False
+    diagnostics.append(Diagnostic(
+        "warning", "D003", platform, repo.backends_dir + "/" + platform, None,
+        'unknown platform directory "%s"; only platform-independent checks run '
+        "(known platforms: %s)" % (platform, ", ".join(PLATFORMS))))
+    return True
 
 
 def _is_dir(entry):
@@ -1329,7 +1460,25 @@ def select(backends, loose, names, repo):
             [d for d in loose if d.backend in chosen])
 
 
-def run_check(repo, names=()):
+def run_check(repo, names=(), parallel=False):
+    """Check the named backends (all by default).  With parallel=True and
+    many backends, worker processes share the work (see check_in_parallel);
+    the diagnostics are the same either way."""
+    import gc
+    collecting = gc.isenabled()
+    gc.disable()  # the run makes no reference cycles worth collecting
+    try:
+        return _run_check(repo, names, parallel)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_check(repo, names, parallel):
+    if parallel and not names:
+        run = check_in_parallel(repo)
+        if run is not None:
+            return run
     backends, loose = discover(repo)
     backends, loose = select(backends, loose, names, repo)
     diagnostics = list(loose)
@@ -1337,6 +1486,108 @@ def run_check(repo, names=()):
         check_backend(repo, backend)
         diagnostics.extend(backend.diagnostics)
     return Run(backends, diagnostics)
+
+
+# Checking in parallel.  Each backend is checked on its own, so with many of
+# them the directory list is cut into contiguous slices, one per CPU: forked
+# workers check theirs and send the answers back through a pipe, the parent
+# checks the first slice itself, and the answers are merged in directory
+# order, so that the report is byte for byte the serial one.
+PARALLEL_MIN_BACKENDS = 200
+PARALLEL_SLICE = 100  # at least this many directories per worker
+JOBS_VARIABLE = "CHECK_CONTRACT_JOBS"
+
+
+def worker_count(candidates):
+    """How many processes check `candidates` directories: the CPUs this
+    process may use (or $CHECK_CONTRACT_JOBS; 1 checks serially), at most
+    one per PARALLEL_SLICE directories, and 1 below PARALLEL_MIN_BACKENDS."""
+    setting = os.environ.get(JOBS_VARIABLE, "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise UsageError("%s=%s: give a number of processes >= 1 (1 checks serially)"
+                             % (JOBS_VARIABLE, setting))
+        jobs = int(setting)
+    elif hasattr(os, "sched_getaffinity"):
+        jobs = len(os.sched_getaffinity(0))
+    else:
+        jobs = os.cpu_count() or 1
+    if candidates < PARALLEL_MIN_BACKENDS or not hasattr(os, "fork"):
+        return 1
+    return max(1, min(jobs, candidates // PARALLEL_SLICE))
+
+
+def check_candidates(repo, candidates):
+    """classify() and check each candidate directory; the answers as plain
+    tuples, which marshal can send from a worker to the parent."""
+    answers = []
+    for backend in candidates:
+        is_backend, relevant, loose = classify(backend)
+        if is_backend:
+            check_backend(repo, backend)
+        answers.append((is_backend, relevant, [d.as_tuple() for d in loose],
+                        backend.status, backend.abi_version,
+                        [d.as_tuple() for d in backend.diagnostics]))
+    return answers
+
+
+def check_in_parallel(repo):
+    """The Run of every backend, checked by worker processes; None when one
+    process is enough (few backends, one CPU, no os.fork).  The backends of
+    this Run carry what the report needs: name, platform, status,
+    abi_version and diagnostics."""
+    import marshal
+    groups = candidate_dirs(repo)
+    candidates = [backend for _, group in groups for backend in group]
+    workers = worker_count(len(candidates))
+    if workers < 2:
+        return None
+    repo.git_index()  # listed once, here, rather than once per worker
+    bounds = [len(candidates) * i // workers for i in range(workers + 1)]
+    slices = [candidates[bounds[i]:bounds[i + 1]] for i in range(workers)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = []
+    for part in slices[1:]:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                os.close(read_end)
+                data = memoryview(marshal.dumps(check_candidates(repo, part)))
+                while data:
+                    data = data[os.write(write_end, data):]
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write_end)
+        children.append((pid, read_end, part))
+    answers = check_candidates(repo, slices[0])
+    for pid, read_end, part in children:
+        with open(read_end, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        try:
+            if status != 0:
+                raise ValueError("worker failed")
+            answers.extend(marshal.loads(data))
+        except (ValueError, EOFError, TypeError):
+            answers.extend(check_candidates(repo, part))  # check that slice here
+    answers = iter(answers)
+    backends, loose, found = [], [], []
+    for platform, group in groups:
+        given = [next(answers) for _ in group]
+        if not add_platform(repo, platform, given, loose):
+            continue
+        for backend, (is_backend, _, discovered, status, abi, diagnostics) in zip(group, given):
+            loose.extend(Diagnostic(*d) for d in discovered)
+            if is_backend:
+                backend.status, backend.abi_version = status, abi
+                backend.diagnostics = [Diagnostic(*d) for d in diagnostics]
+                backends.append(backend)
+                found.extend(backend.diagnostics)
+    return Run(backends, loose + found)
 
 
 # ---------------------------------------------------------------------------
@@ -1826,7 +2077,7 @@ def repository(args):
 
 def cmd_check(args):
     repo = repository(args)
-    run = run_check(repo, args.names)
+    run = run_check(repo, args.names, parallel=True)
     fmt = "json" if args.json else args.format
     if fmt is None:
         fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"

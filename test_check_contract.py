@@ -452,6 +452,16 @@ class AbiTest(TreeTest):
 
 
 class BuildScriptTest(TreeTest):
+    def test_word_splitting_shortcut_agrees_with_the_tokeniser(self):
+        for line in ('"${NVCC:-nvcc}" -O3 "${targets[@]}" "$here"/*.cu -o "$out_dir/lib.so"',
+                     'cc -march="$march" "a b" c', 'x=${A:-"a b"} y', 'cc ${A:- x} -o y',
+                     'cc ${x"}" "a b"', 'cc "${" x}', 'cc a"b c"d', "cc 'a b' c",
+                     'cc $(echo a b) c', 'cc a\\ b', 'cc "unterminated x y', 'cc ${x',
+                     'cc }${ x}', '  nvcc\t-o\tout  '):
+            with self.subTest(line=line):
+                self.assertEqual(check_contract.split_words(line),
+                                 check_contract.SH_WORD_RE.findall(line))
+
     def test_missing_script_is_an_error(self):
         files = demo_files()
         del files["backends/cpu/demo/build.sh"]
@@ -841,6 +851,90 @@ def with_value(manifest, path, value):
         target = target[key]
     target[path[-1]] = value
     return manifest
+
+
+def many_backends(count):
+    """`count` cpu backend directories, most of them broken in one of seven
+    ways, plus broken cuda backends and an unknown platform directory."""
+    files = {}
+    for index in range(count):
+        name = "d%03d" % index
+        base = "backends/cpu/%s/" % name
+        kind = index % 7
+        manifest = demo_manifest(name=name, abi_version=2 if kind == 1 else 1)
+        if kind == 6:
+            manifest["min_capabilty"] = 80
+        for path, content in demo_files(manifest).items():
+            files[path.replace("backends/cpu/demo/demo.", base + name + ".")
+                  .replace("backends/cpu/demo/", base)] = content
+        files["backends/cpu/%s/parity.py" % name] = "print('ok')\n"
+        if kind == 2:
+            files[base + name + ".backend.json"] = '{"name": "%s",\n  "status": }' % name
+        elif kind == 3:
+            del files[base + name + ".backend.json"]
+        elif kind == 4:
+            files[base + "other.backend.json"] = "{}"
+        elif kind == 5:
+            files[base + "build.sh"] = str(CPU_BUILD)
+        elif kind == 6:
+            files[base + "extra.c"] = "int extra;\n"
+    for index in range(count // 10):
+        for path, content in fat_files(architectures=[80, 89]).items():
+            files[path.replace("/fat/fat.backend.json", "/f%02d/f%02d.backend.json" % (index, index))
+                  .replace("/fat/", "/f%02d/" % index)] = (
+                dict(content, name="f%02d" % index) if isinstance(content, dict) else content)
+    files["backends/tpu/x/ops.c"] = ""
+    files["backends/npu/notes/README.md"] = ""
+    return files
+
+
+@unittest.skipUnless(hasattr(os, "fork"), "worker processes need os.fork")
+class ParallelTest(TreeTest):
+    """Many backends are checked by worker processes; the report must be the
+    serial one, byte for byte."""
+
+    def test_worker_count_follows_the_setting_and_the_size(self):
+        for jobs, candidates, workers in (("3", 600, 3), ("3", 250, 2), ("3", 199, 1),
+                                          ("1", 4000, 1), ("8", 4000, 8)):
+            with self.subTest(jobs=jobs, candidates=candidates):
+                os.environ[check_contract.JOBS_VARIABLE] = jobs
+                try:
+                    self.assertEqual(check_contract.worker_count(candidates), workers)
+                finally:
+                    del os.environ[check_contract.JOBS_VARIABLE]
+
+    def test_bad_jobs_setting_is_a_usage_error(self):
+        self.tree(demo_files())
+        rc, out, err = self.check(env={"CHECK_CONTRACT_JOBS": "many"})
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, "check_contract.py: error: CHECK_CONTRACT_JOBS=many: give a number "
+                              "of processes >= 1 (1 checks serially)\n")
+
+    def test_parallel_report_is_the_serial_report(self):
+        self.tree(many_backends(280))
+        candidates = sum(len(group) for _, group in check_contract.candidate_dirs(
+            check_contract.Repository(self.root, "backends")))
+        os.environ[check_contract.JOBS_VARIABLE] = "3"
+        try:
+            self.assertEqual(check_contract.worker_count(candidates), 3)
+        finally:
+            del os.environ[check_contract.JOBS_VARIABLE]
+        for args in ((), ("--format", "json"), ("--format", "github"), ("--strict",)):
+            with self.subTest(args=args):
+                serial = self.check(*args, env={"CHECK_CONTRACT_JOBS": "1"})
+                self.assertEqual(serial[0], 1)
+                for jobs in ("2", "3"):
+                    self.assertEqual(self.check(*args, env={"CHECK_CONTRACT_JOBS": jobs}), serial)
+        _, issues = self.issues()
+        codes = {i["code"] for i in issues}
+        self.assertTrue({"A001", "J001", "D001", "D002", "D003", "B002", "S004", "M003",
+                         "B007", "B008"} <= codes, codes)
+        rc, out, err = self.check(env={"CHECK_CONTRACT_JOBS": "2"})
+        self.assertIn("[warning] tpu: unknown platform directory \"tpu\"", out)
+        self.assertNotIn("npu", out)
+        self.assertTrue(out.endswith("268 backend(s), %d error(s), %d warning(s)\n" % (
+            sum(1 for i in issues if i["level"] == "error"),
+            sum(1 for i in issues if i["level"] == "warning"))), out[-200:])
 
 
 class RobustnessTest(TreeTest):

@@ -6,6 +6,7 @@ git repository of backends that pass the check, then times, interleaved and
 in the same run:
 
   checker  python3 check_contract.py --repo-root TREE
+  serial   the same with CHECK_CONTRACT_JOBS=1 (one process, no workers)
   grep     grep -r ABI_VERSION TREE/backends
   reader   python3 -c MINIMAL_READER TREE   (reads every manifest and every
            declared file, and nothing else: the floor for a Python tool
@@ -15,7 +16,8 @@ Every command is a fresh process, so interpreter start-up is included for
 both Python commands. The best (minimum) of --repeat interleaved runs is
 reported, since other load on the machine only ever adds time; the ratios
 are of those minima. The goal is checker/reader <= 1.5 at
-every size.
+every size. The checker uses worker processes from 200 backends on when
+more than one CPU is available; the serial column shows it without them.
 
 Usage:
     python3 bench/bench_check_contract.py [--sizes 100,1000,4000] [--repeat 5]
@@ -145,8 +147,13 @@ def generate(root, count):
 
 
 def timed(command):
+    env = None
+    if command[0] == "env":  # env NAME=VALUE program ...
+        name, _, value = command[1].partition("=")
+        env = dict(os.environ, **{name: value})
+        command = command[2:]
     start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     elapsed = time.perf_counter() - start
     return elapsed, done.returncode, done.stderr
 
@@ -154,6 +161,7 @@ def timed(command):
 def measure(root, repeat):
     commands = {
         "checker": [sys.executable, CHECKER, "--repo-root", root],
+        "serial": ["env", "CHECK_CONTRACT_JOBS=1", sys.executable, CHECKER, "--repo-root", root],
         "grep": ["grep", "-r", "ABI_VERSION", os.path.join(root, "backends")],
         "reader": [sys.executable, "-c", MINIMAL_READER, root],
     }
@@ -185,8 +193,10 @@ def main(argv=None):
     rows = []
     try:
         print("python %s, best of %d interleaved runs, seconds" % (sys.version.split()[0], args.repeat))
-        print("%9s %9s %9s %9s %15s %13s" % ("backends", "checker", "reader", "grep",
-                                             "checker/reader", "checker/grep"))
+        print("load average before: %s" % " ".join("%.2f" % x for x in os.getloadavg()))
+        print("%9s %9s %9s %9s %9s %15s %14s %13s" % (
+            "backends", "checker", "serial", "reader", "grep", "checker/reader",
+            "serial/reader", "checker/grep"))
         for size in sizes:
             root = os.path.join(base, "tree-%d" % size)
             if os.path.exists(root):
@@ -198,15 +208,16 @@ def main(argv=None):
                 print("error: %s" % exc, file=sys.stderr)
                 return 1
             rows.append((size, result))
-            print("%9d %9.3f %9.3f %9.3f %14.2fx %12.2fx" % (
-                size, result["checker"], result["reader"], result["grep"],
-                result["checker"] / result["reader"], result["checker"] / result["grep"]),
-                flush=True)
+            print("%9d %9.3f %9.3f %9.3f %9.3f %14.2fx %13.2fx %12.2fx" % (
+                size, result["checker"], result["serial"], result["reader"], result["grep"],
+                result["checker"] / result["reader"], result["serial"] / result["reader"],
+                result["checker"] / result["grep"]), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     worst = max(r["checker"] / r["reader"] for _, r in rows)
     print("worst checker/reader ratio: %.2fx (goal <= 1.50x)" % worst)
+    print("load average after: %s" % " ".join("%.2f" % x for x in os.getloadavg()))
     return 0
 
 
