@@ -2050,7 +2050,7 @@ def report_tier(results, fmt, out):
         out.write(line + "\n")
         for d in result.diagnostics:
             out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
-    out.write("%(passed)d passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
+    out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
 
 
 def run_tier(args, run_one, choose=None):

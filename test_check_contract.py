@@ -1082,7 +1082,7 @@ class BuildTierTest(TreeTest):
         self.assertEqual((rc, err), (0, ""), out)
         self.assertIn("[    0.0s] building for x86-64\n", out.replace("[    0.1s]", "[    0.0s]"))
         self.assertRegex(out, r"\npassed cpu/tiny: exports tiny_abi_version and tiny_error_string; "
-                              r"tiny_abi_version\(\) = 2 \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+                              r"tiny_abi_version\(\) = 2 \([0-9.]+s\)\n1 backend\(s\) passed, 0 failed, 0 skipped\n\Z")
         self.assertTrue(os.path.isfile(self.path("out/cpu/tiny/libtiny.so")))
 
     def test_arch_is_passed_to_the_script(self):
@@ -1115,7 +1115,7 @@ class BuildTierTest(TreeTest):
         self.assertRegex(out, r"\] compiler exploded\n")
         self.assertIn("\nfailed cpu/tiny: build script build.sh failed with exit status 3 (", out)
         self.assertTrue(out.endswith("[error] cpu/tiny: build script build.sh failed with exit status 3\n"
-                                     "0 passed, 1 failed, 0 skipped\n"), out)
+                                     "0 backend(s) passed, 1 failed, 0 skipped\n"), out)
 
     def test_build_that_runs_too_long_is_stopped(self):
         pid_file = self.path("sleeper.pid")
@@ -1147,7 +1147,7 @@ class BuildTierTest(TreeTest):
         self.tree(tiny_files())
         rc, out, err = self.build(env={"CC": "/nonexistent/cc"})
         self.assertEqual((rc, out), (0, "skipped cpu/tiny: /nonexistent/cc not found (set CC or put cc "
-                                        "on PATH)\n0 passed, 0 failed, 1 skipped\n"))
+                                        "on PATH)\n0 backend(s) passed, 0 failed, 1 skipped\n"))
 
     def test_backend_with_contract_errors_is_not_built(self):
         files = tiny_files()
@@ -1161,7 +1161,7 @@ class BuildTierTest(TreeTest):
     def test_planned_backend_is_skipped(self):
         self.tree(tiny_files(status="planned"))
         self.assertEqual(self.build(), (0, "skipped cpu/tiny: status is planned\n"
-                                           "0 passed, 0 failed, 1 skipped\n", ""))
+                                           "0 backend(s) passed, 0 failed, 1 skipped\n", ""))
 
     def test_bad_timeout_is_a_usage_error(self):
         self.tree(tiny_files())
@@ -1239,7 +1239,7 @@ class TestTierTest(TreeTest):
         rc, out, err = self.run_tests()
         self.assertEqual(rc, 0, out)
         self.assertRegex(out, r"\] test_cwd_is_the_repository_root \(.*\) \.\.\. ok\n")
-        self.assertRegex(out, r"\npassed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+        self.assertRegex(out, r"\npassed cpu/tiny \([0-9.]+s\)\n1 backend\(s\) passed, 0 failed, 0 skipped\n\Z")
 
     def test_failing_backend_tests_fail_the_run(self):
         files = tiny_files()
@@ -1249,13 +1249,13 @@ class TestTierTest(TreeTest):
         self.tree(files)
         rc, out, err = self.run_tests()
         self.assertEqual(rc, 1)
-        self.assertIn("\n[error] cpu/tiny: tests failed (exit status 1)\n0 passed, 1 failed, 0 skipped\n", out)
+        self.assertIn("\n[error] cpu/tiny: tests failed (exit status 1)\n0 backend(s) passed, 1 failed, 0 skipped\n", out)
 
     def test_backend_without_tests_gets_a_warning_only_here(self):
         self.tree(tiny_files())
         self.assertEqual(self.run_tests(), (0, "skipped cpu/tiny: no tests\n[warning] cpu/tiny: has no tests "
                                           "(test_*.py) beside its kernels; add them under "
-                                          "backends/cpu/tiny/tests/\n0 passed, 0 failed, 1 skipped\n", ""))
+                                          "backends/cpu/tiny/tests/\n0 backend(s) passed, 0 failed, 1 skipped\n", ""))
         rc, out, err = run_main(["--repo-root", self.root])
         self.assertEqual((rc, out), (0, "checked cpu/tiny: status=experimental abi=2\n"
                                         "1 backend(s), 0 error(s), 0 warning(s)\n"))
@@ -1263,7 +1263,7 @@ class TestTierTest(TreeTest):
     def test_planned_backend_without_tests_gets_no_warning(self):
         self.tree(tiny_files(status="planned"))
         self.assertEqual(self.run_tests()[1], "skipped cpu/tiny: status is planned and there are no tests\n"
-                                         "0 passed, 0 failed, 1 skipped\n")
+                                         "0 backend(s) passed, 0 failed, 1 skipped\n")
 
 
 class ParityTierTest(TreeTest):
@@ -1277,7 +1277,7 @@ class ParityTierTest(TreeTest):
         rc, out, err = self.parity("print('rmsnorm max error 1e-8 <= 1e-7')\n")
         self.assertEqual(rc, 0)
         self.assertRegex(out, r"^==> parity cpu/tiny: .*\n\[ *[0-9.]+s\] rmsnorm max error 1e-8 <= 1e-7\n"
-                              r"passed cpu/tiny \([0-9.]+s\)\n1 passed, 0 failed, 0 skipped\n\Z")
+                              r"passed cpu/tiny \([0-9.]+s\)\n1 backend\(s\) passed, 0 failed, 0 skipped\n\Z")
 
     def test_failing_entrypoint(self):
         rc, out, err = self.parity("import sys\nprint('too far')\nsys.exit(1)\n")
@@ -1298,10 +1298,103 @@ class ParityTierTest(TreeTest):
 
     def test_only_validated_backends_run_unless_named(self):
         self.assertEqual(self.parity("print('x')\n", status="experimental"),
-                         (0, "0 passed, 0 failed, 0 skipped\n", ""))
+                         (0, "0 backend(s) passed, 0 failed, 0 skipped\n", ""))
         rc, out, err = run_main(["--repo-root", self.root, "parity", "tiny"])
         self.assertEqual(rc, 0)
         self.assertIn("passed cpu/tiny (", out)
+
+
+
+# ---------------------------------------------------------------- the repository itself
+
+
+def copy_of_repository(dest):
+    """A fresh git repository holding this checkout's tracked and untracked-not-ignored
+    files as they are in the working tree, as a newcomer's clone would."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=HERE, check=True, stdout=subprocess.PIPE).stdout.decode().split("\0")
+    for rel in filter(None, listing):
+        src = os.path.join(HERE, rel)
+        if not os.path.lexists(src):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel), follow_symlinks=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(git + ["init", "-q"], cwd=dest, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=dest, check=True)
+    subprocess.run(git + ["commit", "-qm", "copy"], cwd=dest, check=True)
+
+
+def readme_shell(heading):
+    """The ```sh blocks of the README section under `heading` (up to the next
+    heading of the same or a higher level), and the output lines they promise:
+    a line `#   text` after a command says the command prints `text`."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    level = heading.split(" ", 1)[0]
+    start = lines.index(heading)
+    section, fenced = [], False
+    for line in lines[start + 1:]:
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,%d} " % len(level), line):
+            break
+        section.append(line)
+    section = "\n".join(section)
+    script = "\n".join(re.findall(r"```sh\n(.*?)```", section, re.S))
+    return script, [line[4:] for line in script.splitlines() if line.startswith("#   ")]
+
+
+@unittest.skipUnless(shutil.which("git") and shutil.which("cc") and shutil.which("make"),
+                     "the walkthrough needs git, cc and make")
+class RepositoryTest(unittest.TestCase):
+
+    def run_readme(self, heading):
+        script, expected = readme_shell(heading)
+        self.assertGreater(len(expected), 5)
+        with tempfile.TemporaryDirectory() as clone:
+            copy_of_repository(clone)
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  universal_newlines=True, timeout=600)
+            self.assertEqual(proc.returncode, 0, proc.stdout)
+            lines = iter(proc.stdout.splitlines())
+            for want in expected:
+                self.assertTrue(any(want in line for line in lines),
+                                "output lacks %r (in this order):\n%s" % (want, proc.stdout))
+            status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True,
+                                    stdout=subprocess.PIPE, universal_newlines=True).stdout
+            self.assertEqual(status, "", "the README's commands left the clone changed")
+
+    def test_readme_walkthrough_runs_as_written(self):
+        self.run_readme("## Walkthrough")
+
+    def test_readme_overlay_examples_run_as_written(self):
+        self.run_readme("### Examples")
+
+    def test_pre_commit_hook_runs_the_checker_from_a_clean_clone(self):
+        # pre-commit runs a `language: script` hook as <hook repo clone>/<entry> <args>
+        # from the root of the repository being committed to.
+        with open(os.path.join(HERE, ".pre-commit-hooks.yaml"), encoding="utf-8") as f:
+            hooks = f.read()
+        self.assertIn("- id: check-contract", hooks)
+        self.assertIn("language: script", hooks)
+        entry = re.search(r"^\s*entry:\s*(.+)$", hooks, re.M).group(1).split()
+        files = re.search(r"^\s*files:\s*(\S+)$", hooks, re.M).group(1)
+        self.assertTrue(re.search(files, "backends/cuda/x/x.backend.json"))
+        with tempfile.TemporaryDirectory() as tmp:
+            hook_repo = os.path.join(tmp, "hook")
+            copy_of_repository(hook_repo)
+            clone = os.path.join(tmp, "clone")
+            subprocess.run(["git", "clone", "-q", hook_repo, clone], check=True)
+            user = os.path.join(tmp, "user")
+            write_tree(user, {"backends/cuda/k/k.cu": "__global__ void k() {}\n"})
+            proc = subprocess.run([os.path.join(clone, entry[0])] + entry[1:], cwd=user,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  universal_newlines=True)
+            self.assertEqual(proc.returncode, 1, proc.stdout)
+            self.assertIn("[error] cuda/k: has kernel sources (k.cu) but no k.backend.json manifest",
+                          proc.stdout)
 
 
 if __name__ == "__main__":
