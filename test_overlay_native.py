@@ -48,6 +48,11 @@ CALL_B = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
           "lib.run_b.restype = ctypes.c_double; print(lib.run_b())")
 
 
+# The probes import modules from the project tree, whose bytecode cache would
+# otherwise show up in the byte-exact comparison of that tree after a revert.
+NO_BYTECODE = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+
+
 def write_tree(root: str, files: dict) -> None:
     for relative, content in files.items():
         path = os.path.join(root, relative)
@@ -610,7 +615,7 @@ class PatchTest(OverlayTestCase):
                  % os.path.join(self.proj, "libkernels.so"))
         script = '%s; cd %s && "%s" -c "$1"' % (env_line, self.proj, sys.executable)
         seen = subprocess.run(["sh", "-c", script, "sh", probe], stdout=subprocess.PIPE,
-                              universal_newlines=True, check=True).stdout
+                              env=NO_BYTECODE, universal_newlines=True, check=True).stdout
         self.assertEqual(seen, "3 7.0\n")
         with open(os.path.join(self.proj, "pkg/mathops.py")) as handle:
             self.assertEqual(handle.read(), KERNELS["pkg/mathops.py"])
@@ -618,7 +623,7 @@ class PatchTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), before)
         seen = subprocess.run(["sh", "-c", script, "sh", probe], stdout=subprocess.PIPE,
-                              universal_newlines=True, check=True).stdout
+                              env=NO_BYTECODE, universal_newlines=True, check=True).stdout
         self.assertEqual(seen, "2 4.0\n")
 
     def test_new_and_deleted_files_with_plain_diff_and_p0(self) -> None:
@@ -637,7 +642,7 @@ class PatchTest(OverlayTestCase):
         self.assertTrue(os.path.isfile(os.path.join(self.proj, "kernel_d.c")))
         env = json.loads(self.tool("env", "--json")[1])
         seen = subprocess.run([sys.executable, "-c", "import pkg.fresh; print(pkg.fresh.VALUE)"],
-                              env=dict(os.environ, PYTHONPATH=env["PYTHONPATH"]), cwd=self.proj,
+                              env=dict(NO_BYTECODE, PYTHONPATH=env["PYTHONPATH"]), cwd=self.proj,
                               stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
         self.assertEqual(seen, "11\n")
         self.assertOk(self.tool("revert"))
