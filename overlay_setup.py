@@ -161,20 +161,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def durable_write(path: str, data: bytes, mode: int = 0o600) -> None:
     """Write `data` to `path` as a new file renamed into place, all fsynced."""
-    mutation_point()
-    write_point(path)
-    tmp = temp_beside(path)
-    fd = _open_new(tmp, mode)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    install_file(path, None, data, mode, None)
 
 
 def install_file(target: str, source: Optional[str], data: Optional[bytes], mode: int,
