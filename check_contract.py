@@ -648,6 +648,13 @@ def word_template(word):
     return tuple(template)
 
 
+# The states a build script's lines lead to: SH_STATES maps (state, line
+# number, logical line) to the state after that line; state 0 is the start.
+# Arrays are replaced, never changed in place, so a shallow copy is a snapshot.
+SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), ())]
+SH_STATES = {}
+
+
 class ScriptReader:
     """What a build script's default invocation (`./script <out-dir>`) builds.
 
@@ -664,12 +671,44 @@ class ScriptReader:
         self.arg2_defaults = []
         self.outputs = []       # (line, path after the output directory)
         self.arch_tokens = []   # (line, expanded words of a compiler or make command)
-        for number, line in logical_lines(text):
-            for command in parse_sh_line(line):
-                if command[0] == "assign":
-                    self.assign(*command[1:])
-                else:
-                    self.command(number, command[1])
+        # What the lines do depends only on the lines before them, so the
+        # state after each run of lines is kept (SH_STATES) and scripts that
+        # begin like one already read skip to where they part.
+        state = 0
+        lines = iter(logical_lines(text))
+        for number, line in lines:
+            key = (state, number, line)
+            after = SH_STATES.get(key)
+            if after is None:
+                self.restore(state)
+                self.read_line(number, line)
+                state = SH_STATES[key] = self.snapshot()
+                for number, line in lines:
+                    self.read_line(number, line)
+                    key = (state, number, line)
+                    state = SH_STATES[key] = self.snapshot()
+                return
+            state = after
+        self.restore(state)
+
+    def read_line(self, number, line):
+        for command in parse_sh_line(line):
+            if command[0] == "assign":
+                self.assign(*command[1:])
+            else:
+                self.command(number, command[1])
+
+    def snapshot(self):
+        """A number for the reader's state, kept in SH_SNAPSHOTS."""
+        SH_SNAPSHOTS.append((dict(self.vars), dict(self.arrays), tuple(self.arg2_defaults),
+                             tuple(self.outputs), tuple(self.arch_tokens)))
+        return len(SH_SNAPSHOTS) - 1
+
+    def restore(self, state):
+        vars, arrays, arg2_defaults, outputs, arch_tokens = SH_SNAPSHOTS[state]
+        self.vars, self.arrays = dict(vars), dict(arrays)
+        self.arg2_defaults = list(arg2_defaults)
+        self.outputs, self.arch_tokens = list(outputs), list(arch_tokens)
 
     # -- expansion
     def lookup(self, name):

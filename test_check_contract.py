@@ -587,6 +587,34 @@ class BuildScriptTest(TreeTest):
         self.tree(demo_files(manifest))
         self.assertIssue("B011", 'architecture "x86 64" is not a -march value such as "x86-64"')
 
+    def test_scripts_sharing_lines_are_each_read_with_their_own_variables(self):
+        # Backends' scripts often share lines; what a line builds still
+        # depends on the lines before it in its own script.
+        lines = {"a": ("cap=90", "nvcc -shared -arch=sm_$cap k.cu -o \"$out/libk.so\""),
+                 "b": ("cap=80", "nvcc -shared -arch=sm_${cap} k.cu -o \"$out/libk.so\""),
+                 "c": ("cap=90", "nvcc -shared -arch=sm_${cap} k.cu -o \"$out/libk.so\""),
+                 "d": ("cap=90", "true")}
+        files = {}
+        for name, (first, second) in lines.items():
+            files.update({
+                "backends/cuda/%s/%s.backend.json" % (name, name): {
+                    "name": name, "abi_version": 1, "status": "experimental", "sources": ["k.cu"],
+                    "build": {"script": "build.sh", "output": "libk.so", "architectures": [90]}},
+                "backends/cuda/%s/k.cu" % name: "#define %s_ABI_VERSION 1\nint %s_abi_version(void);\n"
+                                                 "const char *%s_error_string(int);\n"
+                                                 % (name.upper(), name, name),
+                "backends/cuda/%s/build.sh" % name: Executable(
+                    "#!/bin/bash\nout=$1\n%s\n%s\n" % (first, second))})
+        self.tree(files)
+        found = sorted((i["backend"], i["code"], i["message"]) for i in self.issues()[1])
+        self.assertEqual(found, [
+            ("cuda/b", "B006", "build.architectures lists 90 but the default invocation of build.sh "
+                               "does not build it"),
+            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list"),
+            ("cuda/d", "B005", "build script build.sh has no compiler command with -o; the script "
+                               "must write build.output into its <output-dir> argument"),
+        ])
+
     def test_hip_offload_arch_is_read(self):
         self.tree({
             "backends/hip/rocm/rocm.backend.json": {
