@@ -422,6 +422,18 @@ class AbiTest(TreeTest):
                            "unsigned cs1_abi_version(void);\nconst char* cs1_error_string(int);\n", abi=3))
         self.assertClean()
 
+    def test_only_directives_at_line_start_count(self):
+        # `#if 0` after code is no directive; a name that merely contains
+        # _ABI_VERSION, or a second one on the same line, defines nothing.
+        self.tree(self.cs1("int a; #if 0\nint CS1_ABI_VERSION_x = CS1_ABI_VERSION;\n"
+                           "  #  define CS1_ABI_VERSION 5 /* CS1_ABI_VERSION 6 */\n"
+                           "/* */ #if 0\n#define CS1_ABI_VERSION 7\n#endif\n"
+                           "unsigned cs1_abi_version(void);\nconst char* cs1_error_string(int);\n",
+                           abi=1))
+        issues = self.assertIssue("A001", "abi_version is 1 but ops.h defines CS1_ABI_VERSION 5 "
+                                  "(line 3); make them equal")
+        self.assertEqual([i["code"] for i in issues], ["A001"])
+
     def test_several_values_are_one_error(self):
         files = self.cs1("#define CS1_ABI_VERSION 1\nunsigned cs1_abi_version(void);\n"
                          "const char* cs1_error_string(int);\n")
