@@ -1097,8 +1097,84 @@ def load(backend):
 # in table order; `planned` backends get only the manifest and ABI checks.
 
 
+INFINITY = float("inf")
+TOP_KEY_SET = frozenset(TOP_KEYS)
+BUILD_KEY_SET = frozenset(BUILD_KEYS)
+NUMERICS_KEY_SET = frozenset(NUMERICS_KEYS)
+REFERENCE_KEY_SET = frozenset(REFERENCE_KEYS)
+
+
+def manifest_keys_valid(backend):
+    """Whether check_keys would find nothing: the common case, tested
+    without building any message (check_keys says what is wrong otherwise)."""
+    m = backend.manifest
+    name = m.get("name")
+    if not (TOP_KEY_SET.issuperset(m) and isinstance(name, str) and name == backend.name
+            and NAME_RE.match(name) and backend.abi_version is not None and backend.status is not None):
+        return False
+    for key in ("$schema", "description", "platform"):
+        if key in m and not isinstance(m[key], str):
+            return False
+    if "platform" in m and m["platform"] != backend.platform:
+        return False
+    sources = m.get("sources")
+    if not (isinstance(sources, list) and sources and all(isinstance(x, str) and x for x in sources)):
+        return False
+    build = m.get("build")
+    if not (isinstance(build, dict) and BUILD_KEY_SET.issuperset(build)
+            and isinstance(build.get("script"), str) and build["script"]
+            and isinstance(build.get("output"), str) and build["output"]):
+        return False
+    archs = backend.architectures
+    if archs is None or "architectures" not in build or len(set(archs)) != len(archs):
+        return False
+    form = ARCH_FORMS.get(backend.platform)
+    if form and not all(form[0].match(arch) for arch in archs):
+        return False
+    if "default_arch" in build and backend.default_arch is None:
+        return False
+    if "min_capability" in build and not (is_int(build["min_capability"]) and build["min_capability"] >= 1):
+        return False
+    if "models" in m:
+        models = m["models"]
+        if not (isinstance(models, list) and all(
+                isinstance(x, str) and x.endswith("/") and x != "/" for x in models)):
+            return False
+    if "numerics" in m:
+        numerics = m["numerics"]
+        if not (isinstance(numerics, dict) and NUMERICS_KEY_SET.issuperset(numerics)):
+            return False
+        for key in ("precision", "accumulation"):
+            if key in numerics and not isinstance(numerics[key], str):
+                return False
+        if "tolerance" in numerics:
+            tolerance = numerics["tolerance"]
+            if not isinstance(tolerance, dict):
+                return False
+            for op, value in tolerance.items():
+                if op == "note":
+                    if not isinstance(value, str):
+                        return False
+                elif not ((type(value) is float or type(value) is int) and 0 <= value < INFINITY):
+                    return False  # bool, NaN, infinite or negative: check_keys says which
+    if "reference" in m:
+        reference = m["reference"]
+        if not (isinstance(reference, dict) and REFERENCE_KEY_SET.issuperset(reference)):
+            return False
+        for value in reference.values():
+            if not (isinstance(value, str) and value):
+                return False
+    if "excluded" in m:
+        excluded = m["excluded"]
+        if not (isinstance(excluded, list) and all(isinstance(x, str) and x for x in excluded)):
+            return False
+    return True
+
+
 def check_keys(repo, backend):
     """M001-M005: required keys, types and values of the manifest."""
+    if manifest_keys_valid(backend):
+        return
     m = backend.manifest
     rel = backend.rel(backend.name + MANIFEST_SUFFIX)
 

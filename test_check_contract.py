@@ -321,6 +321,18 @@ class KeysTest(TreeTest):
         self.tree(demo_files(demo_manifest(name="Demo")))
         self.assertIssue("M002", '"name" must be a string of lowercase letters, digits and _, not "Demo"')
 
+    def test_uppercase_name_is_an_error_even_when_it_equals_the_directory(self):
+        files = {path.replace("cpu/demo/demo.", "cpu/Demo/Demo.").replace("cpu/demo/", "cpu/Demo/"): content
+                 for path, content in demo_files(demo_manifest(name="Demo")).items()}
+        self.tree(files)
+        self.assertIssue("M002", '"name" must be a string of lowercase letters, digits and _, not "Demo"')
+
+    def test_unknown_reference_key_is_a_warning(self):
+        manifest = demo_manifest()
+        manifest["reference"]["entry_point"] = "parity.py"
+        self.tree(demo_files(manifest))
+        self.assertIssue("M003", 'unknown key "reference.entry_point"; did you mean "entrypoint"?', "warning")
+
     def test_platform_must_equal_directory(self):
         self.tree(demo_files(demo_manifest(platform="cuda")))
         self.assertIssue("M005", 'platform "cuda" differs from its directory "cpu"')
