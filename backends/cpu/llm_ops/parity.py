@@ -19,10 +19,8 @@ The backend's tests import this file for the ctypes bindings and the cases.
 
 import argparse
 import ctypes
-import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 
@@ -33,6 +31,8 @@ LIBRARY_NAME = "libllmops_cpu.so"
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "backends", "reference"))
 import llm_ops_ref as ref  # noqa: E402
+import backend_harness as harness  # noqa: E402
+from backend_harness import BuildError  # noqa: E402
 
 # (op, shape, magnitude): see llm_ops_ref.make_case. The tolerance of op is
 # the manifest's "<op>_f32".
@@ -73,24 +73,13 @@ SIGNATURES = {
 }
 
 
-class BuildError(Exception):
-    pass
-
-
 def build(out_dir, march=None):
     """Run build.sh into out_dir; return the library path. Raises BuildError."""
-    command = [os.path.join(BACKEND_DIR, "build.sh"), out_dir] + ([march] if march else [])
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            universal_newlines=True)
-    if result.returncode != 0:
-        raise BuildError("build.sh exited with %d:\n%s" % (result.returncode, result.stdout))
-    return os.path.join(out_dir, LIBRARY_NAME)
+    return harness.build(BACKEND_DIR, LIBRARY_NAME, out_dir, march)
 
 
 def load_tolerances():
-    with open(MANIFEST) as f:
-        tolerance = json.load(f)["numerics"]["tolerance"]
-    return {op: tol for op, tol in tolerance.items() if op != "note"}
+    return harness.load_tolerances(MANIFEST)
 
 
 def floats(values):

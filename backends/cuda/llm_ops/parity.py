@@ -25,11 +25,9 @@ The backend's tests import this file for the bindings and the cases.
 
 import argparse
 import ctypes
-import json
 import os
 import random
 import struct
-import subprocess
 import sys
 import tempfile
 
@@ -40,6 +38,8 @@ LIBRARY_NAME = "libllmops_cuda.so"
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "backends", "reference"))
 import llm_ops_ref as ref  # noqa: E402
+import backend_harness as harness  # noqa: E402
+from backend_harness import BuildError  # noqa: E402
 
 DTYPES = ("f32", "bf16")
 ROUNDING = {"f32": ref.to_f32, "bf16": ref.round_bf16}
@@ -88,28 +88,17 @@ CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 
-class BuildError(Exception):
-    pass
-
-
 class DriverError(Exception):
     pass
 
 
 def build(out_dir, arch=None):
     """Run build.sh into out_dir; return the library path. Raises BuildError."""
-    command = [os.path.join(BACKEND_DIR, "build.sh"), out_dir] + ([arch] if arch else [])
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            universal_newlines=True)
-    if result.returncode != 0:
-        raise BuildError("build.sh exited with %d:\n%s" % (result.returncode, result.stdout))
-    return os.path.join(out_dir, LIBRARY_NAME)
+    return harness.build(BACKEND_DIR, LIBRARY_NAME, out_dir, arch)
 
 
 def load_tolerances():
-    with open(MANIFEST) as f:
-        tolerance = json.load(f)["numerics"]["tolerance"]
-    return {op: tol for op, tol in tolerance.items() if op != "note"}
+    return harness.load_tolerances(MANIFEST)
 
 
 def open_driver():
