@@ -2,6 +2,7 @@
 building a backend with its build.sh and reading the tolerances its manifest
 declares."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -26,3 +27,14 @@ def load_tolerances(manifest_path):
     with open(manifest_path) as f:
         tolerance = json.load(f)["numerics"]["tolerance"]
     return {op: tol for op, tol in tolerance.items() if op != "note"}
+
+
+def load_library(path, signatures):
+    """ctypes.CDLL(path) with restype and argtypes set from
+    {name: (restype, argtypes)}."""
+    dll = ctypes.CDLL(path)
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(dll, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return dll

@@ -90,11 +90,7 @@ class Library:
     """ctypes bindings; each op takes flat lists and returns (rc, flat output)."""
 
     def __init__(self, path):
-        self.dll = ctypes.CDLL(path)
-        for name, (restype, argtypes) in SIGNATURES.items():
-            function = getattr(self.dll, name)
-            function.restype = restype
-            function.argtypes = argtypes
+        self.dll = harness.load_library(path, SIGNATURES)
 
     def error_string(self, code):
         return self.dll.llmops_error_string(code).decode()
