@@ -142,7 +142,6 @@ CUDA_ARCH_FLAG_RE = re.compile(r"^(?:-arch|--gpu-architecture)[=\n](?:sm|compute
 HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)[=\n](gfx[0-9a-z]+(?::[a-z]+[+-])*)")
 CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
 DIGITS_RE = re.compile(r"[0-9]+")
-GIT_EXECUTABLE_RE = re.compile(rb"100755 [0-9a-f]+ [0-3]\t([^\0]*)\0")
 UNRESOLVED = "\x01"
 OUT_DIR = "\x02"
 
@@ -196,7 +195,7 @@ class Backend:
 
     __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
                  "status", "abi_version", "abi_prefix", "build_script", "output",
-                 "architectures", "default_arch", "files", "diagnostics")
+                 "architectures", "default_arch", "files", "diagnostics", "index_path")
 
     def __init__(self, name, platform, dir, rel_dir):
         self.name = name
@@ -214,6 +213,7 @@ class Backend:
         self.default_arch = None
         self.files = {}
         self.diagnostics = []
+        self.index_path = None  # the build script, when its git index mode is to be checked
 
     @property
     def key(self):
@@ -247,64 +247,108 @@ class Repository:
         self.backends_dir = backends_dir.strip("/") or "."
         self.backends_path = os.path.join(root, self.backends_dir)
         self._git_index = False
+        self._git_listing = None
+
+    def list_git_index(self):
+        """Start listing the git index in the background, so that git runs
+        while the backends are checked; git_index() collects the listing."""
+        if self._git_index is False and self._git_listing is None:
+            self._git_listing = GitListing(self.root, self.backends_dir)
+
+    def poll_git_index(self):
+        """Take what the background listing has written so far."""
+        if self._git_listing is not None:
+            self._git_listing.poll()
 
     def git_index(self):
         """The git index under the backends directory, listed once per run;
         None outside a git work tree or when git cannot be run."""
         if self._git_index is False:
-            self._git_index = read_git_index(self.root, self.backends_dir)
+            self.list_git_index()
+            self._git_index = self._git_listing.finish()
+            self._git_listing = None
         return self._git_index
 
 
 class GitIndex:
-    """Modes of the files `git ls-files -s` lists.  Only the executable ones
-    are indexed up front: every other lookup is a search of the listing."""
+    """Modes of the files `git ls-files -s -z` lists, looked up in the
+    listing itself.  The listing is in path order, and so mostly are the
+    lookups: each search starts where the last one matched."""
 
     def __init__(self, listing, prefix):
         self.listing = listing
         self.prefix = prefix
-        self.executables = {p.decode("utf-8", "surrogateescape")[len(prefix):]
-                            for p in GIT_EXECUTABLE_RE.findall(listing)}
+        self.at = 0
 
     def mode(self, path):
         """The index mode of a repository-relative path, or None if untracked."""
-        if path in self.executables:
-            return "100755"
         key = b"\t" + (self.prefix + path).encode("utf-8", "surrogateescape") + b"\0"
-        found = self.listing.find(key)
+        found = self.listing.find(key, self.at)
         if found < 0:
-            return None
+            found = self.listing.find(key)
+            if found < 0:
+                return None
+        self.at = found
         start = self.listing.rfind(b"\0", 0, found) + 1
         return self.listing[start:start + 6].decode("ascii", "replace")
 
 
-def read_git_index(root, backends_dir):
-    top = os.path.abspath(root)
-    while not os.path.exists(os.path.join(top, ".git")):
-        parent = os.path.dirname(top)
-        if parent == top:
+class GitListing:
+    """`git ls-files -s` of the backends directory, run in the background:
+    started before the backends are checked, drained while they are (git
+    would otherwise wait on a full pipe), and read in full by finish()."""
+
+    def __init__(self, root, backends_dir):
+        """Spawn git; self.pid is None outside a git work tree or when git
+        cannot be run."""
+        self.pid = None
+        self.chunks = []
+        top = os.path.abspath(root)
+        while not os.path.exists(os.path.join(top, ".git")):
+            parent = os.path.dirname(top)
+            if parent == top:
+                return
+            top = parent
+        prefix = os.path.relpath(os.path.abspath(root), top).replace(os.sep, "/")
+        self.prefix = "" if prefix == "." else prefix + "/"
+        # posix_spawn and a pipe rather than the subprocess module, whose
+        # import alone costs more than checking a hundred backends.
+        command = ["git", "-C", root, "ls-files", "-s", "-z", "--full-name", "--", backends_dir]
+        self.pipe, write_end = os.pipe()
+        try:
+            self.pid = os.posix_spawnp("git", command, os.environ, file_actions=[
+                (os.POSIX_SPAWN_DUP2, write_end, 1),
+                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+        except OSError:
+            os.close(self.pipe)
+            return
+        finally:
+            os.close(write_end)
+        os.set_blocking(self.pipe, False)
+
+    def poll(self):
+        """Take what git has written so far."""
+        if self.pid is None:
+            return
+        try:
+            while True:
+                chunk = os.read(self.pipe, READ_CHUNK)
+                if not chunk:
+                    return
+                self.chunks.append(chunk)
+        except BlockingIOError:
+            pass
+
+    def finish(self):
+        """The GitIndex, or None when git did not list it."""
+        if self.pid is None:
             return None
-        top = parent
-    # posix_spawn and a pipe rather than the subprocess module, whose import
-    # alone costs more than checking a hundred backends.
-    command = ["git", "-C", root, "ls-files", "-s", "-z", "--full-name", "--", backends_dir]
-    read_end, write_end = os.pipe()
-    try:
-        pid = os.posix_spawnp("git", command, os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, write_end, 1),
-            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
-    except OSError:
-        os.close(read_end)
-        return None
-    finally:
-        os.close(write_end)
-    with open(read_end, "rb") as pipe:
-        listing = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        return None
-    prefix = os.path.relpath(os.path.abspath(root), top).replace(os.sep, "/")
-    return GitIndex(listing, "" if prefix == "." else prefix + "/")
+        os.set_blocking(self.pipe, True)
+        with open(self.pipe, "rb") as pipe:
+            self.chunks.append(pipe.read())
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = None
+        return GitIndex(b"".join(self.chunks), self.prefix) if status == 0 else None
 
 
 # ---------------------------------------------------------------------------
@@ -332,30 +376,57 @@ def is_finite(value):
     return value == value and value not in (float("inf"), float("-inf"))
 
 
-def read_text(path):
-    """(text, error, bad_byte): the file as text, or a one-line reason it
-    cannot be read.
+READ_CHUNK = 1 << 16
 
-    Only regular files are read (a FIFO would block).  Bytes that are not
-    UTF-8 are replaced; bad_byte is the offset of the first one, or None.
+
+def read_bytes(path, regular=False):
+    """(data, error, st_mode): the file's bytes, or None and a one-line reason
+    it cannot be read.
+
+    Only regular files are read (a FIFO would block).  `regular` says the
+    caller already knows the path is one (the directory walk saw it): that
+    spares the fstat, one system call per file, and st_mode is then None.
     """
+    mode = None
     try:
         fd = os.open(path, O_READ)
     except OSError as exc:
         return None, exc.strerror or str(exc), None
     try:
-        size = os.fstat(fd)
-        if not stat.S_ISREG(size.st_mode):
-            return None, "not a regular file", None
-        data = os.read(fd, size.st_size) if size.st_size else b""
+        if not regular:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                return None, "not a regular file", mode
+        # A regular file reads in full unless it fills the chunk.
+        data = os.read(fd, READ_CHUNK)
+        if len(data) == READ_CHUNK:
+            chunks = [data]
+            while chunks[-1]:
+                chunks.append(os.read(fd, READ_CHUNK))
+            data = b"".join(chunks)
     except OSError as exc:
-        return None, exc.strerror or str(exc), None
+        return None, exc.strerror or str(exc), mode
     finally:
         os.close(fd)
+    return data, None, mode
+
+
+def decode(data):
+    """(text, bad_byte): bytes that are not UTF-8 are replaced; bad_byte is
+    the offset of the first one, or None."""
     try:
-        return data.decode("utf-8"), None, None
+        return data.decode("utf-8"), None
     except UnicodeDecodeError as exc:
-        return data.decode("utf-8", "replace"), None, exc.start
+        return data.decode("utf-8", "replace"), exc.start
+
+
+def read_text(path, regular=False):
+    """(text, error, bad_byte): read_bytes, decoded."""
+    data, problem, _ = read_bytes(path, regular)
+    if data is None:
+        return None, problem, None
+    text, bad_byte = decode(data)
+    return text, None, bad_byte
 
 
 def walk_files(top):
@@ -377,13 +448,15 @@ def walk_files(top):
             for entry in entries:
                 rel = prefix + entry.name
                 try:
-                    if entry.is_symlink():
-                        files[rel] = "link"
-                    elif entry.is_dir():
+                    # The entry's type from the directory listing: regular
+                    # files first, the common case, with no stat.
+                    if entry.is_file(follow_symlinks=False):
+                        files[rel] = "file"
+                    elif entry.is_dir(follow_symlinks=False):
                         if not entry.name.startswith(".") and entry.name not in SKIPPED_DIRS:
                             pending.append((rel + "/", entry.path))
-                    elif entry.is_file():
-                        files[rel] = "file"
+                    elif entry.is_symlink():
+                        files[rel] = "link"
                     else:
                         files[rel] = "other"
                 except OSError:
@@ -535,36 +608,40 @@ def strip_sh_comment(line):
     return line
 
 
+def logical_step(pending, start, number, raw):
+    """Add physical line `number` to the logical line being assembled
+    (`pending`, begun on line `start`): (pending, start, finished), where
+    finished is a completed (number of its first line, comment-free line) or
+    None.  Backslash continuations and multi-line `( ... )` arrays are joined."""
+    if "#" not in raw:
+        line = raw.rstrip()
+    elif raw.lstrip().startswith("#"):
+        line = ""
+    else:
+        line = strip_sh_comment(raw).rstrip()
+    if not pending:
+        if not line:
+            return "", 0, None
+        if "=(" not in line and not line.endswith("\\"):  # a line of its own
+            return "", 0, (number, line.lstrip())
+        start = number
+    if line.endswith("\\"):
+        return pending + line[:-1] + " ", start, None
+    pending += line
+    if "=(" in pending and paren_depth(pending) > 0:
+        return pending + " ", start, None
+    pending = pending.strip()
+    return "", 0, ((start, pending) if pending else None)
+
+
 def logical_lines(text):
-    """Comment-free lines, with backslash continuations and multi-line `( ... )`
-    arrays joined; each with the number of its first physical line."""
+    """The logical lines of a script (see logical_step), in order."""
     joined = []
     pending, start = "", 0
     for number, raw in enumerate(text.split("\n"), 1):
-        if "#" not in raw:
-            line = raw.rstrip()
-        elif raw.lstrip().startswith("#"):
-            line = ""
-        else:
-            line = strip_sh_comment(raw).rstrip()
-        if not pending:
-            if not line:
-                continue
-            if "=(" not in line and not line.endswith("\\"):  # a line of its own
-                joined.append((number, line.lstrip()))
-                continue
-            start = number
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        pending += line
-        if "=(" in pending and paren_depth(pending) > 0:
-            pending += " "
-            continue
-        pending = pending.strip()
-        if pending:
-            joined.append((start, pending))
-        pending = ""
+        pending, start, line = logical_step(pending, start, number, raw)
+        if line is not None:
+            joined.append(line)
     if pending.strip():
         joined.append((start, pending.strip()))
     return joined
@@ -673,11 +750,56 @@ def word_template(word):
     return tuple(template)
 
 
-# The states a build script's lines lead to: SH_STATES maps (state, line
-# number, logical line) to the state after that line; state 0 is the start.
+# The states a build script's physical lines lead to: SH_STATES maps (state,
+# line number, physical line) to the state after that line; state 0 is the
+# start.  A state holds the variables and the logical line being assembled.
 # Arrays are replaced, never changed in place, so a shallow copy is a snapshot.
-SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), ())]
+SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), (), "", 0)]
 SH_STATES = {}
+SH_EXPANSIONS = {}  # (state, word) -> the word expanded in that state
+
+
+# The targets of a command depend only on its target flags (the words that
+# name "code", "arch" or "amdgpu") and the word after each, which may hold
+# the flag's value (`-arch sm_90`, `--offload-arch gfx942`): no target
+# pattern spans more than two words or starts in a word without a flag
+# name.  So the other words are dropped before the patterns run, and the
+# compiler commands of many scripts, which differ in their file names,
+# share one answer: SH_TARGETS maps (platform, kept words) to the targets.
+SH_TARGETS = {}
+
+
+def command_targets(words, platform):
+    """The architectures a compiler or make command's expanded words reach,
+    in order (with repeats)."""
+    kept = []
+    after_flag = False
+    for word in words:
+        if UNRESOLVED in word:
+            continue  # not reached by the default invocation
+        flag = "code" in word or "arch" in word or "amdgpu" in word
+        if flag or after_flag:
+            kept.append(word)
+        after_flag = flag
+    key = (platform, tuple(kept))
+    archs = SH_TARGETS.get(key)
+    if archs is not None:
+        return archs
+    # One word per line, so that `^`/`$` anchor at word boundaries.
+    text = "\n".join(kept)
+    archs = []
+    if platform in ("cuda", None):
+        if "code" in text:
+            for code in CUDA_CODE_RE.findall(text):
+                archs.extend(CUDA_SM_RE.findall(code))
+        if "-arch" in text or "--gpu-architecture" in text:
+            archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
+    if platform in ("hip", None) and "--" in text:
+        archs.extend(HIP_ARCH_RE.findall(text))
+    if platform in ("cpu", None) and "-march=" in text:
+        archs.extend(CPU_ARCH_RE.findall(text))
+    SH_TARGETS[key] = archs = tuple(archs)
+    return archs
 
 
 class ScriptReader:
@@ -696,28 +818,51 @@ class ScriptReader:
         self.arg2_defaults = []
         self.outputs = []       # (line, path after the output directory)
         self.arch_tokens = []   # (line, expanded words of a compiler or make command)
-        # What the lines do depends only on the lines before them, so the
-        # state after each run of lines is kept (SH_STATES) and scripts that
-        # begin like one already read skip to where they part.
+        self.state = None       # the state number the variables are in, when known
+        self.pending, self.start = "", 0  # the logical line being assembled
+        # What a line does depends only on the lines before it, so the state
+        # after each line is kept (SH_STATES) and scripts that begin like one
+        # already read skip to where they part.  Blank and comment lines
+        # between logical lines change nothing, and are passed over, so that
+        # a header comment naming the library does not part the scripts.
         state = 0
-        lines = iter(logical_lines(text))
-        for number, line in lines:
-            key = (state, number, line)
+        lines = enumerate(text.split("\n"), 1)
+        for number, raw in lines:
+            bare = raw.lstrip()
+            if (not bare or bare[0] == "#") and not SH_SNAPSHOTS[state][5]:
+                continue
+            key = (state, number, raw)
             after = SH_STATES.get(key)
             if after is None:
                 self.restore(state)
-                self.read_line(number, line)
+                self.read_physical(state, number, raw)
                 state = SH_STATES[key] = self.snapshot()
-                for number, line in lines:
-                    self.read_line(number, line)
-                    key = (state, number, line)
+                for number, raw in lines:
+                    bare = raw.lstrip()
+                    if (not bare or bare[0] == "#") and not self.pending:
+                        continue
+                    self.read_physical(state, number, raw)
+                    key = (state, number, raw)
                     state = SH_STATES[key] = self.snapshot()
-                return
+                break
             state = after
-        self.restore(state)
+        else:
+            self.restore(state)
+        if self.pending.strip():  # the script ends inside a continued line
+            self.read_line(None, self.start, self.pending.strip())
+        self.state = None
 
-    def read_line(self, number, line):
+    def read_physical(self, state, number, raw):
+        """Read physical line `number`, the variables being in `state`."""
+        self.pending, self.start, line = logical_step(self.pending, self.start, number, raw)
+        if line is not None:
+            self.read_line(state, line[0], line[1])
+
+    def read_line(self, state, number, line):
+        """Read a logical line, the variables being in `state`."""
         for command in parse_sh_line(line):
+            self.state = state
+            state = None  # after an assignment, the variables are in no known state
             if command[0] == "assign":
                 self.assign(*command[1:])
             else:
@@ -726,14 +871,16 @@ class ScriptReader:
     def snapshot(self):
         """A number for the reader's state, kept in SH_SNAPSHOTS."""
         SH_SNAPSHOTS.append((dict(self.vars), dict(self.arrays), tuple(self.arg2_defaults),
-                             tuple(self.outputs), tuple(self.arch_tokens)))
+                             tuple(self.outputs), tuple(self.arch_tokens),
+                             self.pending, self.start))
         return len(SH_SNAPSHOTS) - 1
 
     def restore(self, state):
-        vars, arrays, arg2_defaults, outputs, arch_tokens = SH_SNAPSHOTS[state]
+        vars, arrays, arg2_defaults, outputs, arch_tokens, pending, start = SH_SNAPSHOTS[state]
         self.vars, self.arrays = dict(vars), dict(arrays)
         self.arg2_defaults = list(arg2_defaults)
         self.outputs, self.arch_tokens = list(outputs), list(arch_tokens)
+        self.pending, self.start = pending, start
 
     # -- expansion
     def lookup(self, name):
@@ -777,6 +924,21 @@ class ScriptReader:
         """The word with variables substituted and quotes removed."""
         if "$" not in word and "'" not in word and "\\" not in word:
             return word.replace('"', "") if '"' in word else word
+        if self.state is None:
+            return self.substitute(word)
+        # A word expands alike wherever the variables are in the same state,
+        # unless it takes a default for $2, which default_target() records.
+        key = (self.state, word)
+        value = SH_EXPANSIONS.get(key)
+        if value is None:
+            defaults = len(self.arg2_defaults)
+            value = self.substitute(word)
+            if len(self.arg2_defaults) == defaults:
+                SH_EXPANSIONS[key] = value
+        return value
+
+    def substitute(self, word):
+        """expand() without the cache."""
         template = SH_TEMPLATES.get(word)
         if template is None:
             template = SH_TEMPLATES[word] = word_template(word)
@@ -893,20 +1055,7 @@ class ScriptReader:
         """{arch: line} for every target the default invocation reaches."""
         found = {}
         for line, words in self.arch_tokens:
-            # One word per line, so that `^`/`$` anchor at word boundaries.
-            text = "\n".join(w for w in words if UNRESOLVED not in w)
-            archs = []
-            if platform in ("cuda", None):
-                if "code" in text:
-                    for code in CUDA_CODE_RE.findall(text):
-                        archs.extend(CUDA_SM_RE.findall(code))
-                if "-arch" in text or "--gpu-architecture" in text:
-                    archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
-            if platform in ("hip", None) and "--" in text:
-                archs.extend(HIP_ARCH_RE.findall(text))
-            if platform in ("cpu", None) and "-march=" in text:
-                archs.extend(CPU_ARCH_RE.findall(text))
-            for arch in archs:
+            for arch in command_targets(words, platform):
                 found.setdefault(arch, line)
         return found
 
@@ -1042,7 +1191,8 @@ MANIFEST_DECODER = ManifestDecoder()
 def load(backend):
     """Read and parse the manifest; fill the record with the fields it gives."""
     rel = backend.rel(backend.name + MANIFEST_SUFFIX)
-    text, problem, bad_byte = read_text(backend.manifest_path)
+    text, problem, bad_byte = read_text(backend.manifest_path,
+                                        backend.files.get(backend.name + MANIFEST_SUFFIX) == "file")
     if text is None:
         backend.error("J004", "cannot read %s: %s" % (backend.name + MANIFEST_SUFFIX, problem), rel)
         return
@@ -1366,7 +1516,7 @@ def declares(entry, symbol):
 
 def read_source(backend, rel):
     """Text of a declared source, or None when it cannot be read (check_sources says why)."""
-    text, problem, bad_byte = read_text(backend.dir + "/" + rel)
+    text, problem, bad_byte = read_text(backend.dir + "/" + rel, backend.files.get(rel) == "file")
     if text is not None and bad_byte is not None:
         backend.warning("S006", "%s is not UTF-8 (first bad byte at offset %d)" % (rel, bad_byte),
                         backend.rel(rel))
@@ -1445,27 +1595,24 @@ def check_build_script(repo, backend):
         backend.error("S002", "build.script %s %s" % (describe(script), problem))
         return
     path = os.path.join(backend.dir, rel)
-    try:
-        st = os.stat(path)
-    except OSError:
-        backend.error("B001", "build script %s does not exist" % rel, rel_path)
-        return
-    if not stat.S_ISREG(st.st_mode):
+    data, problem, mode = read_bytes(path)  # the mode comes with the read
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            backend.error("B001", "build script %s does not exist" % rel, rel_path)
+            return
+    if not stat.S_ISREG(mode):
         backend.error("B001", "build script %s is not a regular file" % rel, rel_path)
         return
-    if not st.st_mode & 0o111:
+    if not mode & 0o111:
         backend.error("B002", "build script %s is not executable; run: chmod +x %s"
                       % (rel, rel_path), rel_path)
-    index = repo.git_index()
-    mode = index.mode(rel_path) if index is not None else None
-    if mode is not None and mode != "100755":
-        backend.error("B003", "build script %s has mode %s in the git index; run: "
-                      "git update-index --chmod=+x %s" % (rel, mode, rel_path), rel_path)
-    text, problem, _ = read_text(path)
-    if text is None:
+    backend.index_path = rel_path  # check_index_modes() looks it up in the git index
+    if data is None:
         backend.error("B001", "build script %s cannot be read: %s" % (rel, problem), rel_path)
         return
-    reader = ScriptReader(text)
+    reader = ScriptReader(decode(data)[0])
     output, line = reader.output()
     if output is None:
         backend.error("B005", "build script %s has no compiler command with -o; the script must "
@@ -1551,6 +1698,23 @@ CHECKS = (
 )
 
 
+def check_index_modes(repo, backends):
+    """B003: each build script is executable in the git index.  The index is
+    listed once for all backends, after they are checked (see
+    Repository.list_git_index)."""
+    scripts = [backend for backend in backends if backend.index_path is not None]
+    index = repo.git_index() if scripts else None
+    if index is None:
+        return
+    for backend in scripts:
+        path = backend.index_path
+        mode = index.mode(path)
+        if mode is not None and mode != "100755":
+            rel = path[len(backend.rel_dir) + 1:]
+            backend.error("B003", "build script %s has mode %s in the git index; run: "
+                          "git update-index --chmod=+x %s" % (rel, mode, path), path)
+
+
 def check_backend(repo, backend):
     load(backend)
     if backend.manifest is None:
@@ -1611,6 +1775,7 @@ def run_check(repo, names=(), parallel=False):
         return _run_check(repo, names, parallel)
     finally:
         if collecting:
+            gc.freeze()  # what the run keeps is long-lived: spare a collection over it
             gc.enable()
 
 
@@ -1621,20 +1786,27 @@ def _run_check(repo, names, parallel):
             return run
     backends, loose = discover(repo)
     backends, loose = select(backends, loose, names, repo)
-    diagnostics = list(loose)
-    for backend in backends:
+    repo.list_git_index()
+    for index, backend in enumerate(backends, 1):
         check_backend(repo, backend)
-        diagnostics.extend(backend.diagnostics)
-    return Run(backends, diagnostics)
+        if not index % POLL_EVERY:
+            repo.poll_git_index()
+    check_index_modes(repo, backends)
+    return Run(backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
 # Checking in parallel.  Each backend is checked on its own, so with many of
-# them the directory list is cut into contiguous slices, one per CPU: forked
-# workers check theirs and send the answers back through a pipe, the parent
-# checks the first slice itself, and the answers are merged in directory
-# order, so that the report is byte for byte the serial one.
+# them the directory list is cut into chunks that the processes (forked
+# workers and the parent) take one at a time, so that a process slowed down
+# by other load on the machine takes fewer.  The chunk numbers are bytes in
+# a pipe: reading one byte claims a chunk.  Workers send their answers back
+# through a pipe, and the answers are merged in directory order, so that the
+# report is byte for byte the serial one.
 PARALLEL_MIN_BACKENDS = 200
 PARALLEL_SLICE = 100  # at least this many directories per worker
+CHUNK_SIZE = 40       # directories per chunk, at least
+MAX_CHUNKS = 255      # a chunk number is one byte
+POLL_EVERY = 50       # directories checked between two takes of the git listing
 JOBS_VARIABLE = "CHECK_CONTRACT_JOBS"
 
 
@@ -1666,68 +1838,96 @@ def check_candidates(repo, candidates):
         if is_backend:
             check_backend(repo, backend)
         answers.append((is_backend, relevant, [d.as_tuple() for d in loose],
-                        backend.status, backend.abi_version,
+                        backend.status, backend.abi_version, backend.index_path,
                         [d.as_tuple() for d in backend.diagnostics]))
     return answers
+
+
+def check_claimed(repo, chunks, queue, parent=False):
+    """Check the chunks whose numbers this process reads from the queue
+    pipe, until it is empty: {chunk number: answers}.  The parent also
+    drains the git listing (a worker must not read from that pipe)."""
+    answers = {}
+    while True:
+        claimed = os.read(queue, 1)
+        if not claimed:
+            return answers
+        answers[claimed[0]] = check_candidates(repo, chunks[claimed[0]])
+        if parent:
+            repo.poll_git_index()
 
 
 def check_in_parallel(repo):
     """The Run of every backend, checked by worker processes; None when one
     process is enough (few backends, one CPU, no os.fork).  The backends of
     this Run carry what the report needs: name, platform, status,
-    abi_version and diagnostics."""
+    abi_version and diagnostics.  The parent looks the build scripts up in
+    the git index once the answers are in (check_index_modes)."""
     import marshal
     groups = candidate_dirs(repo)
     candidates = [backend for _, group in groups for backend in group]
     workers = worker_count(len(candidates))
     if workers < 2:
         return None
-    repo.git_index()  # listed once, here, rather than once per worker
-    bounds = [len(candidates) * i // workers for i in range(workers + 1)]
-    slices = [candidates[bounds[i]:bounds[i + 1]] for i in range(workers)]
+    repo.list_git_index()
+    size = max(CHUNK_SIZE, -(-len(candidates) // MAX_CHUNKS))
+    chunks = [candidates[i:i + size] for i in range(0, len(candidates), size)]
+    queue, queue_end = os.pipe()
+    os.write(queue_end, bytes(range(len(chunks))))
+    os.close(queue_end)  # an empty queue then reads as the end
     sys.stdout.flush()
     sys.stderr.flush()
     children = []
-    for part in slices[1:]:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                os.close(read_end)
-                data = memoryview(marshal.dumps(check_candidates(repo, part)))
-                while data:
-                    data = data[os.write(write_end, data):]
-                status = 0
-            finally:
-                os._exit(status)
-        os.close(write_end)
-        children.append((pid, read_end, part))
-    answers = check_candidates(repo, slices[0])
-    for pid, read_end, part in children:
+    try:
+        for _ in range(workers - 1):
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                status = 1
+                try:
+                    os.close(read_end)
+                    data = memoryview(marshal.dumps(check_claimed(repo, chunks, queue)))
+                    while data:
+                        data = data[os.write(write_end, data):]
+                    status = 0
+                finally:
+                    os._exit(status)
+            os.close(write_end)
+            children.append((pid, read_end))
+        answers = check_claimed(repo, chunks, queue, parent=True)
+    finally:
+        os.close(queue)
+    for pid, read_end in children:
         with open(read_end, "rb") as pipe:
             data = pipe.read()
         _, status = os.waitpid(pid, 0)
         try:
-            if status != 0:
-                raise ValueError("worker failed")
-            answers.extend(marshal.loads(data))
+            if status == 0:
+                answers.update(marshal.loads(data))
         except (ValueError, EOFError, TypeError):
-            answers.extend(check_candidates(repo, part))  # check that slice here
-    answers = iter(answers)
-    backends, loose, found = [], [], []
+            pass
+    backends, loose = [], []
+    at = 0
     for platform, group in groups:
-        given = [next(answers) for _ in group]
+        given = []
+        for backend in group:
+            chunk, index = divmod(at, size)
+            if chunk not in answers:  # its worker failed: check that chunk here
+                answers[chunk] = check_candidates(repo, chunks[chunk])
+            given.append(answers[chunk][index])
+            at += 1
         if not add_platform(repo, platform, given, loose):
             continue
-        for backend, (is_backend, _, discovered, status, abi, diagnostics) in zip(group, given):
+        for backend, answer in zip(group, given):
+            is_backend, _, discovered, status, abi, index_path, diagnostics = answer
             loose.extend(Diagnostic(*d) for d in discovered)
             if is_backend:
                 backend.status, backend.abi_version = status, abi
+                backend.index_path = index_path
                 backend.diagnostics = [Diagnostic(*d) for d in diagnostics]
                 backends.append(backend)
-                found.extend(backend.diagnostics)
-    return Run(backends, loose + found)
+    check_index_modes(repo, backends)
+    return Run(backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
 # ---------------------------------------------------------------------------
