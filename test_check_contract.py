@@ -10,6 +10,7 @@ import copy
 import io
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -484,6 +485,72 @@ class BuildScriptTest(TreeTest):
             with self.subTest(line=line):
                 self.assertEqual(check_contract.split_words(line),
                                  check_contract.SH_WORD_RE.findall(line))
+
+    def test_a_script_reads_alike_whatever_was_read_before(self):
+        # The reader shares its caches across scripts (states after each
+        # line, word expansions, command targets): the answer for a script
+        # must not depend on what was read before it.
+        scripts = [CPU_BUILD, CUDA_FAT_BUILD, TINY_BUILD, GPU_BUILD,
+                   CUDA_FAT_BUILD.replace("libfat", "libother"),
+                   CPU_BUILD.replace("# Build the demo", "# Build the other"),
+                   "#!/bin/bash\nout=$1\ncap=${2:-89}\nnvcc -arch=sm_$cap k.cu -o $out/liba.so\n",
+                   "#!/bin/bash\nout=$1\ncap=${2:-89}\nnvcc -arch=sm_$cap k.cu -o $out/libb.so\n",
+                   "#!/bin/bash\nout=$1\ncap=90\nnvcc -arch=sm_$cap k.cu -o $out/liba.so\n",
+                   "#!/bin/bash\nout=$1\nnvcc -arch \\\n# a comment ends the line\nsm_90 k.cu -o $out/l.so\n",
+                   "#!/bin/bash\nt=(-arch\n  # note\n  sm_80)\nnvcc ${t[@]} -o $1/l.so\n",
+                   "#!/bin/bash\nnvcc -o $1/l.so \\\n  -code sm_90 -arch compute_90\n",
+                   "#!/bin/bash\nhipcc --offload-arch gfx942 -o $1/l.so; cc -march=znver4 -o $1/m.so",
+                   "cc -o \\",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/liba.so\n",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/libb.so\n"]
+
+        def clear():
+            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS,
+                          check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
+                          check_contract.SH_TARGETS):
+                cache.clear()
+            del check_contract.SH_SNAPSHOTS[1:]
+
+        def answer(text):
+            reader = check_contract.ScriptReader(text)
+            return (reader.output(), reader.default_target(),
+                    [sorted(reader.architectures(p).items()) for p in (None, "cuda", "hip", "cpu")])
+
+        alone = {}
+        for text in scripts:
+            clear()
+            alone[text] = answer(text)
+        self.assertEqual(alone[scripts[6]], (("liba.so", 4), "89", [[("89", 4)], [("89", 4)], [], []]))
+        # As in the shell, a comment line ends a continued line.
+        self.assertEqual(alone[scripts[9]], ((None, None), None, [[], [], [], []]))
+        self.assertEqual(alone[scripts[10]][2][1], [("80", 5)])
+        self.assertEqual(alone[scripts[-1]], (("libb.so", 2), "89", [[("89", 2)], [("89", 2)], [], []]))
+        for seed in range(5):
+            order = scripts * 2
+            random.Random(seed).shuffle(order)
+            clear()
+            for text in order:
+                self.assertEqual(answer(text), alone[text], text)
+
+    def test_header_comments_naming_the_library_do_not_hide_a_difference(self):
+        # Scripts that differ only in a header comment share their reading;
+        # the lines after it are still each script's own.
+        files = {}
+        for name, cap in (("a", 90), ("b", 80), ("c", 90)):
+            files.update({
+                "backends/cuda/%s/%s.backend.json" % (name, name): {
+                    "name": name, "abi_version": 1, "status": "experimental", "sources": ["k.cu"],
+                    "build": {"script": "build.sh", "output": "lib%s.so" % name,
+                              "architectures": [90]}},
+                "backends/cuda/%s/k.cu" % name: "#define %s_ABI_VERSION 1\nint %s_abi_version(void);\n"
+                                                 "const char *%s_error_string(int);\n"
+                                                 % (name.upper(), name, name),
+                "backends/cuda/%s/build.sh" % name: Executable(
+                    "#!/bin/bash\n# Build lib%s.so\nout=$1\nnvcc -shared -arch=sm_%d k.cu \\\n"
+                    "  -o \"$out/lib%s.so\"\n" % (name, cap, name))})
+        self.tree(files)
+        found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
+        self.assertEqual(found, [("cuda/b", "B006", None), ("cuda/b", "B007", 4)])
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -986,6 +1053,44 @@ class ParallelTest(TreeTest):
         self.assertTrue(out.endswith("268 backend(s), %d error(s), %d warning(s)\n" % (
             sum(1 for i in issues if i["level"] == "error"),
             sum(1 for i in issues if i["level"] == "warning"))), out[-200:])
+
+
+    def test_chunks_of_a_failed_worker_are_checked_by_the_parent(self):
+        self.tree(many_backends(280))
+        serial = self.check(env={"CHECK_CONTRACT_JOBS": "1"})
+        parent = os.getpid()
+        real = check_contract.check_candidates
+
+        def failing(repo, candidates):
+            if os.getpid() != parent:
+                os._exit(3)  # a worker dies on its first chunk
+            return real(repo, candidates)
+
+        check_contract.check_candidates = failing
+        try:
+            self.assertEqual(self.check(env={"CHECK_CONTRACT_JOBS": "3"}), serial)
+        finally:
+            check_contract.check_candidates = real
+
+    def test_git_index_modes_are_looked_up_in_parallel_too(self):
+        files = many_backends(280)
+        for name in ("x", "x-y"):  # "x-y/..." sorts before "x/..." in the index
+            files.update({path.replace("/demo/demo.", "/%s/%s." % (name, name))
+                          .replace("/demo/", "/%s/" % name): content
+                          for path, content in demo_files(demo_manifest(name=name)).items()})
+        self.tree(files)
+        git = ["git", "-C", self.root, "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+        subprocess.run(git + ["init", "-q"], check=True)
+        subprocess.run(git + ["add", "."], check=True)
+        for name in ("d000", "d140", "d279", "x", "x-y"):
+            subprocess.run(git + ["update-index", "--chmod=-x", "backends/cpu/%s/build.sh" % name],
+                           check=True)
+        serial = self.check("--format", "json", env={"CHECK_CONTRACT_JOBS": "1"})
+        flagged = {i["backend"] for i in json.loads(serial[1])["issues"] if i["code"] == "B003"}
+        # many_backends also writes some scripts without the executable bit
+        self.assertLessEqual({"cpu/d000", "cpu/d140", "cpu/d279", "cpu/x", "cpu/x-y"}, flagged)
+        self.assertNotIn("cpu/d001", flagged)
+        self.assertEqual(self.check("--format", "json", env={"CHECK_CONTRACT_JOBS": "2"}), serial)
 
 
 class RobustnessTest(TreeTest):
