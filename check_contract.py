@@ -78,6 +78,7 @@ import os
 import re
 import stat
 import sys
+from itertools import repeat
 
 VERSION = "1.0.0"
 
@@ -125,7 +126,9 @@ SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))
 SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
 # `-o FILE`, `--output-file FILE`, `--output-file=FILE`, `-oFILE`, with one word per line.
 COMPILER_OUTPUT_RE = re.compile(r"^(?:-o\n|--output-file[=\n]|-o(?!=))([^\n]+)$", re.M)
-SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))(?(1)\")\Z")
+# One variable and plain text after it, all quoted or all bare: "$out/lib.so".
+SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))"
+                               r"([^\"$'\\`]*)(?(1)\")\Z")
 SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
 COMPILERS = frozenset(("cc", "gcc", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
                        "icx", "icpx", "amdclang", "amdclang++", "ld", "ld.lld", "hipcc.pl"))
@@ -498,8 +501,14 @@ def glob_matches(pattern, path):
 
 
 def arch_number(arch):
-    digits = DIGITS_RE.match(arch)
-    return int(digits.group()) if digits else None
+    number = ARCH_NUMBERS.get(arch, False)
+    if number is False:
+        digits = DIGITS_RE.match(arch)
+        number = ARCH_NUMBERS[arch] = int(digits.group()) if digits else None
+    return number
+
+
+ARCH_NUMBERS = {}  # arch -> its leading number, or None
 
 
 # ---------------------------------------------------------------------------
@@ -734,7 +743,7 @@ def word_template(word):
     inside `${...}`)."""
     simple = SH_SIMPLE_WORD_RE.match(word)
     if simple:
-        return ("", simple.group(2) or simple.group(3), "")
+        return ("", simple.group(2) or simple.group(3), simple.group(4))
     if "'" in word or "\\" in word or "$(" in word or ("{" in word and '"' in word[1:-1]):
         return ()
     # The double quotes change nothing but themselves: substitute the
@@ -757,6 +766,7 @@ def word_template(word):
 SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), (), "", 0)]
 SH_STATES = {}
 SH_EXPANSIONS = {}  # (state, word) -> the word expanded in that state
+SH_SEEN = set()     # physical lines read past the kept states
 
 
 # The targets of a command depend only on its target flags (the words that
@@ -828,22 +838,12 @@ class ScriptReader:
         state = 0
         lines = enumerate(text.split("\n"), 1)
         for number, raw in lines:
-            bare = raw.lstrip()
-            if (not bare or bare[0] == "#") and not SH_SNAPSHOTS[state][5]:
-                continue
-            key = (state, number, raw)
-            after = SH_STATES.get(key)
+            after = SH_STATES.get((state, number, raw))
             if after is None:
-                self.restore(state)
-                self.read_physical(state, number, raw)
-                state = SH_STATES[key] = self.snapshot()
-                for number, raw in lines:
-                    bare = raw.lstrip()
-                    if (not bare or bare[0] == "#") and not self.pending:
-                        continue
-                    self.read_physical(state, number, raw)
-                    key = (state, number, raw)
-                    state = SH_STATES[key] = self.snapshot()
+                bare = raw.lstrip()
+                if (not bare or bare[0] == "#") and not SH_SNAPSHOTS[state][5]:
+                    continue
+                self.read_rest(state, number, raw, lines)
                 break
             state = after
         else:
@@ -851,6 +851,28 @@ class ScriptReader:
         if self.pending.strip():  # the script ends inside a continued line
             self.read_line(None, self.start, self.pending.strip())
         self.state = None
+
+    def read_rest(self, state, number, raw, lines):
+        """Read from physical line `number`, the first one whose state is not
+        kept, to the end.  The state after a line is kept only while the
+        lines are ones read before: a line seen for the first time, such as
+        the one that names the library, would keep a state that no other
+        script reaches."""
+        self.restore(state)
+        while True:
+            self.read_physical(state, number, raw)
+            if raw not in SH_SEEN:
+                SH_SEEN.add(raw)
+                state = None
+            elif state is not None:
+                key = (state, number, raw)
+                state = SH_STATES[key] = self.snapshot()
+            for number, raw in lines:
+                bare = raw.lstrip()
+                if bare and bare[0] != "#" or self.pending:
+                    break
+            else:
+                return
 
     def read_physical(self, state, number, raw):
         """Read physical line `number`, the variables being in `state`."""
@@ -1119,10 +1141,10 @@ def classify(backend):
     backend.files = files = walk_files(backend.dir)
     manifest_name = backend.name + MANIFEST_SUFFIX
     has_manifest = manifest_name in files
-    relevant = has_manifest or any(is_kernel_source(p) for p in files)
+    relevant = has_manifest or any(p.endswith(KERNEL_SUFFIXES) for p in files)
     diagnostics = []
-    stray = sorted(p for p in files
-                   if "/" not in p and p.endswith(MANIFEST_SUFFIX) and p != manifest_name)
+    stray = [p for p in files
+             if p.endswith(MANIFEST_SUFFIX) and "/" not in p and p != manifest_name]
     for name in stray:
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
@@ -1213,7 +1235,7 @@ def load(backend):
     except RecursionError:
         backend.error("J001", "invalid JSON: nested too deeply", rel)
         return
-    for key in sorted(set(duplicates)):
+    for key in sorted(set(duplicates)) if duplicates else ():
         backend.error("J002", 'duplicate key "%s"; JSON keeps only the last value, remove the '
                       "others" % key, rel)
     if not isinstance(manifest, dict):
@@ -1254,70 +1276,72 @@ NUMERICS_KEY_SET = frozenset(NUMERICS_KEYS)
 REFERENCE_KEY_SET = frozenset(REFERENCE_KEYS)
 
 
+def all_strings(items, empty=False):
+    """Whether `items` is a list of strings (non-empty ones unless `empty`),
+    tested without a Python-level loop."""
+    return (type(items) is list and all(map(isinstance, items, repeat(str)))
+            and (empty or "" not in items))
+
+
 def manifest_keys_valid(backend):
     """Whether check_keys would find nothing: the common case, tested
     without building any message (check_keys says what is wrong otherwise)."""
     m = backend.manifest
     name = m.get("name")
-    if not (TOP_KEY_SET.issuperset(m) and isinstance(name, str) and name == backend.name
+    if not (TOP_KEY_SET.issuperset(m) and type(name) is str and name == backend.name
             and NAME_RE.match(name) and backend.abi_version is not None and backend.status is not None):
         return False
-    for key in ("$schema", "description", "platform"):
-        if key in m and not isinstance(m[key], str):
-            return False
-    if "platform" in m and m["platform"] != backend.platform:
+    if not (type(m.get("$schema", "")) is str and type(m.get("description", "")) is str
+            and m.get("platform", backend.platform) == backend.platform):
         return False
     sources = m.get("sources")
-    if not (isinstance(sources, list) and sources and all(isinstance(x, str) and x for x in sources)):
+    if not (sources and all_strings(sources)):
         return False
     build = m.get("build")
-    if not (isinstance(build, dict) and BUILD_KEY_SET.issuperset(build)
-            and isinstance(build.get("script"), str) and build["script"]
-            and isinstance(build.get("output"), str) and build["output"]):
+    if not (type(build) is dict and BUILD_KEY_SET.issuperset(build)
+            and type(build.get("script")) is str and build["script"]
+            and type(build.get("output")) is str and build["output"]):
         return False
     archs = backend.architectures
     if archs is None or "architectures" not in build or len(set(archs)) != len(archs):
         return False
     form = ARCH_FORMS.get(backend.platform)
-    if form and not all(form[0].match(arch) for arch in archs):
+    if form and not all(map(form[0].match, archs)):
         return False
     if "default_arch" in build and backend.default_arch is None:
         return False
-    if "min_capability" in build and not (is_int(build["min_capability"]) and build["min_capability"] >= 1):
-        return False
+    if "min_capability" in build:
+        minimum = build["min_capability"]
+        if not (type(minimum) is int and minimum >= 1):
+            return False
     if "models" in m:
         models = m["models"]
-        if not (isinstance(models, list) and all(
-                isinstance(x, str) and x.endswith("/") and x != "/" for x in models)):
+        if not (all_strings(models) and all(map(str.endswith, models, repeat("/")))
+                and "/" not in models):
             return False
     if "numerics" in m:
         numerics = m["numerics"]
-        if not (isinstance(numerics, dict) and NUMERICS_KEY_SET.issuperset(numerics)):
+        if not (type(numerics) is dict and NUMERICS_KEY_SET.issuperset(numerics)
+                and type(numerics.get("precision", "")) is str
+                and type(numerics.get("accumulation", "")) is str):
             return False
-        for key in ("precision", "accumulation"):
-            if key in numerics and not isinstance(numerics[key], str):
-                return False
         if "tolerance" in numerics:
             tolerance = numerics["tolerance"]
-            if not isinstance(tolerance, dict):
+            if type(tolerance) is not dict:
                 return False
             for op, value in tolerance.items():
                 if op == "note":
-                    if not isinstance(value, str):
+                    if type(value) is not str:
                         return False
                 elif not ((type(value) is float or type(value) is int) and 0 <= value < INFINITY):
                     return False  # bool, NaN, infinite or negative: check_keys says which
     if "reference" in m:
         reference = m["reference"]
-        if not (isinstance(reference, dict) and REFERENCE_KEY_SET.issuperset(reference)):
+        if not (type(reference) is dict and REFERENCE_KEY_SET.issuperset(reference)
+                and all_strings(list(reference.values()))):
             return False
-        for value in reference.values():
-            if not (isinstance(value, str) and value):
-                return False
-    if "excluded" in m:
-        excluded = m["excluded"]
-        if not (isinstance(excluded, list) and all(isinstance(x, str) and x for x in excluded)):
-            return False
+    if "excluded" in m and not all_strings(m["excluded"]):
+        return False
     return True
 
 
@@ -1456,17 +1480,18 @@ def check_abi(repo, backend):
         if not isinstance(source, str):
             continue
         rel, problem = normalize_relpath(source)
-        if problem or not is_kernel_source(rel):
+        if problem or not rel.endswith(KERNEL_SUFFIXES):
             continue
         text = read_source(backend, rel)
         if text is None:
             continue
-        stripped = None
         if "_ABI_VERSION" in text:
             stripped = strip_c_comments(text)
             for prefix, value, line, raw in find_abi_defines(stripped):
                 defines.append((rel, line, prefix, value, raw))
-        texts.append([text, stripped])
+            texts.append([text, stripped])
+        else:
+            texts.append([text, None])
     for rel, line, prefix, value, raw in defines:
         if value is None:
             backend.error("A005", "%s defines %s_ABI_VERSION as %s, not an integer literal"
@@ -1477,7 +1502,7 @@ def check_abi(repo, backend):
         backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
                        "add one equal to abi_version")
         return
-    values = sorted({d[3] for d in defines})
+    values = {d[3] for d in defines}
     backend.abi_prefix = defines[0][2].lower()
     if len(values) > 1:
         places = ", ".join("%s:%d defines %s_ABI_VERSION %d" % (rel, line, prefix, value)
@@ -1485,13 +1510,16 @@ def check_abi(repo, backend):
         rel, line = defines[0][0], defines[0][1]
         backend.error("A002", "several ABI versions are defined (%s); keep exactly one" % places,
                       backend.rel(rel), line)
-    elif backend.abi_version is not None and values[0] != backend.abi_version:
+    elif backend.abi_version is not None and defines[0][3] != backend.abi_version:
         rel, line, prefix, value, _ = defines[0]
         backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
     for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
-        if not any(declares(entry, symbol) for entry in texts):
+        for entry in texts:
+            if declares(entry, symbol):
+                break
+        else:
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
 
@@ -1516,8 +1544,11 @@ def declares(entry, symbol):
 
 def read_source(backend, rel):
     """Text of a declared source, or None when it cannot be read (check_sources says why)."""
-    text, problem, bad_byte = read_text(backend.dir + "/" + rel, backend.files.get(rel) == "file")
-    if text is not None and bad_byte is not None:
+    data = read_bytes(backend.dir + "/" + rel, backend.files.get(rel) == "file")[0]
+    if data is None:
+        return None
+    text, bad_byte = decode(data)
+    if bad_byte is not None:
         backend.warning("S006", "%s is not UTF-8 (first bad byte at offset %d)" % (rel, bad_byte),
                         backend.rel(rel))
     return text
@@ -1570,8 +1601,8 @@ def check_sources(repo, backend):
             backend.error("S005", "source %s is not a regular file" % rel, backend.rel(rel))
     excluded = m.get("excluded")
     excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
-    for path in sorted(backend.files):
-        if path in declared or not is_kernel_source(path):
+    for path in backend.files:  # the report is sorted: no need to sort here
+        if path in declared or not path.endswith(KERNEL_SUFFIXES):
             continue
         parts = path.split("/")
         if parts[-1].startswith("test_") or "tests" in parts[:-1]:
@@ -1625,7 +1656,7 @@ def check_build_script(repo, backend):
         return
     platform = backend.platform if backend.platform in PLATFORMS else None
     reached = reader.architectures(platform)
-    if output is not None:
+    if output is not None and reached.keys() != set(backend.architectures):
         for arch in backend.architectures:
             if arch not in reached:
                 backend.error("B006", "build.architectures lists %s but the default invocation "
@@ -1715,6 +1746,13 @@ def check_index_modes(repo, backends):
                           "git update-index --chmod=+x %s" % (rel, mode, path), path)
 
 
+def release(backend):
+    """Drop what only the checks need (the manifest, the directory listing),
+    so that a run over thousands of backends keeps little memory."""
+    backend.manifest = None
+    backend.files = None
+
+
 def check_backend(repo, backend):
     load(backend)
     if backend.manifest is None:
@@ -1765,9 +1803,10 @@ def select(backends, loose, names, repo):
 
 
 def run_check(repo, names=(), parallel=False):
-    """Check the named backends (all by default).  With parallel=True and
-    many backends, worker processes share the work (see check_in_parallel);
-    the diagnostics are the same either way."""
+    """Check the named backends (all by default).  With parallel=True, for a
+    caller that only reports, many backends are shared out to worker
+    processes (see check_in_parallel), and the backends keep only what the
+    report needs; the diagnostics are the same either way."""
     import gc
     collecting = gc.isenabled()
     gc.disable()  # the run makes no reference cycles worth collecting
@@ -1789,6 +1828,8 @@ def _run_check(repo, names, parallel):
     repo.list_git_index()
     for index, backend in enumerate(backends, 1):
         check_backend(repo, backend)
+        if parallel:
+            release(backend)
         if not index % POLL_EVERY:
             repo.poll_git_index()
     check_index_modes(repo, backends)
@@ -1840,6 +1881,7 @@ def check_candidates(repo, candidates):
         answers.append((is_backend, relevant, [d.as_tuple() for d in loose],
                         backend.status, backend.abi_version, backend.index_path,
                         [d.as_tuple() for d in backend.diagnostics]))
+        release(backend)
     return answers
 
 
@@ -2557,7 +2599,10 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser():
+def build_parser(only=None):
+    """The command-line parser; with `only`, the parser of that subcommand
+    alone (a command line that names one needs no other, and building them
+    all costs more than checking a few backends)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--repo-root", metavar="DIR", default=argparse.SUPPRESS,
                         help="repository root (default: the current directory)")
@@ -2573,7 +2618,16 @@ def build_parser():
     parser.add_argument("--backends-dir", metavar="DIR", default="backends",
                         help="backends directory relative to the root (default: backends)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    if only in (None, "check"):
+        add_check_parser(sub, common, formatter)
+    if only in (None, "list", "init", "build"):
+        add_other_parsers(sub, common, formatter, only)
+    if only in (None, "test", "parity"):
+        add_tier_parsers(sub, common, formatter, only)
+    return parser
 
+
+def add_check_parser(sub, common, formatter):
     check = sub.add_parser("check", parents=[common], formatter_class=formatter,
                            help="check the manifests against their directories (default)",
                            description="Check every backend's manifest against its directory.",
@@ -2587,6 +2641,18 @@ def build_parser():
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")
     check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all)")
 
+
+def add_other_parsers(sub, common, formatter, only):
+    """The list, init and build subcommands (or the one of them named)."""
+    if only in (None, "list"):
+        add_list_parser(sub, common, formatter)
+    if only in (None, "init"):
+        add_init_parser(sub, common, formatter)
+    if only in (None, "build"):
+        add_build_parser(sub, common, formatter)
+
+
+def add_list_parser(sub, common, formatter):
     listing = sub.add_parser("list", parents=[common], formatter_class=formatter,
                              help="list the discovered backends",
                              description="List the discovered backends with platform and status.",
@@ -2597,6 +2663,8 @@ def build_parser():
                          help="only non-planned backends with no errors and an executable build script")
     listing.add_argument("--format", choices=("text", "json", "github-matrix"), default="text")
 
+
+def add_init_parser(sub, common, formatter):
     init = sub.add_parser("init", parents=[common], formatter_class=formatter,
                           help="write a manifest inferred from a backend directory",
                           description="Write DIR/<name>.backend.json inferred from the directory "
@@ -2607,6 +2675,8 @@ def build_parser():
     init.add_argument("dir", metavar="DIR", help="the backend directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
 
+
+def add_build_parser(sub, common, formatter):
     build = sub.add_parser("build", parents=[common], formatter_class=formatter,
                            help="build backends and inspect the libraries they write",
                            description="Run each buildable backend's build script (skipped when its "
@@ -2629,6 +2699,9 @@ def build_parser():
     build.add_argument("--format", choices=("text", "json"), default="text",
                        help="json: results on stdout, build output on stderr")
 
+
+def add_tier_parsers(sub, common, formatter, only):
+    """The test and parity subcommands (or the one of them named)."""
     for name, what, description, example in (
             ("test", "run each backend's tests beside its kernels",
              "Run python3 -m unittest discover -v -s <backend-dir> -t <backend-dir> for each "
@@ -2639,6 +2712,8 @@ def build_parser():
              "report passed, failed, or skipped when its first output line is SKIP: <reason> and "
              "it exits 0.",
              "  python3 check_contract.py parity\n  python3 check_contract.py parity cuda/llm_ops\n")):
+        if only not in (None, name):
+            continue
         tier = sub.add_parser(name, parents=[common], formatter_class=formatter, help=what,
                               description=description, epilog="examples:\n" + example)
         tier.add_argument("names", nargs="*", metavar="NAME", help="backends to run (default: all)")
@@ -2646,7 +2721,6 @@ def build_parser():
                           help="time limit per backend in seconds (default: 1800)")
         tier.add_argument("--format", choices=("text", "json"), default="text",
                           help="json: results on stdout, child output on stderr")
-    return parser
 
 
 COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd_build,
@@ -2654,7 +2728,8 @@ COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd
 
 
 def with_default_command(argv):
-    """argv with `check` inserted when no subcommand is named."""
+    """(argv with `check` inserted when no subcommand is named, the
+    subcommand, or None for a command line that asks for help or version)."""
     index = 0
     while index < len(argv):
         arg = argv[index]
@@ -2662,17 +2737,20 @@ def with_default_command(argv):
             index += 2
         elif arg.startswith(("--repo-root=", "--backends-dir=")):
             index += 1
-        elif arg in COMMANDS or arg in ("-h", "--help", "--version"):
-            return argv
+        elif arg in COMMANDS:
+            return argv, arg
+        elif arg in ("-h", "--help", "--version"):
+            return argv, None
         else:
             break
-    return argv[:index] + ["check"] + argv[index:]
+    return argv[:index] + ["check"] + argv[index:], "check"
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(with_default_command(argv))
+        argv, command = with_default_command(argv)
+        args = build_parser(command).parse_args(argv)
         return COMMANDS[args.command](args)
     except UsageError as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % exc)

@@ -505,7 +505,7 @@ class BuildScriptTest(TreeTest):
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/libb.so\n"]
 
         def clear():
-            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS,
+            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS, check_contract.SH_SEEN,
                           check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
                           check_contract.SH_TARGETS):
                 cache.clear()
@@ -531,6 +531,30 @@ class BuildScriptTest(TreeTest):
             clear()
             for text in order:
                 self.assertEqual(answer(text), alone[text], text)
+
+    def test_scripts_that_part_at_their_last_line_read_only_that_line(self):
+        # What keeps a check of thousands of backends fast: once two
+        # scripts have been read, a third that differs from them only in
+        # its header comment and its last line reads that line alone.
+        check_contract.SH_STATES.clear()
+        check_contract.SH_SEEN.clear()
+        read = []
+        real = check_contract.ScriptReader.read_physical
+
+        def counting(reader, state, number, raw):
+            read.append(number)
+            return real(reader, state, number, raw)
+
+        check_contract.ScriptReader.read_physical = counting
+        try:
+            for name in ("a", "b", "c"):
+                del read[:]
+                text = CUDA_FAT_BUILD.replace("set -euo", "# Build lib%s.so\nset -euo" % name)
+                reader = check_contract.ScriptReader(text.replace("libfat", "lib" + name))
+                self.assertEqual(reader.output(), ("lib%s.so" % name, 13))
+        finally:
+            check_contract.ScriptReader.read_physical = real
+        self.assertEqual(read, [13])
 
     def test_header_comments_naming_the_library_do_not_hide_a_difference(self):
         # Scripts that differ only in a header comment share their reading;
