@@ -205,7 +205,7 @@ class Backend:
         self.platform = platform
         self.dir = dir
         self.rel_dir = rel_dir
-        self.manifest_path = os.path.join(dir, name + MANIFEST_SUFFIX)
+        self.manifest_path = dir + "/" + name + MANIFEST_SUFFIX
         self.manifest = None
         self.status = None
         self.abi_version = None
@@ -500,15 +500,15 @@ def glob_matches(pattern, path):
     return fnmatch.fnmatchcase(path, pattern)
 
 
+ARCH_NUMBERS = {}  # arch -> its leading number, or None
+
+
 def arch_number(arch):
     number = ARCH_NUMBERS.get(arch, False)
     if number is False:
         digits = DIGITS_RE.match(arch)
         number = ARCH_NUMBERS[arch] = int(digits.group()) if digits else None
     return number
-
-
-ARCH_NUMBERS = {}  # arch -> its leading number, or None
 
 
 # ---------------------------------------------------------------------------
@@ -641,19 +641,6 @@ def logical_step(pending, start, number, raw):
         return pending + " ", start, None
     pending = pending.strip()
     return "", 0, ((start, pending) if pending else None)
-
-
-def logical_lines(text):
-    """The logical lines of a script (see logical_step), in order."""
-    joined = []
-    pending, start = "", 0
-    for number, raw in enumerate(text.split("\n"), 1):
-        pending, start, line = logical_step(pending, start, number, raw)
-        if line is not None:
-            joined.append(line)
-    if pending.strip():
-        joined.append((start, pending.strip()))
-    return joined
 
 
 def paren_depth(text):
@@ -1982,13 +1969,13 @@ def summary_line(run):
 
 
 def report_text(run, out):
-    for d in run.diagnostics:
-        out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
-    for backend in run.backends:
-        out.write("checked %s: status=%s abi=%s\n" % (
-            backend.key, backend.status or "?",
-            backend.abi_version if backend.abi_version is not None else "?"))
-    out.write(summary_line(run) + "\n")
+    lines = ["[%s] %s: %s\n" % (d.level, d.backend, d.message) for d in run.diagnostics]
+    lines.extend("checked %s/%s: status=%s abi=%s\n" % (
+        backend.platform, backend.name, backend.status or "?",
+        backend.abi_version if backend.abi_version is not None else "?")
+        for backend in run.backends)
+    lines.append(summary_line(run) + "\n")
+    out.write("".join(lines))
 
 
 def report_json(run, out):
