@@ -659,25 +659,44 @@ def split_words(text):
         # blanks are the word breaks.
         words = text.split()
         for word in words:
-            if '"' in word and word.count('"') % 2:
-                break
-            start = word.find("${")
-            while start >= 0:
-                end = word.find("}", start)
-                if end < 0 or '"' in word[start:end]:
-                    break
-                start = word.find("${", end)
-            if start >= 0:
+            if not closed_word(word):
                 break
         else:
             return words
     return SH_WORD_RE.findall(text)
 
 
+def closed_word(word):
+    """Whether a blank-free piece pairs its double quotes and closes each
+    ${ before any quote (no single quote, backslash or $( is looked at)."""
+    if '"' in word and word.count('"') % 2:
+        return False
+    start = word.find("${")
+    while start >= 0:
+        end = word.find("}", start)
+        if end < 0 or '"' in word[start:end]:
+            return False
+        start = word.find("${", end)
+    return True
+
+
+def plain_word(word):
+    """Whether a blank-free piece is a word on its own wherever it ends a
+    command: closed, and with no quote, backslash, $( or separator that
+    could join it to the words before it or start another command."""
+    return not ("'" in word or "\\" in word or "$(" in word or ";" in word or "|" in word
+                or "&" in word) and closed_word(word)
+
+
 # Build scripts of many backends share most of their lines, and how a line
 # splits into commands and words does not depend on the variables; so each
-# distinct line is parsed once per run.
+# distinct line is parsed once per run.  A compiler line often differs from
+# the other backends' only in its last word, the library it writes: so the
+# parse of a one-command line is also kept without that word (SH_HEADS, by
+# the line up to its last blank), and a line that is such a head and one
+# plain word more is parsed by adding the word.
 SH_LINE_CACHE = {}
+SH_HEADS = {}
 
 
 def parse_sh_line(line):
@@ -686,6 +705,10 @@ def parse_sh_line(line):
     parsed = SH_LINE_CACHE.get(line)
     if parsed is not None:
         return parsed
+    head, _, last = line.rpartition(" ")
+    words = SH_HEADS.get(head)
+    if words is not None and plain_word(last):
+        return (("run", words + (last,)),)
     parsed = []
     if "=" in line or SH_RELEVANT_RE.search(line) is not None:
         for command in split_commands(line):
@@ -703,6 +726,11 @@ def parse_sh_line(line):
             if words:
                 parsed.append(("run", tuple(words)))
     parsed = SH_LINE_CACHE[line] = tuple(parsed)
+    if (len(parsed) == 1 and parsed[0][0] == "run" and len(parsed[0][1]) > 1
+            and parsed[0][1][-1] == last and "'" not in line and "\\" not in line
+            and "$(" not in line and ";" not in line and "|" not in line and "&" not in line
+            and plain_word(last) and all(map(closed_word, head.split()))):
+        SH_HEADS[head] = parsed[0][1][:-1]
     return parsed
 
 
@@ -753,6 +781,7 @@ def word_template(word):
 SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), (), "", 0)]
 SH_STATES = {}
 SH_EXPANSIONS = {}  # (state, word) -> the word expanded in that state
+SH_COMMAND_HEADS = {}  # (state, words but the last) -> their expansion
 SH_SEEN = set()     # physical lines read past the kept states
 
 
@@ -1022,7 +1051,19 @@ class ScriptReader:
         program = self.expand(words[0]).rsplit("/", 1)[-1]
         if program != "make" and program not in COMPILERS:
             return
-        args = self.expand_words(words[1:])
+        if self.state is None or len(words) < 3:
+            args = self.expand_words(words[1:])
+        else:
+            # The words before the last expand alike in the same state (see
+            # SH_HEADS), unless they take a default for $2.
+            key = (self.state, words[:-1])
+            head = SH_COMMAND_HEADS.get(key)
+            if head is None:
+                defaults = len(self.arg2_defaults)
+                head = self.expand_words(words[1:-1])
+                if len(self.arg2_defaults) == defaults:
+                    SH_COMMAND_HEADS[key] = head
+            args = head + self.expand_words(words[-1:])
         self.arch_tokens.append((number, args))
         if program == "make":
             return

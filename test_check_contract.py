@@ -502,10 +502,16 @@ class BuildScriptTest(TreeTest):
                    "#!/bin/bash\nhipcc --offload-arch gfx942 -o $1/l.so; cc -march=znver4 -o $1/m.so",
                    "cc -o \\",
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/liba.so\n",
-                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/libb.so\n"]
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/libb.so\n",
+                   # the same command up to its last word, which is no plain word
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o \"$1/lib c.so\"\n",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so;nvcc -arch=sm_70 -o x\n",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so;b\n",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o \"$1/l.so\n"]
 
         def clear():
             for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS, check_contract.SH_SEEN,
+                          check_contract.SH_HEADS, check_contract.SH_COMMAND_HEADS,
                           check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
                           check_contract.SH_TARGETS):
                 cache.clear()
@@ -524,7 +530,10 @@ class BuildScriptTest(TreeTest):
         # As in the shell, a comment line ends a continued line.
         self.assertEqual(alone[scripts[9]], ((None, None), None, [[], [], [], []]))
         self.assertEqual(alone[scripts[10]][2][1], [("80", 5)])
-        self.assertEqual(alone[scripts[-1]], (("libb.so", 2), "89", [[("89", 2)], [("89", 2)], [], []]))
+        self.assertEqual(alone[scripts[-5]], (("libb.so", 2), "89", [[("89", 2)], [("89", 2)], [], []]))
+        self.assertEqual(alone[scripts[-4]][0], ("lib c.so", 2))
+        self.assertEqual(alone[scripts[-3]][2][1], [("70", 2), ("89", 2)])
+        self.assertEqual(alone[scripts[-2]][0], ("l.so", 2))
         for seed in range(5):
             order = scripts * 2
             random.Random(seed).shuffle(order)
