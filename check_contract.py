@@ -198,7 +198,8 @@ class Backend:
 
     __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
                  "status", "abi_version", "abi_prefix", "build_script", "output",
-                 "architectures", "default_arch", "files", "diagnostics", "index_path")
+                 "architectures", "default_arch", "files", "diagnostics", "index_path",
+                 "sources")
 
     def __init__(self, name, platform, dir, rel_dir):
         self.name = name
@@ -217,6 +218,7 @@ class Backend:
         self.files = {}
         self.diagnostics = []
         self.index_path = None  # the build script, when its git index mode is to be checked
+        self.sources = ()  # (as written, normalized or None, problem) per non-empty string
 
     @property
     def key(self):
@@ -1274,8 +1276,12 @@ def load(backend):
     if status in STATUSES:
         backend.status = status
     abi = manifest.get("abi_version")
-    if is_int(abi) and abi >= 1:
+    if type(abi) is int and abi >= 1:  # JSON gives int or bool; bool is no version
         backend.abi_version = abi
+    sources = manifest.get("sources")
+    if type(sources) is list:
+        backend.sources = [(source,) + normalize_relpath(source)
+                           for source in sources if type(source) is str and source]
     build = manifest.get("build")
     if isinstance(build, dict):
         script = build.get("script")
@@ -1284,11 +1290,11 @@ def load(backend):
         if isinstance(build.get("output"), str) and build["output"]:
             backend.output = build["output"]
         archs = build.get("architectures")
-        if isinstance(archs, list) and archs and all(
-                (isinstance(a, str) and a) or is_int(a) for a in archs):
+        if type(archs) is list and archs and all(
+                (type(a) is str and a) or type(a) is int for a in archs):
             backend.architectures = [str(a) for a in archs]
         default = build.get("default_arch")
-        if (isinstance(default, str) and default) or is_int(default):
+        if (type(default) is str and default) or type(default) is int:
             backend.default_arch = str(default)
 
 
@@ -1499,15 +1505,11 @@ def check_numerics_keys(backend, numerics, bad, unknown):
 
 def check_abi(repo, backend):
     """A001-A005: the ABI version macro in the declared sources."""
-    sources = (backend.manifest or {}).get("sources")
-    if not isinstance(sources, list):
+    if type((backend.manifest or {}).get("sources")) is not list:
         return
     defines = []
     texts = []
-    for source in sources:
-        if not isinstance(source, str):
-            continue
-        rel, problem = normalize_relpath(source)
+    for _, rel, problem in backend.sources:
         if problem or not rel.endswith(KERNEL_SUFFIXES):
             continue
         text = read_source(backend, rel)
@@ -1585,15 +1587,11 @@ def read_source(backend, rel):
 def check_sources(repo, backend):
     """S001-S005: declared sources exist inside the directory; none is missing."""
     m = backend.manifest
-    sources = m.get("sources")
-    if not isinstance(sources, list):
+    if type(m.get("sources")) is not list:
         return
     declared = {}
     real_dir = None
-    for source in sources:
-        if not isinstance(source, str) or not source:
-            continue
-        rel, problem = normalize_relpath(source)
+    for source, rel, problem in backend.sources:
         if problem:
             backend.error("S002", "source %s %s" % (describe(source), problem))
             continue
@@ -1653,7 +1651,7 @@ def check_build_script(repo, backend):
     if problem:
         backend.error("S002", "build.script %s %s" % (describe(script), problem))
         return
-    path = os.path.join(backend.dir, rel)
+    path = backend.dir + "/" + rel
     data, problem, mode = read_bytes(path)  # the mode comes with the read
     if mode is None:
         try:
@@ -1779,6 +1777,7 @@ def release(backend):
     so that a run over thousands of backends keeps little memory."""
     backend.manifest = None
     backend.files = None
+    backend.sources = ()
 
 
 def check_backend(repo, backend):
