@@ -683,11 +683,14 @@ def closed_word(word):
 
 
 def plain_word(word):
-    """Whether a blank-free piece is a word on its own wherever it ends a
-    command: closed, and with no quote, backslash, $( or separator that
-    could join it to the words before it or start another command."""
-    return not ("'" in word or "\\" in word or "$(" in word or ";" in word or "|" in word
-                or "&" in word) and closed_word(word)
+    """Whether a piece is a word on its own wherever it ends a command:
+    closed, with no blank of any kind (isprintable() is false for every
+    character str.split() splits at, but the space) and no quote,
+    backslash, $( or separator that could join it to the words before it or
+    start another command."""
+    return (word.isprintable() and " " not in word
+            and not ("'" in word or "\\" in word or "$(" in word or ";" in word or "|" in word
+                     or "&" in word) and closed_word(word))
 
 
 # Build scripts of many backends share most of their lines, and how a line

@@ -507,6 +507,7 @@ class BuildScriptTest(TreeTest):
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o \"$1/lib c.so\"\n",
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so;nvcc -arch=sm_70 -o x\n",
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so;b\n",
+                   "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so\tb\n",
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o \"$1/l.so\n"]
 
         def clear():
@@ -530,9 +531,10 @@ class BuildScriptTest(TreeTest):
         # As in the shell, a comment line ends a continued line.
         self.assertEqual(alone[scripts[9]], ((None, None), None, [[], [], [], []]))
         self.assertEqual(alone[scripts[10]][2][1], [("80", 5)])
-        self.assertEqual(alone[scripts[-5]], (("libb.so", 2), "89", [[("89", 2)], [("89", 2)], [], []]))
-        self.assertEqual(alone[scripts[-4]][0], ("lib c.so", 2))
-        self.assertEqual(alone[scripts[-3]][2][1], [("70", 2), ("89", 2)])
+        self.assertEqual(alone[scripts[-6]], (("libb.so", 2), "89", [[("89", 2)], [("89", 2)], [], []]))
+        self.assertEqual(alone[scripts[-5]][0], ("lib c.so", 2))
+        self.assertEqual(alone[scripts[-4]][2][1], [("70", 2), ("89", 2)])
+        self.assertEqual(alone[scripts[-3]][0], ("l.so", 2))
         self.assertEqual(alone[scripts[-2]][0], ("l.so", 2))
         for seed in range(5):
             order = scripts * 2
