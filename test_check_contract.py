@@ -543,6 +543,36 @@ class BuildScriptTest(TreeTest):
             for text in order:
                 self.assertEqual(answer(text), alone[text], text)
 
+    def test_generated_lines_read_alike_with_and_without_the_caches(self):
+        # Lines that share a head and differ in a last word of awkward
+        # characters (blanks other than the space, quotes, separators).
+        heads = ['nvcc -O3 -arch=sm_$cap k.cu -o', '"${NVCC:-nvcc}" "${targets[@]}" k.cu -o',
+                 'FOO=1 cc -march=$m -o', 'exec cc', 'hipcc --offload-arch', 'nvcc -gencode',
+                 'cc "a b" -o', "cc 'q' -o", 'x=1 y=2']
+        pieces = ['"', "'", "$", "{", "}", "a", "/", "2", ";", "&", "|", "\\", "(", ")", "=",
+                  "sm_90", "gfx942", "#", ":-", "\t", "\xa0", '"$out/lib.so"']
+        prelude = ("#!/bin/bash\nout=$1\ncap=${2:-89}\nm=x86-64\n"
+                   "targets=(-gencode arch=compute_80,code=sm_80)\n")
+        rng = random.Random(7)
+        texts = [prelude + rng.choice(heads) + " "
+                 + "".join(rng.choice(pieces) for _ in range(rng.randint(1, 4))) + "\n"
+                 for _ in range(400)]
+
+        def answer(text):
+            reader = check_contract.ScriptReader(text)
+            return (reader.output(), reader.default_target(), reader.arch_tokens,
+                    sorted(reader.architectures(None).items()))
+
+        warm = [answer(text) for text in texts]
+        for text, expected in zip(texts, warm):
+            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS,
+                          check_contract.SH_SEEN, check_contract.SH_HEADS,
+                          check_contract.SH_COMMAND_HEADS, check_contract.SH_TEMPLATES,
+                          check_contract.SH_LINE_CACHE, check_contract.SH_TARGETS):
+                cache.clear()
+            del check_contract.SH_SNAPSHOTS[1:]
+            self.assertEqual(answer(text), expected, text)
+
     def test_scripts_that_part_at_their_last_line_read_only_that_line(self):
         # What keeps a check of thousands of backends fast: once two
         # scripts have been read, a third that differs from them only in
