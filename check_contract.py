@@ -619,6 +619,12 @@ def strip_sh_comment(line):
     return line
 
 
+def blank_or_comment(raw):
+    """Whether a physical line holds nothing but blanks or a comment."""
+    bare = raw.lstrip()
+    return not bare or bare[0] == "#"
+
+
 def logical_step(pending, start, number, raw):
     """Add physical line `number` to the logical line being assembled
     (`pending`, begun on line `start`): (pending, start, finished), where
@@ -732,9 +738,7 @@ def parse_sh_line(line):
                 parsed.append(("run", tuple(words)))
     parsed = SH_LINE_CACHE[line] = tuple(parsed)
     if (len(parsed) == 1 and parsed[0][0] == "run" and len(parsed[0][1]) > 1
-            and parsed[0][1][-1] == last and "'" not in line and "\\" not in line
-            and "$(" not in line and ";" not in line and "|" not in line and "&" not in line
-            and plain_word(last) and all(map(closed_word, head.split()))):
+            and parsed[0][1][-1] == last and all(map(plain_word, line.split()))):
         SH_HEADS[head] = parsed[0][1][:-1]
     return parsed
 
@@ -861,8 +865,7 @@ class ScriptReader:
         for number, raw in lines:
             after = SH_STATES.get((state, number, raw))
             if after is None:
-                bare = raw.lstrip()
-                if (not bare or bare[0] == "#") and not SH_SNAPSHOTS[state][5]:
+                if blank_or_comment(raw) and not SH_SNAPSHOTS[state][5]:
                     continue
                 self.read_rest(state, number, raw, lines)
                 break
@@ -889,8 +892,7 @@ class ScriptReader:
                 key = (state, number, raw)
                 state = SH_STATES[key] = self.snapshot()
             for number, raw in lines:
-                bare = raw.lstrip()
-                if bare and bare[0] != "#" or self.pending:
+                if self.pending or not blank_or_comment(raw):
                     break
             else:
                 return

@@ -135,6 +135,16 @@ def run_main(argv, env=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+def clear_script_caches():
+    """Forget what the build-script reader has read in this process."""
+    for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS, check_contract.SH_SEEN,
+                  check_contract.SH_HEADS, check_contract.SH_COMMAND_HEADS,
+                  check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
+                  check_contract.SH_TARGETS):
+        cache.clear()
+    del check_contract.SH_SNAPSHOTS[1:]
+
+
 class TreeTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="check-contract-")
@@ -510,14 +520,6 @@ class BuildScriptTest(TreeTest):
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o $1/l.so\tb\n",
                    "#!/bin/bash\nnvcc -arch=sm_${2:-89} k.cu -o \"$1/l.so\n"]
 
-        def clear():
-            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS, check_contract.SH_SEEN,
-                          check_contract.SH_HEADS, check_contract.SH_COMMAND_HEADS,
-                          check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
-                          check_contract.SH_TARGETS):
-                cache.clear()
-            del check_contract.SH_SNAPSHOTS[1:]
-
         def answer(text):
             reader = check_contract.ScriptReader(text)
             return (reader.output(), reader.default_target(),
@@ -525,7 +527,7 @@ class BuildScriptTest(TreeTest):
 
         alone = {}
         for text in scripts:
-            clear()
+            clear_script_caches()
             alone[text] = answer(text)
         self.assertEqual(alone[scripts[6]], (("liba.so", 4), "89", [[("89", 4)], [("89", 4)], [], []]))
         # As in the shell, a comment line ends a continued line.
@@ -539,7 +541,7 @@ class BuildScriptTest(TreeTest):
         for seed in range(5):
             order = scripts * 2
             random.Random(seed).shuffle(order)
-            clear()
+            clear_script_caches()
             for text in order:
                 self.assertEqual(answer(text), alone[text], text)
 
@@ -565,20 +567,14 @@ class BuildScriptTest(TreeTest):
 
         warm = [answer(text) for text in texts]
         for text, expected in zip(texts, warm):
-            for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS,
-                          check_contract.SH_SEEN, check_contract.SH_HEADS,
-                          check_contract.SH_COMMAND_HEADS, check_contract.SH_TEMPLATES,
-                          check_contract.SH_LINE_CACHE, check_contract.SH_TARGETS):
-                cache.clear()
-            del check_contract.SH_SNAPSHOTS[1:]
+            clear_script_caches()
             self.assertEqual(answer(text), expected, text)
 
     def test_scripts_that_part_at_their_last_line_read_only_that_line(self):
         # What keeps a check of thousands of backends fast: once two
         # scripts have been read, a third that differs from them only in
         # its header comment and its last line reads that line alone.
-        check_contract.SH_STATES.clear()
-        check_contract.SH_SEEN.clear()
+        clear_script_caches()
         read = []
         real = check_contract.ScriptReader.read_physical
 
