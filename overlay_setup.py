@@ -1386,6 +1386,16 @@ def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) 
 # ---------------------------------------------------------------- commands
 
 
+def read_input(path: str, what: str, hint: str = "") -> bytes:
+    """The bytes of a file the caller names, or E102 saying why it cannot be
+    read (`what` names the argument, `hint` says what to pass instead)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise OverlayError("E102", "cannot read %s%s (%s)%s" % (what, path, exc.strerror, hint))
+
+
 def open_state(args: argparse.Namespace) -> State:
     root = args.state or os.environ.get("OVERLAY_STATE") or os.path.join(os.getcwd(), ".overlay")
     state = State(os.path.normpath(os.path.abspath(root)))
@@ -1430,12 +1440,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_add_python(args: argparse.Namespace) -> int:
     check_module_name(args.module, "MODULE")
     state = open_state(args)
-    try:
-        with open(args.file, "rb") as handle:
-            content = handle.read()
-    except OSError as exc:
-        raise OverlayError("E102", "cannot read %s (%s); pass a readable Python file"
-                           % (args.file, exc.strerror))
+    content = read_input(args.file, "", "; pass a readable Python file")
     with Locked(state, "add-python") as manifest:
         claim_owner(manifest, args.owner_pid)
         stage_python_module(state, manifest, args.module, content, None,
@@ -1550,12 +1555,7 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
     artifacts, caches, build = native_options(args)
-    try:
-        with open(args.patched, "rb") as handle:
-            patched = handle.read()
-    except OSError as exc:
-        raise OverlayError("E102", "cannot read --patched %s (%s); pass the patched file"
-                           % (args.patched, exc.strerror))
+    patched = read_input(args.patched, "--patched ", "; pass the patched file")
     if not os.path.isfile(source):
         raise OverlayError("E102", "--source %s does not exist; pass the installed file to patch "
                            "(or use `apply` with a patch that creates it)" % source)
@@ -1580,11 +1580,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.p < 0:
         raise UsageError("E109", "-p must be 0 or more")
     artifacts, caches, build = native_options(args)
-    try:
-        with open(args.patch, "rb") as handle:
-            text = handle.read().decode("utf-8", "surrogateescape")
-    except OSError as exc:
-        raise OverlayError("E102", "cannot read patch %s (%s)" % (args.patch, exc.strerror))
+    text = read_input(args.patch, "patch ").decode("utf-8", "surrogateescape")
     name = os.path.basename(args.patch)
     file_patches = parse_patch(text, args.p, name)
     natives: List[Tuple[str, Optional[bytes]]] = []
