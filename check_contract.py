@@ -57,7 +57,8 @@ Diagnostic codes (stable; never reused):
                      architecture not claimed (warning), B008 default_arch not
                      in architectures, B009 default_arch differs from the
                      script's default, B010 architecture below min_capability,
-                     B011 architecture is not a valid target for the platform
+                     B011 architecture is not a valid target for the platform,
+                     B012 script has Windows (CRLF) line ends
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -112,7 +113,7 @@ C_IF0_RE = re.compile(r"^[ \t]*#[ \t]*if[ \t]+0\b", re.M)
 C_IF0_DIRECTIVE_RE = re.compile(r"#[ \t]*if[ \t]+0\b")  # C_IF0_RE from the `#`: found much faster
 C_COND_RE = re.compile(r"[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b")
 ABI_DEFINE_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION\b(.*)$", re.M)
-ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t]*\Z")
+ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
 
 # Build scripts.
 SH_VAR_RE = re.compile(r"\$(?:\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9#@*?$!-]))")
@@ -577,6 +578,7 @@ def abi_define_lines(text):
 def find_abi_defines(text):
     """[(prefix, value or None, line, raw value)] for each ABI version macro."""
     found = []
+    line, counted = 1, 0
     for match in abi_define_lines(text):
         raw = match.group(2)
         value = ABI_VALUE_RE.match(raw)
@@ -589,7 +591,8 @@ def find_abi_defines(text):
                 number = int(digits, 8) if set(digits) <= set("01234567") else None
             else:
                 number = int(digits)
-        line = text.count("\n", 0, match.start()) + 1
+        line += text.count("\n", counted, match.start())
+        counted = match.start()
         found.append((match.group(1), number, line, raw.strip()))
     return found
 
@@ -1531,22 +1534,24 @@ def check_abi(repo, backend):
         if value is None:
             backend.error("A005", "%s defines %s_ABI_VERSION as %s, not an integer literal"
                           % (rel, prefix, describe(raw)), backend.rel(rel), line)
-    defines = [d for d in defines if d[3] is not None]
-    if not defines:
+    literal = [d for d in defines if d[3] is not None]
+    if not literal:
+        if defines:  # A005 said what is wrong with the macro there is
+            return
         level = "error" if backend.status == "validated" else "warning"
         backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
                        "add one equal to abi_version")
         return
-    values = {d[3] for d in defines}
-    backend.abi_prefix = defines[0][2].lower()
+    values = {d[3] for d in literal}
+    backend.abi_prefix = literal[0][2].lower()
     if len(values) > 1:
         places = ", ".join("%s:%d defines %s_ABI_VERSION %d" % (rel, line, prefix, value)
-                           for rel, line, prefix, value, _ in defines)
-        rel, line = defines[0][0], defines[0][1]
+                           for rel, line, prefix, value, _ in literal)
+        rel, line = literal[0][0], literal[0][1]
         backend.error("A002", "several ABI versions are defined (%s); keep exactly one" % places,
                       backend.rel(rel), line)
-    elif backend.abi_version is not None and defines[0][3] != backend.abi_version:
-        rel, line, prefix, value, _ = defines[0]
+    elif backend.abi_version is not None and literal[0][3] != backend.abi_version:
+        rel, line, prefix, value, _ = literal[0]
         backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
@@ -1578,9 +1583,18 @@ def declares(entry, symbol):
 
 
 def read_source(backend, rel):
-    """Text of a declared source, or None when it cannot be read (check_sources says why)."""
-    data = read_bytes(backend.dir + "/" + rel, backend.files.get(rel) == "file")[0]
+    """Text of a declared source, or None when it cannot be read (S005; a
+    missing one is S001, or not yet written when planned).  A source that
+    check_sources rejected (outside the directory, not a regular file) is
+    not read."""
+    path = backend.rel(rel)
+    regular = backend.files.get(rel) == "file"
+    if not regular and any(d.path == path and d.code[0] == "S" for d in backend.diagnostics):
+        return None
+    data, problem, _ = read_bytes(backend.dir + "/" + rel, regular)
     if data is None:
+        if os.path.lexists(backend.dir + "/" + rel):  # a missing one is S001, or planned
+            backend.error("S005", "source %s cannot be read: %s" % (rel, problem), path)
         return None
     text, bad_byte = decode(data)
     if bad_byte is not None:
@@ -1645,10 +1659,13 @@ def check_sources(repo, backend):
 
 
 def check_build_script(repo, backend):
-    """B001-B011: the build script, its output and the architectures it builds."""
+    """B001-B012: the build script, its output and the architectures it builds."""
     m = backend.manifest
     build = m.get("build")
-    if not isinstance(build, dict) or not isinstance(build.get("script"), str):
+    if not isinstance(build, dict):
+        return
+    check_build_targets(backend, build)
+    if not isinstance(build.get("script"), str):
         return
     script = build["script"]
     rel, problem = normalize_relpath(script)
@@ -1674,6 +1691,11 @@ def check_build_script(repo, backend):
     if data is None:
         backend.error("B001", "build script %s cannot be read: %s" % (rel, problem), rel_path)
         return
+    if b"\r\n" in data:
+        backend.error("B012", "build script %s has Windows (CRLF) line ends, which bash reads as "
+                      "part of each command; convert it (dos2unix %s), and if git converts it on "
+                      "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
+                      rel_path)
     reader = ScriptReader(decode(data)[0])
     output, line = reader.output()
     if output is None:
@@ -1698,20 +1720,26 @@ def check_build_script(repo, backend):
                                 "list" % (rel, arch), rel_path, reached[arch])
     default = backend.default_arch
     if default is not None:
-        if default not in backend.architectures:
-            backend.error("B008", "build.default_arch %s is not in build.architectures" % default,
-                          rel_path)
         script_default = reader.default_target()
         if script_default is not None and script_default != default:
             backend.error("B009", "build.default_arch is %s but %s defaults its target to %s "
                           "(${2:-%s})" % (default, rel, script_default, script_default), rel_path)
+
+
+def check_build_targets(backend, build):
+    """B008, B010: what the manifest says of its targets, whatever the script."""
+    if backend.architectures is None:
+        return
+    default = backend.default_arch
+    if default is not None and default not in backend.architectures:
+        backend.error("B008", "build.default_arch %s is not in build.architectures" % default)
     minimum = build.get("min_capability")
     if is_int(minimum):
         for arch in backend.architectures:
             number = arch_number(arch)
             if number is not None and number < minimum:
                 backend.error("B010", "architecture %s is below build.min_capability %d"
-                              % (arch, minimum), rel_path)
+                              % (arch, minimum))
 
 
 def check_status(repo, backend):
@@ -1752,8 +1780,8 @@ def check_models(repo, backend):
 # (check, runs for planned backends too)
 CHECKS = (
     (check_keys, True),
+    (check_sources, False),  # before check_abi, which does not read what this rejects
     (check_abi, True),
-    (check_sources, False),
     (check_build_script, False),
     (check_status, False),
     (check_models, False),
@@ -2588,10 +2616,24 @@ def cmd_init(args):
         build["default_arch"] = int(default) if platform == "cuda" and default.isdigit() else default
     manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": platform,
                 "status": "experimental", "abi_version": abi, "sources": sources, "build": build}
-    with open(manifest_path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=2)
-        handle.write("\n")
-    os.replace(manifest_path + ".tmp", manifest_path)
+    temporary = manifest_path + ".tmp"
+    created = False
+    try:
+        with open(temporary, "x", encoding="utf-8") as handle:  # never through a link
+            created = True
+            json.dump(manifest, handle, indent=2)
+            handle.write("\n")
+        os.replace(temporary, manifest_path)
+    except OSError as exc:
+        if isinstance(exc, FileExistsError):
+            reason = "%s is in the way; remove it" % os.path.relpath(temporary)
+        else:
+            reason = "%s (%s)" % (exc.strerror or exc, os.path.relpath(exc.filename or temporary))
+        if created:
+            os.unlink(temporary)
+        sys.stderr.write("check_contract.py: error: init: cannot write %s: %s; nothing was "
+                         "written\n" % (os.path.relpath(manifest_path), reason))
+        return 1
     sys.stdout.write("wrote %s\n" % os.path.relpath(manifest_path))
     run = run_check(repo, [platform + "/" + name])
     report_text(run, sys.stdout)
@@ -2766,6 +2808,8 @@ def with_default_command(argv):
     while index < len(argv):
         arg = argv[index]
         if arg in ("--repo-root", "--backends-dir"):
+            if index + 1 == len(argv):
+                break  # no value: the parser says so
             index += 2
         elif arg.startswith(("--repo-root=", "--backends-dir=")):
             index += 1
@@ -2780,6 +2824,9 @@ def with_default_command(argv):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):  # a name the terminal cannot show is escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         argv, command = with_default_command(argv)
         args = build_parser(command).parse_args(argv)

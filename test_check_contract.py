@@ -14,13 +14,16 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
+from unittest import mock
 
 import check_contract
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKER = os.path.join(HERE, "check_contract.py")
 SCHEMA_PATH = os.path.join(HERE, "backends", "backend.schema.json")
 
 
@@ -417,6 +420,33 @@ class SourcesTest(TreeTest):
         self.tree(demo_files(**{"backends/cpu/demo/ops.c": b"/* caf\xe9 */\nint x;\n"}))
         self.assertIssue("S006", "ops.c is not UTF-8 (first bad byte at offset 6)", "warning")
 
+    def denied(self, name):
+        """os.open refusing `name` (file permissions do not stop root)."""
+        real_open = os.open
+
+        def refusing(path, *args, **kwargs):
+            if os.fspath(path).endswith("/" + name):
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, *args, **kwargs)
+        return mock.patch("os.open", refusing)
+
+    def test_unreadable_source_is_an_error(self):
+        for status in ("experimental", "planned"):
+            with self.subTest(status=status):
+                self.tree(demo_files(demo_manifest(status=status)))
+                with self.denied("ops.c"):
+                    rc, issues = self.issues()
+                self.assertEqual(rc, 1)
+                self.assertEqual([(i["code"], i["message"], i["path"]) for i in issues],
+                                 [("S005", "source ops.c cannot be read: Permission denied",
+                                   "backends/cpu/demo/ops.c")])
+
+    def test_source_linked_outside_is_not_read(self):
+        self.tree(demo_files(demo_manifest(sources=["ops.h", "ops.c", "far.h"]),
+                             **{"elsewhere/far.h": "#define DEMO_ABI_VERSION 9\n"}))
+        os.symlink("../../../elsewhere/far.h", self.path("backends/cpu/demo/far.h"))
+        self.assertEqual(self.codes(), ["S002"])
+
 
 class AbiTest(TreeTest):
     def cs1(self, header, abi=1, status="experimental"):
@@ -477,6 +507,13 @@ class AbiTest(TreeTest):
     def test_macro_that_is_not_a_literal_is_an_error(self):
         self.tree(self.cs1("#define CS1_ABI_VERSION (MAJOR * 10)\n"))
         self.assertIssue("A005", 'ops.h defines CS1_ABI_VERSION as "(MAJOR * 10)", not an integer literal')
+        self.assertEqual(self.codes(), ["A005"])  # not also "no #define"
+
+    def test_windows_line_ends_are_read(self):
+        self.tree(self.cs1("#define CS1_ABI_VERSION 4\r\n#if 0\r\n#define CS1_ABI_VERSION 5\r\n"
+                           "#endif\r\nunsigned cs1_abi_version(void);\r\n"
+                           "const char* cs1_error_string(int);\r\n", abi=4))
+        self.assertClean()
 
     def test_missing_error_string_declaration_is_a_warning(self):
         self.tree(self.cs1("#define CS1_ABI_VERSION 1\nunsigned cs1_abi_version(void);\n"
@@ -732,6 +769,21 @@ class BuildScriptTest(TreeTest):
         self.tree(fat_files(min_capability=89))
         self.assertIssue("B010", "architecture 80 is below build.min_capability 89")
 
+    def test_target_rules_do_not_need_the_script(self):
+        for script in ("missing.sh", 42):
+            with self.subTest(script=script):
+                self.tree(fat_files(script=script, default_arch=75, min_capability=89))
+                self.assertIssue("B008", "build.default_arch 75 is not in build.architectures")
+                self.assertIssue("B010", "architecture 80 is below build.min_capability 89")
+
+    def test_windows_line_ends_in_the_script_are_an_error(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            CPU_BUILD.replace("\n", "\r\n"))}))
+        self.assertIssue("B012", "build script build.sh has Windows (CRLF) line ends, which bash "
+                         "reads as part of each command; convert it (dos2unix "
+                         "backends/cpu/demo/build.sh), and if git converts it on checkout, add "
+                         "'*.sh text eol=lf' to .gitattributes")
+
     def test_arch_form_is_checked_per_platform(self):
         manifest = demo_manifest()
         manifest["build"]["architectures"] = ["x86 64"]
@@ -943,6 +995,34 @@ class CommandLineTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.root, "init", self.path("elsewhere")])
         self.assertEqual(rc, 2)
         self.assertIn("not a backend directory; give backends/<platform>/<name>", err)
+
+    def test_init_that_cannot_write_changes_nothing(self):
+        files = demo_files()
+        del files["backends/cpu/demo/demo.backend.json"]
+        self.tree(files)
+        os.mkdir(self.path("backends/cpu/demo/demo.backend.json.tmp"))
+        before = sorted(os.listdir(self.path("backends/cpu/demo")))
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cpu/demo")])
+        self.assertEqual((rc, out), (1, ""))
+        self.assertIn("init: cannot write ", err)
+        self.assertTrue(err.endswith("demo/demo.backend.json.tmp is in the way; remove it; "
+                                     "nothing was written\n"), err)
+        self.assertEqual(sorted(os.listdir(self.path("backends/cpu/demo"))), before)
+
+    def test_option_without_its_value_is_a_usage_error(self):
+        for argv in (["--repo-root"], ["--backends-dir", "x", "--repo-root"], ["check", "--repo-root"]):
+            with self.subTest(argv=argv):
+                rc, out, err = run_main(argv)
+                self.assertEqual((rc, out), (2, ""))
+                self.assertIn("argument --repo-root: expected one argument", err)
+
+    def test_names_the_terminal_cannot_show_are_escaped(self):
+        self.tree(demo_files(**{"backends/cpu/demo/k\u00e9.cu": ""}))
+        done = subprocess.run([sys.executable, CHECKER, "--repo-root", self.root],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ, PYTHONIOENCODING="ascii"))
+        self.assertEqual((done.returncode, done.stderr), (1, b""))
+        self.assertIn(b"kernel source k\\xe9.cu is not declared", done.stdout)
 
     def test_version_and_help(self):
         rc, out, err = run_main(["--version"])
