@@ -35,7 +35,8 @@ Exit codes:
 
 Diagnostic codes (stable; never reused):
     D  discovery     D001 kernel sources but no manifest, D002 manifest under a
-                     wrong file name, D003 unknown platform directory (warning)
+                     wrong file name, D003 unknown platform directory (warning),
+                     D004 directory cannot be listed
     J  manifest file J001 invalid JSON, J002 duplicate key, J003 top level is
                      not an object, J004 manifest cannot be read
     M  manifest keys M001 required key missing, M002 wrong type or value,
@@ -76,6 +77,7 @@ Diagnostic codes (stable; never reused):
 import argparse
 import json
 import os
+import posixpath
 import re
 import stat
 import sys
@@ -252,6 +254,7 @@ class Repository:
         self.root = root
         self.backends_dir = backends_dir.strip("/") or "."
         self.backends_path = os.path.join(root, self.backends_dir)
+        self.unlisted = []  # D004 findings of candidate_dirs()
         self._git_index = False
         self._git_listing = None
 
@@ -309,13 +312,13 @@ class GitListing:
         cannot be run."""
         self.pid = None
         self.chunks = []
-        top = os.path.abspath(root)
+        real_root = top = os.path.realpath(root)  # git names paths from the real work tree
         while not os.path.exists(os.path.join(top, ".git")):
             parent = os.path.dirname(top)
             if parent == top:
                 return
             top = parent
-        prefix = os.path.relpath(os.path.abspath(root), top).replace(os.sep, "/")
+        prefix = os.path.relpath(real_root, top).replace(os.sep, "/")
         self.prefix = "" if prefix == "." else prefix + "/"
         # posix_spawn and a pipe rather than the subprocess module, whose
         # import alone costs more than checking a hundred backends.
@@ -435,12 +438,13 @@ def read_text(path, regular=False):
     return text, None, bad_byte
 
 
-def walk_files(top):
+def walk_files(top, unlisted=None):
     """Map every entry below `top` (relative POSIX path) to its kind.
 
     Kinds: "file" (regular file), "link" (symbolic link, never followed, so a
     link loop cannot trap the walk), "other".  Directories are descended
-    into, except hidden ones and __pycache__.
+    into, except hidden ones and __pycache__.  A directory that cannot be
+    listed is added to `unlisted` as (relative path, reason).
     """
     files = {}
     pending = [("", top)]
@@ -448,7 +452,9 @@ def walk_files(top):
         prefix, path = pending.pop()
         try:
             entries = os.scandir(path)
-        except OSError:
+        except OSError as exc:
+            if unlisted is not None:
+                unlisted.append((prefix.rstrip("/"), exc.strerror or str(exc)))
             continue
         with entries:
             for entry in entries:
@@ -1133,7 +1139,9 @@ def discover(repo):
     """(backends, diagnostics): every backend directory with a manifest, and the
     findings about directories that should have one."""
     backends, diagnostics = [], []
-    for platform, candidates in candidate_dirs(repo):
+    groups = candidate_dirs(repo)
+    diagnostics.extend(repo.unlisted)
+    for platform, candidates in groups:
         found = [classify(backend) for backend in candidates]
         if not add_platform(repo, platform, found, diagnostics):
             continue
@@ -1146,11 +1154,17 @@ def discover(repo):
 
 def candidate_dirs(repo):
     """[(platform, [Backend])]: every directory below a platform directory,
-    sorted, not yet walked."""
+    sorted, not yet walked.  The directories that cannot be listed are in
+    repo.unlisted afterwards."""
     groups = []
+    repo.unlisted = []
     try:
         top_entries = sorted(os.scandir(repo.backends_path), key=lambda e: e.name)
-    except OSError:
+    except FileNotFoundError:  # no backends yet
+        return groups
+    except OSError as exc:
+        repo.unlisted.append(unlisted_directory(repo.backends_dir, repo.backends_dir,
+                                                exc.strerror or str(exc)))
         return groups
     for platform_entry in top_entries:
         if platform_entry.name.startswith(".") or platform_entry.name in SKIPPED_DIRS:
@@ -1161,7 +1175,9 @@ def candidate_dirs(repo):
         try:
             children = sorted((e for e in os.scandir(platform_entry.path) if _is_dir(e)),
                               key=lambda e: e.name)
-        except OSError:
+        except OSError as exc:
+            repo.unlisted.append(unlisted_directory(
+                platform, repo.backends_dir + "/" + platform, exc.strerror or str(exc)))
             continue
         candidates = []
         for child in children:
@@ -1176,11 +1192,16 @@ def candidate_dirs(repo):
 def classify(backend):
     """Walk a candidate directory: (whether it is a backend, whether it has a
     manifest or kernel sources at all, its discovery findings)."""
-    backend.files = files = walk_files(backend.dir)
+    unlisted = []
+    backend.files = files = walk_files(backend.dir, unlisted)
     manifest_name = backend.name + MANIFEST_SUFFIX
     has_manifest = manifest_name in files
     relevant = has_manifest or any(p.endswith(KERNEL_SUFFIXES) for p in files)
     diagnostics = []
+    for rel, reason in unlisted:
+        relevant = True
+        diagnostics.append(unlisted_directory(
+            backend.key, backend.rel(rel) if rel else backend.rel_dir, reason))
     stray = [p for p in files
              if p.endswith(MANIFEST_SUFFIX) and "/" not in p and p != manifest_name]
     for name in stray:
@@ -1197,6 +1218,12 @@ def classify(backend):
             "has kernel sources (%s) but no %s manifest"
             % (", ".join(kernels[:3]), manifest_name)))
     return False, relevant, diagnostics
+
+
+def unlisted_directory(key, rel_dir, reason):
+    return Diagnostic("error", "D004", key, rel_dir, None,
+                      "cannot list directory %s: %s; the check cannot see what it holds (make it "
+                      "readable, or move it out of the backends directory)" % (rel_dir, reason))
 
 
 def add_platform(repo, platform, found, diagnostics):
@@ -2008,7 +2035,7 @@ def check_in_parallel(repo):
                 answers.update(marshal.loads(data))
         except (ValueError, EOFError, TypeError):
             pass
-    backends, loose = [], []
+    backends, loose = [], list(repo.unlisted)
     at = 0
     for platform, group in groups:
         given = []
@@ -2514,7 +2541,19 @@ def repository(args):
     root = args.repo_root
     if not os.path.isdir(root):
         raise UsageError("--repo-root %s: no such directory; give the repository root" % root)
-    return Repository(root, args.backends_dir)
+    given = args.backends_dir
+    relative = posixpath.normpath(given.replace(os.sep, "/")) if given else ""
+    if not given or os.path.isabs(given) or relative == ".." or relative.startswith("../"):
+        raise UsageError("--backends-dir %s: give a directory relative to the repository root "
+                         "and inside it (default: backends)" % (given or '""'))
+    repo = Repository(root, relative)
+    # A repository without backends/ yet has no backends; a directory named
+    # on purpose that is not there is a mistake.
+    if not os.path.isdir(repo.backends_path) and (
+            relative != "backends" or os.path.lexists(repo.backends_path)):
+        raise UsageError("--backends-dir %s: not a directory under %s; give the directory that "
+                         "holds <platform>/<name>/ (default: backends)" % (given, root))
+    return repo
 
 
 def cmd_check(args):

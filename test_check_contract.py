@@ -236,6 +236,34 @@ class DiscoveryTest(TreeTest):
         self.assertIn("checked cpu/demo: status=validated abi=1\n", out)
         self.assertEqual(self.check()[1], "0 backend(s), 0 error(s), 0 warning(s)\n")
 
+    def test_backends_dir_that_is_not_there_is_a_usage_error(self):
+        self.tree(demo_files(**{"README.md": "x\n"}))
+        for given, problem in (("typo", "not a directory under"), ("README.md", "not a directory under"),
+                               ("/etc", "give a directory relative to the repository root"),
+                               ("../backends", "give a directory relative to the repository root")):
+            with self.subTest(given=given):
+                rc, out, err = self.check("--backends-dir", given)
+                self.assertEqual((rc, out), (2, ""))
+                self.assertIn("--backends-dir %s: %s" % (given, problem), err)
+
+    def test_directory_that_cannot_be_listed_is_an_error(self):
+        real_scandir = os.scandir
+        for rel, key in (("backends", "backends"), ("backends/cpu", "cpu"),
+                         ("backends/cpu/demo", "cpu/demo"), ("backends/cpu/demo/sub", "cpu/demo")):
+            with self.subTest(rel=rel):
+                self.tree(demo_files(**{"backends/cpu/demo/sub/x.txt": ""}))
+                blocked = self.path(rel)
+
+                def scandir(path="."):
+                    if os.fspath(path).rstrip("/") == blocked:
+                        raise PermissionError(13, "Permission denied", path)
+                    return real_scandir(path)
+                with mock.patch("os.scandir", scandir):
+                    rc, out, err = self.check()
+                self.assertEqual(rc, 1)
+                self.assertIn("[error] %s: cannot list directory %s: Permission denied; the check "
+                              "cannot see what it holds" % (key, rel), out)
+
 
 class ManifestFileTest(TreeTest):
     def test_invalid_json_gives_line_and_column(self):
@@ -697,6 +725,21 @@ class BuildScriptTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.path("sub")])
         self.assertIn("[error] cpu/demo: build script build.sh has mode 100644 in the git index; run: "
                       "git update-index --chmod=+x backends/cpu/demo/build.sh\n", out)
+
+    def test_git_index_is_read_however_the_root_is_spelt(self):
+        self.tree({"sub/" + path: content for path, content in demo_files().items()})
+        self.git("init", "-q")
+        self.git("-c", "core.fileMode=false", "add", ".")
+        self.git("update-index", "--chmod=-x", "sub/backends/cpu/demo/build.sh")
+        link = self.root + "-link"  # outside the work tree, to a root below its top
+        os.symlink(self.path("sub"), link)
+        self.addCleanup(os.unlink, link)
+        sub = self.path("sub")
+        for argv in (["--repo-root", link], ["--repo-root", sub, "--backends-dir", "./backends"],
+                     ["--repo-root", sub, "--backends-dir", "backends/"]):
+            with self.subTest(argv=argv):
+                rc, out, err = run_main(argv)
+                self.assertIn("build script build.sh has mode 100644 in the git index", out)
 
     def test_untracked_build_script_has_no_index_mode(self):
         self.tree(demo_files())
