@@ -150,6 +150,12 @@ CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
 DIGITS_RE = re.compile(r"[0-9]+")
 UNRESOLVED = "\x01"
 OUT_DIR = "\x02"
+# A script is read, never run, but a few lines can still double a value
+# (v+=$v) until it fills the memory: a value or array longer than this is
+# taken as unresolved, and a logical line longer than this (or joined from
+# more physical lines than SH_MAX_LINES) is cut there.
+SH_MAX_CHARS = 1 << 16
+SH_MAX_LINES = 4096
 
 HELP_EXAMPLES = """\
 examples:
@@ -651,10 +657,13 @@ def logical_step(pending, start, number, raw):
         if "=(" not in line and not line.endswith("\\"):  # a line of its own
             return "", 0, (number, line.lstrip())
         start = number
-    if line.endswith("\\"):
+    cut = len(pending) > SH_MAX_CHARS or number - start >= SH_MAX_LINES
+    if cut:  # joining on would take time quadratic in the length
+        line = line[:-1] if line.endswith("\\") else line
+    elif line.endswith("\\"):
         return pending + line[:-1] + " ", start, None
     pending += line
-    if "=(" in pending and paren_depth(pending) > 0:
+    if not cut and "=(" in pending and paren_depth(pending) > 0:
         return pending + " ", start, None
     pending = pending.strip()
     return "", 0, ((start, pending) if pending else None)
@@ -1093,7 +1102,10 @@ class ScriptReader:
             items = self.expand_words(words)
             if any(UNRESOLVED in item for item in items) and (name in self.arrays or name in self.vars):
                 return
-            self.arrays[name] = (self.arrays.get(name, []) + items) if append else items
+            items = (self.arrays.get(name, []) + items) if append else items
+            if sum(map(len, items)) > SH_MAX_CHARS:
+                items = [UNRESOLVED]
+            self.arrays[name] = items
             self.vars.pop(name, None)
             return
         text = self.expand(value)
@@ -1101,7 +1113,7 @@ class ScriptReader:
             return
         if append and self.vars.get(name) is not None:
             text = self.vars[name] + text
-        self.vars[name] = text
+        self.vars[name] = text if len(text) <= SH_MAX_CHARS else UNRESOLVED
         self.arrays.pop(name, None)
 
     # -- results

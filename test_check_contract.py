@@ -514,6 +514,13 @@ class AbiTest(TreeTest):
                                   "(line 3); make them equal")
         self.assertEqual([i["code"] for i in issues], ["A001"])
 
+    def test_several_values_in_one_file_name_their_lines(self):
+        self.tree(self.cs1("// one\n#define CS1_ABI_VERSION 1\n\n#define CS1_ABI_VERSION 2\n/* x\n*/\n"
+                           "#define CS1_ABI_VERSION 3\n"))
+        self.assertIssue("A002", "several ABI versions are defined (ops.h:2 defines CS1_ABI_VERSION 1, "
+                         "ops.h:4 defines CS1_ABI_VERSION 2, ops.h:7 defines CS1_ABI_VERSION 3); "
+                         "keep exactly one")
+
     def test_several_values_are_one_error(self):
         files = self.cs1("#define CS1_ABI_VERSION 1\nunsigned cs1_abi_version(void);\n"
                          "const char* cs1_error_string(int);\n")
@@ -677,6 +684,34 @@ class BuildScriptTest(TreeTest):
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
         self.assertEqual(found, [("cuda/b", "B006", None), ("cuda/b", "B007", 4)])
+
+    def test_values_that_keep_doubling_are_given_up(self):
+        # Read, not run: v+=$v forty times would be a value of 2**41 characters.
+        clear_script_caches()
+        for doubling in ('v=ab\n' + 'v+=$v\n' * 40, 'a=(x y)\n' + 'a=("${a[@]}" "${a[@]}")\n' * 40,
+                         'v0=ab\n' + ''.join('v%d=$v%d$v%d\n' % (i + 1, i, i) for i in range(40))):
+            with self.subTest(script=doubling[:12]):
+                reader = check_contract.ScriptReader(
+                    doubling + 'cc -march=x86-64 -o "$1/libdemo.so" -DV="$v" "${a[@]}"\n')
+                self.assertEqual(reader.output()[0], "libdemo.so")
+                self.assertLessEqual(max(len(v) for v in reader.vars.values()),
+                                     check_contract.SH_MAX_CHARS)
+                self.assertLessEqual(max([sum(map(len, a)) for a in reader.arrays.values()] or [0]),
+                                     check_contract.SH_MAX_CHARS)
+        few = check_contract.ScriptReader("v=ab\n" + "v+=$v\n" * 5)
+        self.assertEqual(few.vars["v"], "ab" * 32)
+
+    def test_overlong_continued_lines_are_cut(self):
+        clear_script_caches()
+        command = 'cc -march=x86-64 -o "$1/libdemo.so" \\\n'
+        reader = check_contract.ScriptReader(command + "  -O2 \\\n" * 100 + "  k.c\n")
+        self.assertEqual(reader.output()[0], "libdemo.so")
+        reader = check_contract.ScriptReader("cc -O2 \\\n" * 5000 + '-march=x86-64 -o "$1/libdemo.so"\n')
+        self.assertEqual(reader.output(), ("libdemo.so", 4098))  # a second logical line from 4098
+        array = check_contract.ScriptReader("a=(\n" + "x.cu\n" * 100 + ")\n")
+        self.assertEqual(len(array.arrays["a"]), 100)
+        array = check_contract.ScriptReader("a=(\n" + "x.cu\n" * 5000 + ")\n")
+        self.assertNotIn("a", array.arrays)  # cut before its ")": no array
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
