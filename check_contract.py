@@ -1299,12 +1299,21 @@ def load(backend):
         backend.error("J004", "%s is not UTF-8 (first bad byte at offset %d); save it as UTF-8"
                       % (backend.name + MANIFEST_SUFFIX, bad_byte), rel)
         return
+    if text.startswith("\ufeff"):
+        backend.error("J001", "%s starts with a byte-order mark, which JSON does not allow; save "
+                      "it as UTF-8 without one" % (backend.name + MANIFEST_SUFFIX), rel, 1)
+        return
     duplicates = MANIFEST_DECODER.duplicates
     del duplicates[:]
     try:
         manifest = MANIFEST_DECODER.decode(text)
     except ValueError as exc:
         line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
+        if line is None:  # valid JSON, but a number with more digits than int() reads
+            backend.error("J001", "a number in %s is too long to read (%s); no manifest value "
+                          "needs that many digits" % (backend.name + MANIFEST_SUFFIX,
+                                                      str(exc).split(":")[0].lower()), rel)
+            return
         message = getattr(exc, "msg", str(exc))
         backend.error("J001", "invalid JSON at line %s, column %s: %s" % (line, column, message),
                       rel, line)
@@ -1480,9 +1489,13 @@ def check_keys(repo, backend):
             check_build_keys(backend, build, bad, unknown, rel)
     if "models" in m:
         models = m["models"]
-        if not isinstance(models, list) or not all(
-                isinstance(x, str) and x.endswith("/") and x != "/" for x in models):
+        if not isinstance(models, list):
             bad("models", "a list of repository-relative directories ending in /", models)
+        else:
+            for index, model in enumerate(models):
+                if not is_model_dir(model):
+                    bad("models[%d]" % index, "a directory relative to the repository root, "
+                        "inside it, ending in /", model)
     if "numerics" in m:
         check_numerics_keys(backend, m["numerics"], bad, unknown)
     if "reference" in m:
@@ -1798,22 +1811,27 @@ def check_status(repo, backend):
         if backend.status == "validated":
             backend.error("T002", "status is validated but reference.entrypoint is not given")
         return
-    rel, problem = normalize_relpath(entry)
-    if problem or not os.path.isfile(os.path.join(repo.root, rel)):
+    if entry.startswith("/") or ".." in entry.split("/"):
+        backend.report(level, "T002", "reference.entrypoint %s must be relative to the repository "
+                       "root, and inside it" % describe(entry))
+    elif not os.path.isfile(os.path.join(repo.root, entry)):
         backend.report(level, "T002", "reference.entrypoint %s does not exist (it is relative to "
                        "the repository root)" % describe(entry))
 
 
+def is_model_dir(model):
+    return (isinstance(model, str) and model.endswith("/") and not model.startswith("/")
+            and ".." not in model.split("/") and model.strip("/.") != "")
+
+
 def check_models(repo, backend):
-    """O001: listed model directories exist."""
+    """O001: listed model directories exist (check_keys refuses the others)."""
     models = backend.manifest.get("models")
     if not isinstance(models, list):
         return
     for model in models:
-        if isinstance(model, str) and model.endswith("/"):
-            rel, problem = normalize_relpath(model)
-            if problem or not os.path.isdir(os.path.join(repo.root, rel)):
-                backend.warning("O001", "models lists %s, which does not exist" % describe(model))
+        if is_model_dir(model) and not os.path.isdir(os.path.join(repo.root, model)):
+            backend.warning("O001", "models lists %s, which does not exist" % describe(model))
 
 
 # (check, runs for planned backends too)
@@ -1838,7 +1856,7 @@ def check_index_modes(repo, backends):
     for backend in scripts:
         path = backend.index_path
         mode = index.mode(path)
-        if mode is not None and mode != "100755":
+        if mode is not None and mode not in ("100755", "120000"):  # a link runs its target
             rel = path[len(backend.rel_dir) + 1:]
             backend.error("B003", "build script %s has mode %s in the git index; run: "
                           "git update-index --chmod=+x %s" % (rel, mode, path), path)

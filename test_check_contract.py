@@ -272,6 +272,22 @@ class ManifestFileTest(TreeTest):
         self.assertEqual(issues[0]["line"], 3)
         self.assertEqual(issues[0]["path"], "backends/cpu/demo/demo.backend.json")
 
+    def test_byte_order_mark_is_named(self):
+        text = "\ufeff" + json.dumps(demo_manifest())
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": text.encode("utf-8")}))
+        self.assertIssue("J001", "demo.backend.json starts with a byte-order mark, which JSON does "
+                         "not allow; save it as UTF-8 without one")
+
+    @unittest.skipUnless(hasattr(sys, "get_int_max_str_digits"), "this Python reads any number")
+    def test_number_too_long_to_read_is_named(self):
+        text = json.dumps(demo_manifest()).replace('"abi_version": 1', '"abi_version": 1' + "0" * 5000)
+        self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": text}))
+        rc, issues = self.issues()
+        self.assertEqual([i["code"] for i in issues], ["J001"])
+        self.assertRegex(issues[0]["message"], r"^a number in demo.backend.json is too long to read "
+                         r"\(exceeds the limit \(\d+ digits\) for integer string conversion\); "
+                         r"no manifest value needs that many digits$")
+
     def test_duplicate_keys_are_errors(self):
         text = json.dumps(demo_manifest())[:-1] + ', "status": "planned"}'
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": text}))
@@ -776,6 +792,15 @@ class BuildScriptTest(TreeTest):
                 rc, out, err = run_main(argv)
                 self.assertIn("build script build.sh has mode 100644 in the git index", out)
 
+    def test_build_script_tracked_as_a_link_runs_its_target(self):
+        files = demo_files()
+        files["backends/cpu/demo/real.sh"] = files.pop("backends/cpu/demo/build.sh")
+        self.tree(files)
+        os.symlink("real.sh", self.path("backends/cpu/demo/build.sh"))
+        self.git("init", "-q")
+        self.git("add", ".")
+        self.assertClean()
+
     def test_untracked_build_script_has_no_index_mode(self):
         self.tree(demo_files())
         self.git("init", "-q")
@@ -944,6 +969,13 @@ class StatusTest(TreeTest):
         self.assertIssue("T002", 'reference.entrypoint "backends/cpu/demo/parity.py" does not exist '
                          "(it is relative to the repository root)", "warning")
 
+    def test_entrypoint_outside_the_repository_is_named(self):
+        for entry in ("/etc/hostname", "../outside.py", "backends/../../x.py"):
+            with self.subTest(entry=entry):
+                self.tree(demo_files(demo_manifest(reference={"entrypoint": entry})))
+                self.assertIssue("T002", "reference.entrypoint %s must be relative to the repository "
+                                 "root, and inside it" % json.dumps(entry))
+
     def test_missing_model_dir_is_a_warning(self):
         self.tree(demo_files(demo_manifest(models=["models/qwen/", "models/llama/"]),
                              **{"models/qwen/config.json": "{}"}))
@@ -951,6 +983,18 @@ class StatusTest(TreeTest):
         self.assertEqual(rc, 0)
         self.assertEqual([(i["level"], i["code"], i["message"]) for i in issues],
                          [("warning", "O001", 'models lists "models/llama/", which does not exist')])
+
+    def test_each_bad_model_entry_is_named(self):
+        self.tree(demo_files(demo_manifest(models=["models/qwen/", "models/llama", "/etc/", "../",
+                                                   "models/../../x/"]),
+                             **{"models/qwen/config.json": "{}"}))
+        rc, issues = self.issues()
+        self.assertEqual(rc, 1)
+        expected = "a directory relative to the repository root, inside it, ending in /"
+        self.assertEqual([i["message"] for i in issues],
+                         ['"models[%d]" must be %s, not %s' % (index, expected, json.dumps(value))
+                          for index, value in ((1, "models/llama"), (2, "/etc/"), (3, "../"),
+                                               (4, "models/../../x/"))])
 
 
 class CommandLineTest(TreeTest):
