@@ -1214,8 +1214,10 @@ def classify(backend):
         relevant = True
         diagnostics.append(unlisted_directory(
             backend.key, backend.rel(rel) if rel else backend.rel_dir, reason))
-    stray = [p for p in files
-             if p.endswith(MANIFEST_SUFFIX) and "/" not in p and p != manifest_name]
+    # A manifest under another name: <other>.backend.json, or the likely
+    # slips backend.json and <name>.json.
+    stray = [p for p in files if "/" not in p and p != manifest_name and (
+        p.endswith(MANIFEST_SUFFIX) or p in ("backend.json", backend.name + ".json"))]
     for name in stray:
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
@@ -2589,6 +2591,8 @@ def repository(args):
 def cmd_check(args):
     repo = repository(args)
     run = run_check(repo, args.names, parallel=True)
+    if args.json and args.format not in (None, "json"):
+        raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
     fmt = "json" if args.json else args.format
     if fmt is None:
         fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"

@@ -212,6 +212,14 @@ class DiscoveryTest(TreeTest):
         self.assertIssue("D002", "manifest manifest.backend.json is never discovered: the manifest "
                          "of directory demo must be named demo.backend.json")
 
+    def test_likely_manifest_names_are_never_discovered_either(self):
+        self.tree({"backends/cpu/demo/backend.json": demo_manifest(), "backends/cpu/demo/ops.c": "",
+                   "backends/cpu/demo/demo.json": demo_manifest(), "backends/cpu/demo/config.json": "{}"})
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["message"]) for i in issues], [
+            ("D002", "manifest %s is never discovered: the manifest of directory demo must be named "
+             "demo.backend.json" % name) for name in ("backend.json", "demo.json")])
+
     def test_unknown_platform_gets_a_warning_and_the_independent_checks(self):
         files = {p.replace("backends/cpu/", "backends/metal/"): c for p, c in demo_files().items()}
         files["backends/metal/demo/demo.backend.json"] = demo_manifest(platform="metal")
@@ -1041,6 +1049,13 @@ class CommandLineTest(TreeTest):
                         "path": "backends/cpu/demo/x.c", "line": None,
                         "message": "kernel source x.c is not declared in sources; add it, or list it "
                                    "in excluded if it is not part of the library"}]})
+
+    def test_json_with_another_format_is_a_usage_error(self):
+        self.tree(demo_files())
+        self.assertEqual(self.check("--json", "--format", "github"),
+                         (2, "", "check_contract.py: error: --json and --format github ask for two "
+                                 "formats; give one\n"))
+        self.assertEqual(self.check("--json", "--format", "json")[0], 0)
 
     def test_github_format_is_the_default_on_github_actions(self):
         self.tree(demo_files(demo_manifest(abi_version=3)))
