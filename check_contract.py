@@ -1216,8 +1216,9 @@ def classify(backend):
             backend.key, backend.rel(rel) if rel else backend.rel_dir, reason))
     # A manifest under another name: <other>.backend.json, or the likely
     # slips backend.json and <name>.json.
-    stray = [p for p in files if "/" not in p and p != manifest_name and (
-        p.endswith(MANIFEST_SUFFIX) or p in ("backend.json", backend.name + ".json"))]
+    slips = ("backend.json", backend.name + ".json")
+    stray = [p for p in files if p != manifest_name and (
+        p.endswith(MANIFEST_SUFFIX) and "/" not in p or p in slips)]
     for name in stray:
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
