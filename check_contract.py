@@ -1313,9 +1313,9 @@ def load(backend):
     except ValueError as exc:
         line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
         if line is None:  # valid JSON, but a number with more digits than int() reads
-            backend.error("J001", "a number in %s is too long to read (%s); no manifest value "
-                          "needs that many digits" % (backend.name + MANIFEST_SUFFIX,
-                                                      str(exc).split(":")[0].lower()), rel)
+            backend.error("J001", "a number in %s has more than %d digits, too many to read; no "
+                          "manifest value needs that many" % (backend.name + MANIFEST_SUFFIX,
+                                                              sys.get_int_max_str_digits()), rel)
             return
         message = getattr(exc, "msg", str(exc))
         backend.error("J001", "invalid JSON at line %s, column %s: %s" % (line, column, message),
