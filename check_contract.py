@@ -1751,11 +1751,13 @@ def check_build_script(repo, backend):
                       "part of each command; convert it (dos2unix %s), and if git converts it on "
                       "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
                       rel_path)
-    reader = ScriptReader(decode(data)[0])
+    text = decode(data)[0]
+    reader = ScriptReader(text)
     output, line = reader.output()
     if output is None:
         backend.error("B005", "build script %s has no compiler command with -o; the script must "
-                      "write build.output into its <output-dir> argument" % rel, rel_path)
+                      "write build.output into its <output-dir> argument%s"
+                      % (rel, unread_constructs(rel, text)), rel_path)
     elif backend.output is not None and output != backend.output:
         backend.error("B004", "build script %s writes %s but build.output is %s"
                       % (rel, describe(output.replace(UNRESOLVED, "$?")), describe(backend.output)),
@@ -1765,10 +1767,13 @@ def check_build_script(repo, backend):
     platform = backend.platform if backend.platform in PLATFORMS else None
     reached = reader.architectures(platform)
     if output is not None and reached.keys() != set(backend.architectures):
+        unread = None
         for arch in backend.architectures:
             if arch not in reached:
+                if unread is None:
+                    unread = unread_constructs(rel, text)
                 backend.error("B006", "build.architectures lists %s but the default invocation "
-                              "of %s does not build it" % (arch, rel), rel_path)
+                              "of %s does not build it%s" % (arch, rel, unread), rel_path)
         for arch in sorted(reached):
             if arch not in backend.architectures:
                 backend.warning("B007", "%s also builds %s, which build.architectures does not "
@@ -1779,6 +1784,20 @@ def check_build_script(repo, backend):
         if script_default is not None and script_default != default:
             backend.error("B009", "build.default_arch is %s but %s defaults its target to %s "
                           "(${2:-%s})" % (default, rel, script_default, script_default), rel_path)
+
+
+def unread_constructs(rel, text):
+    """For a message that the script reader found nothing: the shell
+    constructs it does not follow that the script uses, if any."""
+    found = []
+    for name, pattern in (("a for or while loop", r"^[ \t]*(?:for|while|until)[ \t]"),
+                          ("a case statement", r"^[ \t]*case[ \t]"),
+                          ("a shell function", r"^[ \t]*(?:function[ \t]+\w+|\w+[ \t]*\(\)[ \t]*(?:\{|$))")):
+        if re.search(pattern, text, re.M):
+            found.append(name)
+    if not found:
+        return ""
+    return " (note: %s uses %s, which the checker does not follow)" % (rel, " and ".join(found))
 
 
 def check_build_targets(backend, build):

@@ -737,6 +737,20 @@ class BuildScriptTest(TreeTest):
         array = check_contract.ScriptReader("a=(\n" + "x.cu\n" * 5000 + ")\n")
         self.assertNotIn("a", array.arrays)  # cut before its ")": no array
 
+    def test_constructs_the_reader_does_not_follow_are_named(self):
+        self.tree(fat_files())
+        write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
+            '#!/bin/bash\nflags=()\nfor a in 80 89 90; do\n  flags+=(-gencode arch=compute_$a,code=sm_$a)\n'
+            'done\ncase "$2" in\n  *) ;;\nesac\nnvcc "${flags[@]}" -o "$1/libfat.so" ops.cu\n')})
+        self.assertIssue("B006", "build.architectures lists 80 but the default invocation of build.sh "
+                         "does not build it (note: build.sh uses a for or while loop and a case "
+                         "statement, which the checker does not follow)")
+        write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
+            '#!/bin/bash\nbuild() {\n  nvcc -arch=sm_$1 k.cu\n}\nbuild 90\n')})
+        self.assertIssue("B005", "build script build.sh has no compiler command with -o; the script "
+                         "must write build.output into its <output-dir> argument (note: build.sh "
+                         "uses a shell function, which the checker does not follow)")
+
     def test_missing_script_is_an_error(self):
         files = demo_files()
         del files["backends/cpu/demo/build.sh"]
