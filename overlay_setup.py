@@ -933,7 +933,10 @@ def snapshot_cache(cache: str, archive: str) -> None:
                 path = os.path.join(directory, name) if name else directory
                 arcname = os.path.relpath(path, cache)
                 info = tar.gettarinfo(path, arcname)
-                if info is None:
+                # gettarinfo refuses only sockets; a fifo or device would be
+                # archived, and then refused at revert (checked_members).
+                if info is None or not (info.isreg() or info.isdir() or info.issym()
+                                        or info.islnk()):
                     raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
                                        "directory nor a symlink; clear it before the overlay"
                                        % (cache, path))

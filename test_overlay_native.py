@@ -92,6 +92,8 @@ def tree_state(root: str) -> dict:
                 found[relative] = ("link", None, None, st.st_mtime_ns, os.readlink(path))
             elif stat.S_ISDIR(st.st_mode):
                 found[relative] = ("dir", None, stat.S_IMODE(st.st_mode), st.st_mtime_ns, None)
+            elif not stat.S_ISREG(st.st_mode):  # a fifo would block a read
+                found[relative] = ("special", None, stat.S_IMODE(st.st_mode), st.st_mtime_ns, None)
             else:
                 with open(path, "rb") as handle:
                     digest = hashlib.sha256(handle.read()).hexdigest()
@@ -1078,6 +1080,20 @@ class TarSnapshotTest(OverlayTestCase):
     def test_cache_on_another_filesystem_round_trips_through_tar(self) -> None:
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.cache), self.before)
+
+    def test_cache_holding_a_fifo_is_refused_before_anything_changes(self) -> None:
+        self.assertOk(self.tool("revert"))
+        os.mkfifo(os.path.join(self.cache, "pipe"))
+        before = (tree_state(self.proj), tree_state(self.cache))
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                 "--patched", os.path.join(self.proj, "fast.c"),
+                                 "--invalidate-cache", self.cache, "--no-build")
+        self.assertNotEqual(rc, 0)
+        self.assertEqual(err, "overlay_setup: E106 cache %s holds %s, which is neither a file, a "
+                              "directory nor a symlink; clear it before the overlay\n"
+                              % (self.cache, os.path.join(self.cache, "pipe")))
+        self.assertEqual((tree_state(self.proj), tree_state(self.cache)), before)
+        self.assertOk(self.tool("revert"))
 
     def test_member_with_dotdot_is_refused(self) -> None:
         self.plant((".", tarfile.DIRTYPE, ""), ("../escaped", tarfile.REGTYPE, ""))
