@@ -76,7 +76,7 @@ import sys
 import tarfile
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 VERSION = "1.0.0"
 FORMAT_VERSION = 1
@@ -1177,13 +1177,74 @@ def write_prebuild_scan(state: State, entry: dict) -> None:
         os.fsync(handle.fileno())
 
 
-def stream_build(command: str, cwd: str, timeout: Optional[float]) -> Tuple[Optional[int], float]:
+def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) -> None:
+    """SIGTERM the process group, then SIGKILL it if it is still there after
+    2 s: its leader `process` when given (our child), else any member."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        if process is not None:
+            try:
+                process.wait(2)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.05)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process other than a zombie is in the process group (from
+    /proc where there is one: a zombie nobody reaped still counts for kill)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        names = None
+    if names is None or not os.path.exists("/proc/self/stat"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as handle:
+                text = handle.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def stream_build(command: str, cwd: str, timeout: Optional[float],
+                 started: Callable[[int], None]) -> Tuple[Optional[int], float]:
     """Run the caller's build command, streaming its output with the elapsed time.
-    Returns (exit status or None on timeout, seconds)."""
+    Returns (exit status or None on timeout, seconds).  `started` gets the pid
+    of the build (the leader of its own process group) once it runs.  If this
+    process is interrupted, the build is stopped with it."""
     start = time.monotonic()
     process = subprocess.Popen(command, shell=True, cwd=cwd, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
+    try:
+        started(process.pid)
+        return follow_build(process, start, timeout)
+    except BaseException:
+        stop_process_group(process.pid, process)
+        raise
+
+
+def follow_build(process: subprocess.Popen, start: float,
+                 timeout: Optional[float]) -> Tuple[Optional[int], float]:
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     pending = b""
@@ -1208,16 +1269,7 @@ def stream_build(command: str, cwd: str, timeout: Optional[float]) -> Tuple[Opti
               flush=True)
     selector.close()
     if timed_out:
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(process.pid, signum)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(2)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_process_group(process.pid, process)
         process.wait()
         process.stdout.close()
         return None, time.monotonic() - start
@@ -1230,7 +1282,16 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     build = entry["build"]
     mutation_point()
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
-    status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"))
+
+    def started(pid: int) -> None:  # so that a revert after a crash can stop it
+        # (a build that kills this process within the few ms before this save
+        # is not recorded, and is not stopped)
+        build["process"] = {"pid": pid, "start_time": process_start_time(pid),
+                            "host": host_name()}
+        state.save(manifest)
+
+    status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
+    build.pop("process", None)
     build["rc"], build["seconds"] = status, round(seconds, 3)
     for record in entry["artifacts"]:
         unchanged = record["present"] and os.path.isfile(record["path"]) and \
@@ -1338,8 +1399,28 @@ def remove_products(products: List[dict]) -> None:
                 pass
 
 
+def stop_leftover_build(entry: dict) -> None:
+    """A build whose run was killed goes on writing into the tree: stop its
+    process group before restoring.  A leader with another start time is
+    another process that reuses the pid: its group is left alone."""
+    process = (entry.get("build") or {}).get("process")
+    if not isinstance(process, dict) or not isinstance(process.get("pid"), int):
+        return
+    if process.get("host") != host_name():
+        return
+    pid = process["pid"]
+    if pid_exists(pid) and owner_liveness(process) != "live":
+        return  # the pid is another process's now
+    if not group_alive(pid):
+        return
+    print("stopping the build that entry %d left running (process group %d)" % (entry["id"], pid),
+          file=sys.stderr)
+    stop_process_group(pid)
+
+
 def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> None:
     """Restore one entry (idempotent: safe to run again after a crash)."""
+    stop_leftover_build(entry)
     products = [] if keep_untracked else untracked_products(state, entry)
     for record in entry["sources"] + entry["artifacts"]:
         restore_file(state, record)

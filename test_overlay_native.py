@@ -988,6 +988,24 @@ class GcStaleTest(OverlayTestCase):
         self.assertIn("int k = 7;", read_text(os.path.join(live_proj, "k.c")))
         self.assertOk(call("--state", live_state, "revert"))
 
+    def test_build_left_running_by_a_killed_run_is_stopped_before_the_revert(self) -> None:
+        late = os.path.join(self.proj, "late.o")
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.proj, "k.c"), "--patched",
+                           os.path.join(self.proj, "fast.c"), "--build-cmd",
+                           "sleep 0.5; kill -9 $PPID; sleep 1; echo late > late.o",
+                           "--build-cwd", self.proj],
+                          own=True)
+        self.assertEqual(killed.returncode, -9)
+        rc, out, err = call("gc-stale")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("): reverted\n", out)
+        self.assertRegex(err, r"^stopping the build that entry 1 left running \(process group "
+                              r"\d+\)\n$")
+        time.sleep(1.5)
+        self.assertFalse(os.path.exists(late))
+        self.assertEqual(tree_state(self.proj), self.original)
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
