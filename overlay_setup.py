@@ -490,6 +490,14 @@ class State:
                                % (self.manifest_path, exc))
         return manifest
 
+    def check_fields(self, manifest: dict) -> None:
+        problem = journal_field_problem(manifest)
+        if problem:
+            raise OverlayError("E202", "journal %s has a missing or mistyped %s; it was edited or "
+                               "damaged, and nothing was changed: restore it, or move the state "
+                               "directory away if nothing is applied"
+                               % (self.manifest_path, problem))
+
     def save(self, manifest: dict) -> None:
         durable_write(self.manifest_path,
                       (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
@@ -509,7 +517,9 @@ class State:
         return full
 
     def validate(self, manifest: dict) -> None:
-        """Check every path of a journal read back from disk before anything acts on it."""
+        """Check every field and path of a journal read back from disk before
+        anything acts on it."""
+        self.check_fields(manifest)
         def target(path: object, what: str) -> None:
             if (not isinstance(path, str) or not os.path.isabs(path)
                     or os.path.normpath(path) != path or path == "/"):
@@ -544,6 +554,70 @@ class State:
         for name, module in manifest.get("python", {}).get("modules", {}).items():
             if module.get("file") is not None:
                 self.state_path(module["file"])
+
+
+JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
+    "owner": {"pid": int, "host": str, "start_time": (str, type(None))},
+    "process": {"pid": int, "host": str, "start_time": (str, type(None))},
+    "entry": {"id": int, "state": str, "sources": list, "artifacts": list, "caches": list,
+              "dirs": (dict,), "build": (dict, type(None)), "scan": (str, type(None)),
+              "untracked": (list, type(None))},
+    "file": {"path": str, "present": bool, "backup": (str, type(None)), "mode": (int, type(None)),
+             "uid": (int, type(None)), "gid": (int, type(None)),
+             "mtime_ns": (int, type(None)), "atime_ns": (int, type(None))},
+    "cache": {"path": str, "present": bool, "method": str, "backup": str,
+              "mtime_ns": (int, type(None))},
+    "build": {"cmd": str, "cwd": str},
+    "product": {"path": str, "kind": str, "created": bool},
+}
+
+
+def journal_field_problem(manifest: dict) -> Optional[str]:
+    """The first missing or mistyped field of a journal, or None."""
+    def bad(record: object, kind: str, where: str) -> Optional[str]:
+        if not isinstance(record, dict):
+            return where
+        present = kind == "file" and record.get("present") is True
+        for key, types in JOURNAL_FIELDS[kind].items():
+            optional = isinstance(types, tuple) and not present  # a file there has all of them
+            if key not in record:
+                if optional:
+                    continue
+                return "%s.%s" % (where, key)
+            value = record[key]
+            if not isinstance(value, types) or (present and value is None) or (
+                    isinstance(value, bool) and types is not bool):
+                return "%s.%s" % (where, key)
+        return None
+    if type(manifest.get("next_id")) is not int:
+        return "next_id"
+    python = manifest.get("python")
+    if not (isinstance(python, dict) and isinstance(python.get("modules"), dict)
+            and isinstance(python.get("rebinds"), dict)):
+        return "python"
+    problems = [bad(manifest["owner"], "owner", "owner")] if manifest.get("owner") is not None \
+        else []
+    for number, entry in enumerate(manifest.get("entries") or []):
+        where = "entries[%d]" % number
+        problems.append(bad(entry, "entry", where))
+        if problems[-1]:
+            break
+        problems += [bad(r, "file", "%s.sources[%d]" % (where, i))
+                     for i, r in enumerate(entry["sources"])]
+        problems += [bad(r, "file", "%s.artifacts[%d]" % (where, i))
+                     for i, r in enumerate(entry["artifacts"])]
+        problems += [bad(r, "cache", "%s.caches[%d]" % (where, i))
+                     for i, r in enumerate(entry["caches"])]
+        if entry.get("build") is not None:
+            problems.append(bad(entry["build"], "build", where + ".build"))
+            if entry["build"].get("process") is not None:
+                problems.append(bad(entry["build"]["process"], "process", where + ".build.process"))
+        problems += [bad(p, "product", "%s.untracked[%d]" % (where, i))
+                     for i, p in enumerate(entry.get("untracked") or [])]
+        if not all(isinstance(k, str) and type(v) is int
+                   for k, v in entry.get("dirs", {}).items()):
+            problems.append(where + ".dirs")
+    return next((p for p in problems if p), None)
 
 
 def empty_manifest() -> dict:
@@ -952,10 +1026,22 @@ def snapshot_cache(cache: str, archive: str) -> None:
     fsync_dir(os.path.dirname(archive))
 
 
+def open_snapshot(archive: str) -> tarfile.TarFile:
+    try:
+        return tarfile.open(archive, "r:")  # written uncompressed
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise OverlayError("E502", "snapshot %s cannot be read (%s); nothing was restored from it: "
+                           "rebuild the cache instead" % (archive, exc))
+
+
 def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]:
     """Every member, refusing absolute paths, '..', device files and links that
     leave the snapshot, before anything is extracted."""
-    members = tar.getmembers()
+    try:
+        members = tar.getmembers()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise OverlayError("E502", "snapshot %s cannot be read (%s); nothing was restored from it: "
+                           "rebuild the cache instead" % (archive, exc))
     links = set()
     for member in members:
         name = member.name
@@ -970,6 +1056,8 @@ def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]
             raise refuse("a path with '..'")
         if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
             raise refuse("a device, fifo or other special file")
+        if not member.pax_headers.get(MTIME_KEY, "0").lstrip("-").isdigit():
+            raise refuse("an mtime that is no number")
         for depth in range(1, len(parts)):
             if os.path.normpath("/".join(parts[:depth])) in links:
                 raise refuse("a path through a symlink")
@@ -986,7 +1074,7 @@ def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]
 
 def extract_snapshot(archive: str, destination: str) -> None:
     """Extract into a fresh `destination` (must not exist) member by member."""
-    with tarfile.open(archive, "r") as tar:
+    with open_snapshot(archive) as tar:
         members = checked_members(archive, tar)
         mutation_point()
         os.mkdir(destination, 0o700)
@@ -1344,7 +1432,7 @@ def check_entry_restorable(state: State, entry: dict) -> None:
     for cache in entry["caches"]:
         archive = state.state_path(cache["backup"])
         if cache["present"] and cache["method"] == "tar" and os.path.isfile(archive):
-            with tarfile.open(archive, "r") as tar:
+            with open_snapshot(archive) as tar:
                 checked_members(archive, tar)
 
 

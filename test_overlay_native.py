@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -1006,6 +1007,35 @@ class GcStaleTest(OverlayTestCase):
         self.assertFalse(os.path.exists(late))
         self.assertEqual(tree_state(self.proj), self.original)
 
+    def test_damaged_journal_fields_are_refused_and_nothing_changes(self) -> None:
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        path = os.path.join(self.state, "manifest.json")
+        applied = tree_state(self.proj)
+        damages = (("owner", lambda m: m.update(owner="x")),
+                   ("python", lambda m: m.pop("python")),
+                   ("next_id", lambda m: m.pop("next_id")),
+                   ("entries[0].state", lambda m: m["entries"][0].pop("state")),
+                   ("entries[0].id", lambda m: m["entries"][0].update(id="1")),
+                   ("entries[0].sources[0].mode",
+                    lambda m: m["entries"][0]["sources"][0].update(mode="644")))
+        good = read_json(path)
+        for field, damage in damages:
+            with self.subTest(field=field):
+                manifest = json.loads(json.dumps(good))
+                damage(manifest)
+                write_json(path, manifest)
+                for command in (["status"], ["revert"]):
+                    rc, out, err = call("--state", self.state, *command)
+                    self.assertNotEqual(rc, 0)
+                    self.assertEqual(err, "overlay_setup: E202 journal %s has a missing or "
+                                          "mistyped %s; it was edited or damaged, and nothing was "
+                                          "changed: restore it, or move the state directory away "
+                                          "if nothing is applied\n" % (path, field))
+                self.assertEqual(tree_state(self.proj), applied)
+        write_json(path, good)
+        self.assertEqual(call("--state", self.state, "revert")[0], 0)
+        self.assertEqual(tree_state(self.proj), self.original)
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
@@ -1112,6 +1142,25 @@ class TarSnapshotTest(OverlayTestCase):
                               % (self.cache, os.path.join(self.cache, "pipe")))
         self.assertEqual((tree_state(self.proj), tree_state(self.cache)), before)
         self.assertOk(self.tool("revert"))
+
+    def test_snapshot_that_is_no_archive_is_refused(self) -> None:
+        for content in (b"", b"garbage" * 100):
+            with self.subTest(content=content[:7]):
+                with open(self.archive, "wb") as handle:
+                    handle.write(content)
+                rc, out, err = self.tool("revert")
+                self.assertEqual(rc, 1)
+                self.assertRegex(err, r"^overlay_setup: E502 snapshot %s cannot be read \(.*\); "
+                                      r"nothing was restored from it: rebuild the cache instead\n$"
+                                 % re.escape(self.archive))
+                self.assertIn("int k = 7;", read_text(os.path.join(self.proj, "k.c")))
+
+    def test_member_with_an_mtime_that_is_no_number_is_refused(self) -> None:
+        with tarfile.open(self.archive, "w", format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo("index")
+            info.pax_headers = {overlay_setup.MTIME_KEY: "soon"}
+            tar.addfile(info)
+        self.refused("index", "an mtime that is no number")
 
     def test_member_with_dotdot_is_refused(self) -> None:
         self.plant((".", tarfile.DIRTYPE, ""), ("../escaped", tarfile.REGTYPE, ""))
