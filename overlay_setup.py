@@ -1073,7 +1073,9 @@ def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]
 
 
 def extract_snapshot(archive: str, destination: str) -> None:
-    """Extract into a fresh `destination` (must not exist) member by member."""
+    """Extract into a fresh `destination` (must not exist) member by member;
+    as root, with the owners recorded (as a rename would keep them)."""
+    chown = os.geteuid() == 0
     with open_snapshot(archive) as tar:
         members = checked_members(archive, tar)
         mutation_point()
@@ -1082,15 +1084,15 @@ def extract_snapshot(archive: str, destination: str) -> None:
         for member in members:
             path = os.path.normpath(os.path.join(destination, member.name))
             mtime = int(member.pax_headers.get(MTIME_KEY, int(member.mtime * 1e9)))
+            if member.islnk():  # the same inode as its target: owner, mode and all
+                os.link(os.path.join(destination, member.linkname), path, follow_symlinks=False)
+                continue
             if member.isdir():
                 if path != destination:
                     os.mkdir(path, 0o700)
                 directories.append((path, member.mode, mtime))
             elif member.issym():
                 os.symlink(member.linkname, path)
-                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
-            elif member.islnk():
-                os.link(os.path.join(destination, member.linkname), path, follow_symlinks=False)
             else:
                 write_point(path)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -1104,7 +1106,12 @@ def extract_snapshot(archive: str, destination: str) -> None:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.chmod(path, member.mode)
+            if chown:
+                os.chown(path, member.uid, member.gid, follow_symlinks=False)
+            if member.issym():
+                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+            elif not member.isdir():
+                os.chmod(path, member.mode)  # after chown, which clears set-id bits
                 os.utime(path, ns=(mtime, mtime))
         for path, mode, mtime in reversed(directories):
             os.chmod(path, mode)

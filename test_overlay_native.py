@@ -1162,6 +1162,23 @@ class TarSnapshotTest(OverlayTestCase):
             tar.addfile(info)
         self.refused("index", "an mtime that is no number")
 
+    @unittest.skipUnless(os.geteuid() == 0, "only root can give files to another owner")
+    def test_owners_come_back_from_the_snapshot(self) -> None:
+        self.assertOk(self.tool("revert"))
+        for relative in ("", "obj", "obj/k.o", "index", "latest"):
+            os.chown(os.path.join(self.cache, relative), 65534, 65533, follow_symlinks=False)
+        owners = {p: (st.st_uid, st.st_gid) for p, st in
+                  ((p, os.lstat(os.path.join(self.cache, p))) for p in ("", "obj", "obj/k.o",
+                                                                        "index", "latest"))}
+        before = tree_state(self.cache)
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                "--patched", os.path.join(self.proj, "fast.c"),
+                                "--invalidate-cache", self.cache, "--no-build"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual({p: (st.st_uid, st.st_gid) for p, st in
+                          ((p, os.lstat(os.path.join(self.cache, p))) for p in owners)}, owners)
+        self.assertEqual(tree_state(self.cache), before)
+
     def test_member_with_dotdot_is_refused(self) -> None:
         self.plant((".", tarfile.DIRTYPE, ""), ("../escaped", tarfile.REGTYPE, ""))
         self.refused("../escaped", "a path with '..'")
