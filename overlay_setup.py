@@ -1480,12 +1480,19 @@ def restore_cache(state: State, entry: dict, cache: dict) -> None:
     durable_rename(staging, path)
 
 
-def remove_products(products: List[dict]) -> None:
+def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = None) -> None:
+    """Remove the build's products; with `aside` (build directory, folder),
+    move them into that folder instead, keeping their paths."""
     for product in products:
         path = product["path"]
         if product["kind"] != "d" and os.path.lexists(path) and not (
                 os.path.isdir(path) and not os.path.islink(path)):
-            remove_path(path)
+            if aside is None:
+                remove_path(path)
+                continue
+            target = os.path.join(aside[1], os.path.relpath(path, aside[0]))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.move(path, target)
     for product in sorted(products, key=lambda p: p["path"], reverse=True):
         if product["kind"] == "d" and product["created"] and os.path.isdir(product["path"]):
             try:
@@ -1517,12 +1524,23 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     """Restore one entry (idempotent: safe to run again after a crash)."""
     stop_leftover_build(entry)
     products = [] if keep_untracked else untracked_products(state, entry)
+    aside = None
+    if products and entry.get("untracked") is None:
+        # The run died during its build: what changed in the build directory
+        # since it started may be the build's or the caller's own work.
+        aside = (entry["build"]["cwd"], os.path.join(state.root, "leftovers", str(entry["id"])))
+        print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
+              "that appeared or changed in %s since the build began (its products, or your own "
+              "edits) are moved to %s: %s"
+              % (entry["id"], len([p for p in products if p["kind"] != "d"]), aside[0], aside[1],
+                 ", ".join(os.path.relpath(p["path"], aside[0]) for p in products
+                           if p["kind"] != "d")), file=sys.stderr)
     for record in entry["sources"] + entry["artifacts"]:
         restore_file(state, record)
         remove_path(temp_beside(record["path"]))
     for cache in entry["caches"]:
         restore_cache(state, entry, cache)
-    remove_products(products)
+    remove_products(products, aside)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
             os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)

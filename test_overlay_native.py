@@ -1036,6 +1036,24 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(call("--state", self.state, "revert")[0], 0)
         self.assertEqual(tree_state(self.proj), self.original)
 
+    def test_files_changed_after_a_run_killed_in_its_build_are_moved_aside(self) -> None:
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.proj, "k.c"), "--patched",
+                           os.path.join(self.proj, "fast.c"), "--build-cmd",
+                           "echo obj > made.o; kill -9 $PPID", "--build-cwd", self.proj], own=True)
+        self.assertEqual(killed.returncode, -9)
+        write_tree(self.proj, {"mywork.c": "work\n"})  # the caller's own, after the crash
+        rc, out, err = call("gc-stale")
+        self.assertEqual(rc, 0, err)
+        aside = os.path.join(self.state, "leftovers", "1")
+        self.assertEqual(err, "entry 1: the run stopped before it recorded what its build made; 2 "
+                              "file(s) that appeared or changed in %s since the build began (its "
+                              "products, or your own edits) are moved to %s: made.o, mywork.c\n"
+                              % (self.proj, aside))
+        self.assertEqual(tree_state(self.proj), self.original)
+        self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "work\n")
+        self.assertEqual(read_text(os.path.join(aside, "made.o")), "obj\n")
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
