@@ -1794,6 +1794,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
             raise OverlayError("E102", "%s: the directory of %s does not exist under %s; create "
                                "it first (the overlay does not create directories)"
                                % (name, relative, root))
+        if not is_within(os.path.realpath(os.path.dirname(target)), os.path.realpath(root)):
+            raise OverlayError("E304", "%s: the directory of %s is a symlink that leads out of "
+                               "the --root directory %s; nothing was written"
+                               % (name, relative, root))
         if os.path.islink(target):
             raise OverlayError("E104", "%s: %s is a symlink; patch the file it points to"
                                % (name, target))

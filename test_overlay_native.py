@@ -709,6 +709,18 @@ class PatchTest(OverlayTestCase):
             1, "", "overlay_setup: E304 evil.diff: path '../x.c' leaves the --root directory; "
             "nothing was written\n"))
 
+    def test_patch_paths_through_a_symlink_out_of_the_root_are_refused(self) -> None:
+        outside = os.path.join(self.tmp, "outside")
+        write_tree(outside, {"victim.c": "int v;\n"})
+        os.symlink(outside, os.path.join(self.proj, "ext"))
+        write_tree(self.tmp, {"evil.diff": "--- a/ext/victim.c\n+++ b/ext/victim.c\n"
+                                           "@@ -1 +1 @@\n-int v;\n+int w;\n"})
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "evil.diff"), "--root",
+                                   self.proj, "--no-build"), (
+            1, "", "overlay_setup: E304 evil.diff: the directory of ext/victim.c is a symlink that "
+            "leads out of the --root directory %s; nothing was written\n" % self.proj))
+        self.assertEqual(read_text(os.path.join(outside, "victim.c")), "int v;\n")
+
     def test_text_without_a_diff_is_refused(self) -> None:
         write_tree(self.tmp, {"notes.txt": "hello\n"})
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "notes.txt"), "--root",
