@@ -417,6 +417,13 @@ class State:
 
     def create(self) -> None:
         self.check_safe()
+        if os.path.isdir(self.root) and not self.exists():
+            foreign = sorted(set(os.listdir(self.root)) - {"lock"})
+            if foreign:  # not a state directory: the overlay would write over these
+                raise OverlayError("E206", "state directory %s already holds %s and no journal; "
+                                   "it is not an overlay state directory: pass a new or empty "
+                                   "--state" % (self.root, ", ".join(foreign[:3]) + (
+                                       ", ..." if len(foreign) > 3 else "")))
         makedirs_durable(self.root, 0o700)
 
     # -- lock

@@ -1066,6 +1066,21 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "work\n")
         self.assertEqual(read_text(os.path.join(aside, "made.o")), "obj\n")
 
+    def test_directory_that_is_no_state_directory_is_refused(self) -> None:
+        mine = os.path.join(self.tmp, "mine")
+        write_tree(mine, {"python/notes.txt": "keep\n", "site/sitecustomize.py": "X = 1\n"})
+        before = tree_state(mine)
+        rc, out, err = call("--state", mine, "add-native", "--source",
+                            os.path.join(self.proj, "k.c"), "--patched",
+                            os.path.join(self.proj, "fast.c"), "--no-build",
+                            "--owner-pid", str(os.getpid()))
+        self.assertNotEqual(rc, 0)
+        self.assertEqual(err, "overlay_setup: E206 state directory %s already holds python, site "
+                              "and no journal; it is not an overlay state directory: pass a new "
+                              "or empty --state\n" % mine)
+        self.assertEqual(tree_state(mine), before)
+        self.assertEqual(tree_state(self.proj), self.original)
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
