@@ -399,6 +399,11 @@ class State:
     def exists(self) -> bool:
         return os.path.isfile(self.manifest_path)
 
+    def orphaned_backups(self) -> bool:
+        """Backups with no journal: it was deleted while something was applied."""
+        backups = os.path.join(self.root, "backups")
+        return not self.exists() and os.path.isdir(backups) and bool(os.listdir(backups))
+
     def check_safe(self) -> None:
         try:
             st = os.lstat(self.root)
@@ -477,6 +482,11 @@ class State:
             with open(self.manifest_path, encoding="utf-8") as handle:
                 manifest = json.load(handle)
         except FileNotFoundError:
+            if self.orphaned_backups():
+                raise OverlayError("E202", "journal %s is missing, but %s holds the backups of "
+                                   "entries that may still be applied; restore the journal, or "
+                                   "put the files back from there by hand"
+                                   % (self.manifest_path, os.path.join(self.root, "backups")))
             return empty_manifest()
         except (OSError, ValueError) as exc:
             raise OverlayError("E202", "journal %s is unreadable (%s); inspect it, or move the "
@@ -1932,7 +1942,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_revert(args: argparse.Namespace) -> int:
     state = open_state(args)
-    if not state.exists():
+    if not state.exists() and not state.orphaned_backups():
         print("nothing to revert: no overlay at %s" % state.root)
         return 0
     with Locked(state, "revert", create=False) as manifest:

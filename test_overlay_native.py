@@ -1081,6 +1081,19 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(tree_state(mine), before)
         self.assertEqual(tree_state(self.proj), self.original)
 
+    def test_missing_journal_beside_backups_is_not_nothing_to_revert(self) -> None:
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        applied = tree_state(self.proj)
+        os.remove(os.path.join(self.state, "manifest.json"))
+        rc, out, err = call("--state", self.state, "revert")
+        self.assertNotEqual(rc, 0)
+        self.assertEqual(err, "overlay_setup: E202 journal %s is missing, but %s holds the "
+                              "backups of entries that may still be applied; restore the journal, "
+                              "or put the files back from there by hand\n"
+                              % (os.path.join(self.state, "manifest.json"),
+                                 os.path.join(self.state, "backups")))
+        self.assertEqual(tree_state(self.proj), applied)
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
