@@ -1904,7 +1904,7 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     state = open_state(args)
-    manifest = state.load() if state.exists() else None
+    manifest = state.load() if state.exists() or state.orphaned_backups() else None
     if args.json:
         print(json.dumps({"state": state.root, "manifest": manifest,
                           "owner": manifest and manifest["owner"] and dict(

@@ -1085,13 +1085,14 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         applied = tree_state(self.proj)
         os.remove(os.path.join(self.state, "manifest.json"))
-        rc, out, err = call("--state", self.state, "revert")
-        self.assertNotEqual(rc, 0)
-        self.assertEqual(err, "overlay_setup: E202 journal %s is missing, but %s holds the "
-                              "backups of entries that may still be applied; restore the journal, "
-                              "or put the files back from there by hand\n"
-                              % (os.path.join(self.state, "manifest.json"),
-                                 os.path.join(self.state, "backups")))
+        for command in ("revert", "status"):
+            rc, out, err = call("--state", self.state, command)
+            self.assertNotEqual(rc, 0)
+            self.assertEqual(err, "overlay_setup: E202 journal %s is missing, but %s holds the "
+                                  "backups of entries that may still be applied; restore the "
+                                  "journal, or put the files back from there by hand\n"
+                                  % (os.path.join(self.state, "manifest.json"),
+                                     os.path.join(self.state, "backups")))
         self.assertEqual(tree_state(self.proj), applied)
 
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
