@@ -2126,6 +2126,9 @@ COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind
 
 def main(argv: Optional[List[str]] = None) -> int:
     _FAULTS["points"] = _FAULTS["writes"] = 0
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1095,6 +1095,22 @@ class GcStaleTest(OverlayTestCase):
                                      os.path.join(self.state, "backups")))
         self.assertEqual(tree_state(self.proj), applied)
 
+    def test_file_names_that_are_not_utf8_are_printed_escaped(self) -> None:
+        source = os.path.join(os.fsencode(self.proj), b"k\xff.c")
+        with open(source, "wb") as handle:
+            handle.write(b"int k;\n")
+        env = dict(os.environ, PYTHONIOENCODING="utf-8")
+        for args in (["add-native", "--source", os.fsdecode(source), "--patched",
+                      os.path.join(self.proj, "fast.c"), "--no-build"], ["revert"]):
+            done = subprocess.run([sys.executable, TOOL, "--state", self.state] + args
+                                  + (["--owner-pid", str(os.getpid())] if args[0] != "revert"
+                                     else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=env)
+            self.assertEqual((done.returncode, done.stderr), (0, b""), args)
+            self.assertIn(b"k\\udcff.c", done.stdout)
+        with open(source, "rb") as handle:
+            self.assertEqual(handle.read(), b"int k;\n")
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "manifest.json")
