@@ -1043,12 +1043,16 @@ def snapshot_cache(cache: str, archive: str) -> None:
     fsync_dir(os.path.dirname(archive))
 
 
+def unreadable_snapshot(archive: str, exc: Exception) -> OverlayError:
+    return OverlayError("E502", "snapshot %s cannot be read (%s); nothing was restored from it: "
+                        "rebuild the cache instead" % (archive, exc))
+
+
 def open_snapshot(archive: str) -> tarfile.TarFile:
     try:
         return tarfile.open(archive, "r:")  # written uncompressed
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise OverlayError("E502", "snapshot %s cannot be read (%s); nothing was restored from it: "
-                           "rebuild the cache instead" % (archive, exc))
+        raise unreadable_snapshot(archive, exc)
 
 
 def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]:
@@ -1057,8 +1061,7 @@ def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]
     try:
         members = tar.getmembers()
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise OverlayError("E502", "snapshot %s cannot be read (%s); nothing was restored from it: "
-                           "rebuild the cache instead" % (archive, exc))
+        raise unreadable_snapshot(archive, exc)
     links = set()
     for member in members:
         name = member.name
@@ -1522,10 +1525,8 @@ def stop_leftover_build(entry: dict) -> None:
     """A build whose run was killed goes on writing into the tree: stop its
     process group before restoring.  A leader with another start time is
     another process that reuses the pid: its group is left alone."""
-    process = (entry.get("build") or {}).get("process")
-    if not isinstance(process, dict) or not isinstance(process.get("pid"), int):
-        return
-    if process.get("host") != host_name():
+    process = (entry.get("build") or {}).get("process")  # its fields checked on load
+    if process is None or process["host"] != host_name():
         return
     pid = process["pid"]
     if pid_exists(pid) and owner_liveness(process) != "live":
