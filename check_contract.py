@@ -1833,7 +1833,7 @@ def check_status(repo, backend):
         if backend.status == "validated":
             backend.error("T002", "status is validated but reference.entrypoint is not given")
         return
-    if entry.startswith("/") or ".." in entry.split("/"):
+    if not inside_repository(entry):
         backend.report(level, "T002", "reference.entrypoint %s must be relative to the repository "
                        "root, and inside it" % describe(entry))
     elif not os.path.isfile(os.path.join(repo.root, entry)):
@@ -1841,9 +1841,14 @@ def check_status(repo, backend):
                        "the repository root)" % describe(entry))
 
 
+def inside_repository(path):
+    """Whether a repository-relative path stays inside the repository."""
+    return not path.startswith("/") and ".." not in path.split("/")
+
+
 def is_model_dir(model):
-    return (isinstance(model, str) and model.endswith("/") and not model.startswith("/")
-            and ".." not in model.split("/") and model.strip("/.") != "")
+    return (isinstance(model, str) and model.endswith("/") and inside_repository(model)
+            and model.strip("/.") != "")
 
 
 def check_models(repo, backend):
