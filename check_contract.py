@@ -23,6 +23,18 @@ Usage:
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
 
+Text output (`--format text`, the default): one line per finding, sorted
+by backend, path, line and code:
+    <path>:<line>: [<level>] <CODE> <backend>: <message>
+<path> is relative to the current directory when the file is inside it,
+else to the repository root; `<path>: [...]` when the finding has no line
+(a whole file or directory), and `[<level>] <CODE> <backend>: <message>`
+when it has no place at all.  Then `checked <backend>: status=<status>
+abi=<n>` per backend checked, and last `N backend(s), N error(s), N
+warning(s)`.  Control characters in names and messages (a newline in a
+file name) are written as backslash escapes (\n, \x1b), so every line of
+the report is one finding.
+
 Environment:
     CHECK_CONTRACT_JOBS  processes that `check` uses for 200 or more backend
                          directories (default: the CPUs available; 1 checks
@@ -1914,7 +1926,8 @@ def check_backend(repo, backend):
 class Run:
     """The outcome of checking the selected backends."""
 
-    def __init__(self, backends, diagnostics):
+    def __init__(self, root, backends, diagnostics):
+        self.root = root
         self.backends = backends
         self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
 
@@ -1977,7 +1990,7 @@ def _run_check(repo, names, parallel):
         if not index % POLL_EVERY:
             repo.poll_git_index()
     check_index_modes(repo, backends)
-    return Run(backends, loose + [d for backend in backends for d in backend.diagnostics])
+    return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
 # Checking in parallel.  Each backend is checked on its own, so with many of
@@ -2113,7 +2126,7 @@ def check_in_parallel(repo):
                 backend.diagnostics = [Diagnostic(*d) for d in diagnostics]
                 backends.append(backend)
     check_index_modes(repo, backends)
-    return Run(backends, loose + [d for backend in backends for d in backend.diagnostics])
+    return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
 # ---------------------------------------------------------------------------
@@ -2125,11 +2138,61 @@ def summary_line(run):
         len(run.backends), run.count("error"), run.count("warning"))
 
 
+CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_control(text):
+    """The text with every control character (and the Unicode line and
+    paragraph separators) written as a backslash escape, so that a file name
+    holding a newline cannot start a report line of its own."""
+    if CONTROL_RE.search(text) is None:
+        return text
+    return CONTROL_RE.sub(lambda m: CONTROL_ESCAPES.get(m.group()) or (
+        "\\x%02x" % ord(m.group()) if ord(m.group()) < 0x100 else "\\u%04x" % ord(m.group())),
+        text)
+
+
+class Locator:
+    """Writes a finding's place the way compilers do: a path relative to the
+    current directory when the file is inside it, else relative to the
+    repository root."""
+
+    def __init__(self, root):
+        try:
+            self.cwd = os.path.realpath(os.getcwd())
+        except OSError:  # the current directory was removed
+            self.cwd = None
+        self.root = os.path.realpath(root)
+
+    def path(self, rel):
+        if self.cwd is None:
+            return rel
+        full = os.path.normpath(os.path.join(self.root, rel))
+        if full == self.cwd:
+            return "."
+        if full.startswith(self.cwd.rstrip("/") + "/"):
+            return full[len(self.cwd.rstrip("/")) + 1:]
+        return rel
+
+
+def finding_line(d, locator):
+    """`path:line: [level] CODE backend: message`, or `path: ...` when the
+    finding has no line, or `[level] CODE backend: message` when it has no
+    place; control characters escaped."""
+    text = "[%s] %s %s: %s" % (d.level, d.code, d.backend, d.message)
+    if d.path:
+        place = locator.path(d.path)
+        text = ("%s:%d: " % (place, d.line) if d.line else "%s: " % place) + text
+    return escape_control(text) + "\n"
+
+
 def report_text(run, out):
-    lines = ["[%s] %s: %s\n" % (d.level, d.backend, d.message) for d in run.diagnostics]
-    lines.extend("checked %s/%s: status=%s abi=%s\n" % (
+    locator = Locator(run.root)
+    lines = [finding_line(d, locator) for d in run.diagnostics]
+    lines.extend(escape_control("checked %s/%s: status=%s abi=%s" % (
         backend.platform, backend.name, backend.status or "?",
-        backend.abi_version if backend.abi_version is not None else "?")
+        backend.abi_version if backend.abi_version is not None else "?")) + "\n"
         for backend in run.backends)
     lines.append(summary_line(run) + "\n")
     out.write("".join(lines))
@@ -2561,21 +2624,22 @@ def parity_backend(repo, run, backend, args, stream):
     return TierResult(key, "failed", message, child.elapsed, [failure])
 
 
-def report_tier(results, fmt, out):
+def report_tier(results, fmt, out, root):
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
         json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
         out.write("\n")
         return
+    locator = Locator(root)
     for result in results:
         line = "%s %s" % (result.outcome, result.backend)
         if result.detail:
             line += ": " + result.detail
         if result.elapsed is not None:
             line += " (%.1fs)" % result.elapsed
-        out.write(line + "\n")
+        out.write(escape_control(line) + "\n")
         for d in result.diagnostics:
-            out.write("[%s] %s: %s\n" % (d.level, d.backend, d.message))
+            out.write(finding_line(d, locator))
     out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
 
 
@@ -2585,7 +2649,7 @@ def run_tier(args, run_one, choose=None):
     backends = run.backends if choose is None else choose(run.backends, args.names)
     stream = tier_stream(args)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
-    report_tier(results, args.format, sys.stdout)
+    report_tier(results, args.format, sys.stdout, repo.root)
     return 1 if any(r.outcome == "failed" for r in results) else 0
 
 

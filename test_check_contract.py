@@ -198,7 +198,8 @@ class DiscoveryTest(TreeTest):
                    ("elementwise.cu", "attention.cu", "kernels/zz.cu", "common.cuh")})
         rc, out, err = self.check()
         self.assertEqual(rc, 1)
-        self.assertEqual(out, "[error] cuda/qwen3_5: has kernel sources (attention.cu, common.cuh, "
+        self.assertEqual(out, "backends/cuda/qwen3_5: [error] D001 cuda/qwen3_5: has kernel sources "
+                              "(attention.cu, common.cuh, "
                               "elementwise.cu) but no qwen3_5.backend.json manifest\n"
                               "0 backend(s), 1 error(s), 0 warning(s)\n")
 
@@ -269,8 +270,8 @@ class DiscoveryTest(TreeTest):
                 with mock.patch("os.scandir", scandir):
                     rc, out, err = self.check()
                 self.assertEqual(rc, 1)
-                self.assertIn("[error] %s: cannot list directory %s: Permission denied; the check "
-                              "cannot see what it holds" % (key, rel), out)
+                self.assertIn("%s: [error] D004 %s: cannot list directory %s: Permission denied; the "
+                              "check cannot see what it holds" % (rel, key, rel), out)
 
 
 class ManifestFileTest(TreeTest):
@@ -796,7 +797,8 @@ class BuildScriptTest(TreeTest):
         self.git("-c", "core.fileMode=false", "add", ".")
         self.git("update-index", "--chmod=-x", "sub/backends/cpu/demo/build.sh")
         rc, out, err = run_main(["--repo-root", self.path("sub")])
-        self.assertIn("[error] cpu/demo: build script build.sh has mode 100644 in the git index; run: "
+        self.assertIn("backends/cpu/demo/build.sh: [error] B003 cpu/demo: build script build.sh has "
+                      "mode 100644 in the git index; run: "
                       "git update-index --chmod=+x backends/cpu/demo/build.sh\n", out)
 
     def test_git_index_is_read_however_the_root_is_spelt(self):
@@ -1188,6 +1190,65 @@ class CommandLineTest(TreeTest):
         self.assertEqual(run_main(["--repo-root", HERE])[0], 0)
 
 
+class TextOutputTest(TreeTest):
+    """`path:line: [level] CODE backend: message`, the place the way
+    compilers print it."""
+
+    def in_directory(self, rel, *args):
+        saved = os.getcwd()
+        os.chdir(self.path(rel))
+        try:
+            return run_main(list(args))
+        finally:
+            os.chdir(saved)
+
+    def test_finding_starts_with_path_and_line(self):
+        self.tree(demo_files(**{"backends/cpu/demo/ops.h": OPS_H.replace("VERSION 1", "VERSION 2")}))
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (1, ""))
+        self.assertEqual(out.splitlines()[0],
+                         "backends/cpu/demo/ops.h:4: [error] A001 cpu/demo: abi_version is 1 but "
+                         "ops.h defines DEMO_ABI_VERSION 2 (line 4); make them equal")
+        self.assertEqual(out.splitlines()[-1], "1 backend(s), 1 error(s), 0 warning(s)")
+
+    def test_path_is_relative_to_the_current_directory_inside_it(self):
+        self.tree(demo_files(**{"backends/cpu/demo/extra.c": ""}))
+        rc, out, err = self.in_directory("backends/cpu", "--repo-root", self.root)
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("demo/extra.c: [error] S004 cpu/demo: kernel source extra.c is not declared", out)
+        rc, out, err = self.in_directory("backends", "--repo-root", self.root)
+        self.assertIn("\ncpu/demo/extra.c: [error] S004 ", "\n" + out)
+
+    def test_path_outside_the_current_directory_is_relative_to_the_root(self):
+        self.tree(demo_files(**{"backends/cpu/demo/extra.c": "", "elsewhere/x": ""}))
+        rc, out, err = self.in_directory("elsewhere", "--repo-root", self.root)
+        self.assertEqual(rc, 1)
+        self.assertIn("\nbackends/cpu/demo/extra.c: [error] S004 cpu/demo: ", "\n" + out)
+
+    def test_finding_without_a_line_has_the_path_alone(self):
+        manifest = demo_manifest()
+        del manifest["status"]
+        self.tree(demo_files(manifest))
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("\nbackends/cpu/demo/demo.backend.json: [error] M001 cpu/demo: missing required "
+                      'key "status"\n', "\n" + out)
+
+    def test_a_newline_in_a_file_name_cannot_forge_a_report_line(self):
+        forged = "x.c\n0 backend(s), 0 error(s), 0 warning(s)\n\x1b[2K.c"
+        self.tree(demo_files(**{"backends/cpu/demo/" + forged: ""}))
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (1, ""))
+        lines = out.splitlines()
+        self.assertEqual(len(lines), 3, out)
+        self.assertEqual(lines[0], "backends/cpu/demo/x.c\\n0 backend(s), 0 error(s), 0 warning(s)"
+                                   "\\n\\x1b[2K.c: [error] S004 cpu/demo: kernel source x.c\\n0 "
+                                   "backend(s), 0 error(s), 0 warning(s)\\n\\x1b[2K.c is not declared "
+                                   "in sources; add it, or list it in excluded if it is not part of "
+                                   "the library")
+        self.assertEqual(lines[2], "1 backend(s), 1 error(s), 0 warning(s)")
+
+
 # -- Robustness and the schema ---------------------------------------------
 
 VALUES = (None, 42, True, "x", [], {}, [1, 2], ["a", 3])
@@ -1340,7 +1401,7 @@ class ParallelTest(TreeTest):
         self.assertTrue({"A001", "J001", "D001", "D002", "D003", "B002", "S004", "M003",
                          "B007", "B008"} <= codes, codes)
         rc, out, err = self.check(env={"CHECK_CONTRACT_JOBS": "2"})
-        self.assertIn("[warning] tpu: unknown platform directory \"tpu\"", out)
+        self.assertIn("backends/tpu: [warning] D003 tpu: unknown platform directory \"tpu\"", out)
         self.assertNotIn("npu", out)
         self.assertTrue(out.endswith("268 backend(s), %d error(s), %d warning(s)\n" % (
             sum(1 for i in issues if i["level"] == "error"),
@@ -1417,7 +1478,8 @@ class RobustnessTest(TreeTest):
         self.tree(files)
         rc, out, err = self.check()
         self.assertEqual((rc, err), (1, ""))
-        self.assertIn("[warning] cpu/demo: ops.h is not UTF-8 (first bad byte at offset 128)\n", out)
+        self.assertIn("backends/cpu/demo/ops.h: [warning] S006 cpu/demo: ops.h is not UTF-8 (first bad "
+                      "byte at offset 128)\n", out)
 
 
 class SchemaTest(unittest.TestCase):
@@ -1553,7 +1615,8 @@ class BuildTierTest(TreeTest):
         self.tree(tiny_files(c_source='#include "tiny.h"\nuint32_t tiny_abi_version(void) { return 2; }\n'))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
-        self.assertIn("\n[error] cpu/tiny: libtiny.so does not export tiny_error_string\n", out)
+        self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R005 cpu/tiny: libtiny.so does not export "
+                      "tiny_error_string\n", out)
 
     def test_failing_build_script_is_reported(self):
         self.tree(tiny_files(build=Executable(str(TINY_BUILD).replace(
@@ -1562,7 +1625,8 @@ class BuildTierTest(TreeTest):
         self.assertEqual(rc, 1)
         self.assertRegex(out, r"\] compiler exploded\n")
         self.assertIn("\nfailed cpu/tiny: build script build.sh failed with exit status 3 (", out)
-        self.assertTrue(out.endswith("[error] cpu/tiny: build script build.sh failed with exit status 3\n"
+        self.assertTrue(out.endswith("\nbackends/cpu/tiny/build.sh: [error] R001 cpu/tiny: build script "
+                                     "build.sh failed with exit status 3\n"
                                      "0 backend(s) passed, 1 failed, 0 skipped\n"), out)
 
     def test_build_that_runs_too_long_is_stopped(self):
@@ -1571,7 +1635,8 @@ class BuildTierTest(TreeTest):
             'echo "building for $march"', 'sleep 60 & echo $! > %s; wait' % pid_file))))
         rc, out, err = self.build("--timeout", "1")
         self.assertEqual(rc, 1)
-        self.assertIn("[error] cpu/tiny: build script build.sh did not finish within 1s; it was stopped\n", out)
+        self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R002 cpu/tiny: build script build.sh did not "
+                      "finish within 1s; it was stopped\n", out)
         with open(pid_file) as handle:
             sleeper = int(handle.read())
         self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
@@ -1581,14 +1646,16 @@ class BuildTierTest(TreeTest):
             '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -E - -o "$1/libtiny.so" < /dev/null\n')))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
-        self.assertIn("[error] cpu/tiny: libtiny.so is not a usable shared object: not an ELF file\n", out)
+        self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R004 cpu/tiny: libtiny.so is not a usable "
+                      "shared object: not an ELF file\n", out)
 
     def test_missing_output_is_an_error(self):
         self.tree(tiny_files(build=Executable(
             '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ntrue || cc -march=$march -o "$1/libtiny.so"\n')))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
-        self.assertIn("[error] cpu/tiny: the build did not write libtiny.so (build.output) into its "
+        self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R003 cpu/tiny: the build did not write "
+                      "libtiny.so (build.output) into its "
                       "output directory\n", out)
 
     def test_missing_toolchain_is_skipped_with_the_reason(self):
@@ -1667,7 +1734,8 @@ class CudaBuildTierTest(TreeTest):
     def test_fatbinary_with_an_unclaimed_target_is_an_error(self):
         rc, out, err = self.build("-gencode arch=compute_75,code=sm_75")
         self.assertEqual(rc, 1, out)
-        self.assertIn("[error] cuda/gputiny: the fatbinary of libgputiny.so holds SASS for 75, 80 but "
+        self.assertIn("\nbackends/cuda/gputiny/build.sh: [error] R008 cuda/gputiny: the fatbinary of "
+                      "libgputiny.so holds SASS for 75, 80 but "
                       "build.architectures is 80\n", out)
 
 
@@ -1697,11 +1765,13 @@ class TestTierTest(TreeTest):
         self.tree(files)
         rc, out, err = self.run_tests()
         self.assertEqual(rc, 1)
-        self.assertIn("\n[error] cpu/tiny: tests failed (exit status 1)\n0 backend(s) passed, 1 failed, 0 skipped\n", out)
+        self.assertIn("\nbackends/cpu/tiny: [error] U001 cpu/tiny: tests failed (exit status 1)\n"
+                      "0 backend(s) passed, 1 failed, 0 skipped\n", out)
 
     def test_backend_without_tests_gets_a_warning_only_here(self):
         self.tree(tiny_files())
-        self.assertEqual(self.run_tests(), (0, "skipped cpu/tiny: no tests\n[warning] cpu/tiny: has no tests "
+        self.assertEqual(self.run_tests(), (0, "skipped cpu/tiny: no tests\nbackends/cpu/tiny: [warning] "
+                                          "U002 cpu/tiny: has no tests "
                                           "(test_*.py) beside its kernels; add them under "
                                           "backends/cpu/tiny/tests/\n0 backend(s) passed, 0 failed, 1 skipped\n", ""))
         rc, out, err = run_main(["--repo-root", self.root])
@@ -1730,7 +1800,8 @@ class ParityTierTest(TreeTest):
     def test_failing_entrypoint(self):
         rc, out, err = self.parity("import sys\nprint('too far')\nsys.exit(1)\n")
         self.assertEqual(rc, 1)
-        self.assertIn("[error] cpu/tiny: backends/cpu/tiny/parity.py failed (exit status 1)\n", out)
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: backends/cpu/tiny/parity.py "
+                      "failed (exit status 1)\n", out)
 
     def test_skip_line_means_skipped_with_the_reason(self):
         rc, out, err = self.parity("print('SKIP: no CUDA GPU here')\n", "--format", "json")
@@ -1844,7 +1915,8 @@ class RepositoryTest(unittest.TestCase):
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True)
             self.assertEqual(proc.returncode, 1, proc.stdout)
-            self.assertIn("[error] cuda/k: has kernel sources (k.cu) but no k.backend.json manifest",
+            self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
+                          "k.backend.json manifest",
                           proc.stdout)
 
 
