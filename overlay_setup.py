@@ -304,6 +304,18 @@ def file_sha256(path: str) -> Optional[str]:
     return hasher.hexdigest()
 
 
+def content_sha256(path: str) -> Optional[str]:
+    """sha256 of what reading `path` gives, through symlinks: a library moved
+    aside and linked back under its name has the same content.  None when
+    nothing readable is there."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    return file_sha256(os.path.realpath(path))
+
+
 def written(exc: OSError) -> str:
     """The file an I/O error is about, for a one-line message."""
     return exc.filename if exc.filename is not None else "a file"
@@ -1411,9 +1423,13 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     for record in entry["artifacts"]:
         unchanged = record["present"] and os.path.isfile(record["path"]) and \
             file_identity(record["path"]) == record["identity"]
-        record["built_sha256"] = record["sha256"] if unchanged else file_sha256(record["path"])
+        record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
     entry["untracked"] = untracked_products(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
+    noop = status == 0 and entry["artifacts"] and all(
+        record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
+    if noop:
+        entry["state"] = "build-changed-nothing"
     state.save(manifest)
     if entry["untracked"]:
         print("warning: the build created or changed files that no --artifact or "
@@ -1426,6 +1442,12 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
         raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
                            "stays applied for inspection: run `overlay_setup.py revert`"
                            % (status, seconds))
+    if noop:
+        raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
+                           "the patch is not in them; it stays applied for inspection: check "
+                           "--build-cmd, --build-cwd and --invalidate-cache, then run "
+                           "`overlay_setup.py revert`" % (seconds, ", ".join(
+                               record["path"] for record in entry["artifacts"])))
     print("build finished in %.1fs" % seconds)
     return 0
 
@@ -1882,7 +1904,7 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
                 continue
             seen.add(record["path"])
             checked += 1
-            current = file_sha256(record["path"])
+            current = content_sha256(record["path"])
             if current is None:
                 problems.append("artifact %s is missing after the build" % record["path"])
             elif current == record.get("sha256"):

@@ -216,13 +216,34 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
 
-    def test_silent_noop_build_fails_verify_native_naming_the_artifact(self) -> None:
-        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
-                                self.patched, "--artifact", self.lib, "--build-cmd", "true",
-                                "--build-cwd", self.proj))
+    def test_silent_noop_build_fails_at_once_and_stays_applied(self) -> None:
+        rc, out, err = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                 self.patched, "--artifact", self.lib, "--build-cmd", "true",
+                                 "--build-cwd", self.proj)
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"^overlay_setup: E404 the build finished in \d+\.\ds but changed "
+                              r"no --artifact \(%s\): the patch is not in them; it stays applied "
+                              r"for inspection: check --build-cmd, --build-cwd and "
+                              r"--invalidate-cache, then run `overlay_setup.py revert`\n$"
+                         % re.escape(self.lib))
+        self.assertIn("7.0", read_text(self.p("kernel_b.c")))
+        self.assertIn("entry 1 [build-changed-nothing]", self.tool("status")[1])
         self.assertEqual(self.tool("verify-native"), (
-            1, "", "overlay_setup: E403 artifact %s is unchanged by the build (a silent no-op "
-            "build?): check the build command and the --invalidate-cache directories\n" % self.lib))
+            1, "", "overlay_setup: E403 entry 1 is build-changed-nothing, not built: run "
+            "`overlay_setup.py revert` and apply again\n"))
+        self.assertOk(self.tool("revert"))
+
+    def test_library_moved_aside_and_linked_back_is_no_rebuild(self) -> None:
+        before = tree_state(self.proj)
+        rc, out, err = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                 self.patched, "--artifact", self.lib, "--build-cmd",
+                                 "mv libkernels.so old.so && ln -s old.so libkernels.so",
+                                 "--build-cwd", self.proj)
+        self.assertEqual(rc, 1)
+        self.assertIn("overlay_setup: E404 the build finished in", err)
+        self.assertEqual(self.tool("verify-native")[0], 1)
+        self.assertEqual(self.tool("revert")[0], 0)
+        self.assertEqual(tree_state(self.proj), before)
 
     def test_verify_native_with_nothing_built_fails(self) -> None:
         self.assertEqual(self.tool("verify-native"), (
