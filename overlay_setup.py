@@ -31,11 +31,16 @@ Usage:
         [--build-cwd DIR] [--timeout S] [--owner-pid PID]
   overlay_setup.py [--state DIR] verify-native
   overlay_setup.py [--state DIR] status [--json]
-  overlay_setup.py [--state DIR] revert [--force] [--keep-untracked]
+  overlay_setup.py [--state DIR] revert [--force] [--keep-untracked] [--all]
   overlay_setup.py gc-stale [--root DIR] [--dry-run]
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
-  else ./.overlay.  The owner (--owner-pid, default: the parent process) is
+  else ./.overlay.  Relative paths are taken from the current directory and
+  recorded absolute.  Each state directory with something applied is listed in
+  a per-user registry ($XDG_STATE_HOME/overlay_setup/applied, default
+  ~/.local/state/...), written before the first change and removed after a full
+  revert: `status` and `revert` without a state here name them, `revert --all`
+  reverts them all, `gc-stale` looks at them as well as under --root.  The owner (--owner-pid, default: the parent process) is
   recorded with its start time and host so that gc-stale tells a crashed run
   from a live one, also after the pid was reused.
 
@@ -325,8 +330,18 @@ def written(exc: OSError) -> str:
 
 
 def require_abs_normal(path: str, option: str) -> str:
+    """`path` made absolute against the current directory (which the kernel
+    gives without symlinks, so leading '..' are exact); a '..' or '.' after a
+    name, or an unnormalised absolute path, is refused: a symlink on the way
+    would make its lexical meaning a lie."""
+    relative = path and not os.path.isabs(path)
+    named = path.split("/")
+    while relative and named and named[0] in ("..", "."):
+        named = named[1:]
+    if relative and ".." not in named and "." not in named and "" not in named[:-1]:
+        path = os.path.normpath(os.path.join(os.getcwd(), path))
     if not path or not os.path.isabs(path) or os.path.normpath(path) != path or path == "/":
-        raise UsageError("E101", "%s must be an absolute, normalised path (got %r); pass it as "
+        raise UsageError("E101", "%s must be a normalised path (got %r); pass it as "
                          "e.g. %s" % (option, path, os.path.normpath(os.path.abspath(path or "."))))
     return path
 
@@ -670,6 +685,82 @@ def claim_owner(manifest: dict, owner_pid: Optional[int]) -> None:
                            "(or `gc-stale` if that owner is gone) first, or pass --owner-pid %s"
                            % (describe_owner(current), current.get("pid")))
     manifest["owner"] = owner
+
+
+# ---------------------------------------------------------------- the registry of applied overlays
+#
+# One small file per state directory under $XDG_STATE_HOME/overlay_setup/applied,
+# written before the first change and removed after a full revert, so that
+# `status`, `revert --all` and `gc-stale` find an overlay from any directory.
+
+
+def registry_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):  # the XDG rule: a relative value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(os.path.normpath(base), TOOL_NAME, "applied")
+
+
+def registry_record(state_root: str) -> str:
+    name = hashlib.sha256(state_root.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return os.path.join(registry_dir(), name + ".json")
+
+
+def register(state: "State") -> None:
+    """Record the state directory durably before its first change."""
+    record = registry_record(state.root)
+    if os.path.isfile(record):
+        return
+    makedirs_durable(registry_dir(), 0o700)
+    durable_write(record, (json.dumps({"state": state.root}) + "\n").encode())
+
+
+def unregister(state: "State") -> None:
+    remove_path(registry_record(state.root))
+
+
+def registered_states() -> List[str]:
+    """The state directories of this user's registry (applied or not: the
+    caller loads each)."""
+    try:
+        names = sorted(os.listdir(registry_dir()))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(registry_dir(), name), encoding="utf-8") as handle:
+                root = json.load(handle).get("state")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(root, str) and os.path.isabs(root) and os.path.normpath(root) == root:
+            found.append(root)
+    return sorted(set(found))
+
+
+def applied_states(skip: Optional[str] = None) -> List[Tuple["State", Optional[dict]]]:
+    """This user's registered state directories that hold something applied,
+    with their journals (read without the lock: for reports and refusals)."""
+    found = []
+    for root in registered_states():
+        if root == skip:
+            continue
+        state = State(root)
+        try:
+            state.check_safe()
+            if not (state.exists() or state.orphaned_backups()):
+                continue
+            manifest = state.load()
+        except OverlayError:  # damaged: named all the same, the commands on it say why
+            found.append((state, None))
+            continue
+        except OSError:
+            continue
+        if anything_applied(manifest):
+            found.append((state, manifest))
+    return found
 
 
 # ---------------------------------------------------------------- the Python overlay
@@ -1650,6 +1741,8 @@ class Locked:
 
     def __enter__(self) -> dict:
         if self.create:
+            self.state.check_safe()
+            register(self.state)
             self.state.create()
         self.state.lock(self.command)
         try:
@@ -1661,7 +1754,13 @@ class Locked:
             raise
 
     def __exit__(self, *exc_info) -> None:
-        self.state.unlock()
+        try:
+            if self.create and not anything_applied(self.state.load()):
+                unregister(self.state)
+        except (OverlayError, OSError):
+            pass  # registered it stays, which is the safe side
+        finally:
+            self.state.unlock()
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -1686,6 +1785,7 @@ def cmd_add_python(args: argparse.Namespace) -> int:
         write_python_overlay(state, manifest)
     print("module %s now served from %s to processes started with `overlay_setup.py env`"
           % (args.module, os.path.abspath(args.file)))
+    print("state: %s" % state.root)
     return 0
 
 
@@ -1706,6 +1806,7 @@ def cmd_rebind(args: argparse.Namespace) -> int:
         write_python_overlay(state, manifest)
     print("%s is replaced by %s when %s is imported" % (args.target, args.replacement,
                                                        args.target.partition(":")[0]))
+    print("state: %s" % state.root)
     return 0
 
 
@@ -1741,7 +1842,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError("E109", "--timeout must be a positive number of seconds")
     if args.build_cwd is not None:
-        require_abs_normal(args.build_cwd, "--build-cwd")
+        args.build_cwd = require_abs_normal(args.build_cwd, "--build-cwd")
     build = None
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
@@ -1763,6 +1864,7 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
             python_update()
     except OSError as exc:
         rollback(state, entry_id, modules_before, exc)
+    print("state: %s" % state.root, flush=True)
     if entry is not None and build is not None:
         run_entry_build(state, manifest, entry)
     return entry
@@ -1928,14 +2030,22 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     state = open_state(args)
     manifest = state.load() if state.exists() or state.orphaned_backups() else None
+    others = others_applied(args, state)
     if args.json:
         print(json.dumps({"state": state.root, "manifest": manifest,
                           "owner": manifest and manifest["owner"] and dict(
-                              manifest["owner"], liveness=owner_liveness(manifest["owner"]))},
+                              manifest["owner"], liveness=owner_liveness(manifest["owner"])),
+                          "applied_elsewhere": [other.root for other, _ in others]},
                          indent=1, sort_keys=True))
         return 0
     if manifest is None:
         print("no overlay at %s" % state.root)
+        if others:
+            print("applied overlays of this user:")
+            for other, other_manifest in others:
+                print("  %s: %s" % (other.root, summarise(other_manifest)))
+            print("next: `overlay_setup.py --state DIR status` for one of them, or "
+                  "`overlay_setup.py revert --all`")
         return 0
     print("state: %s" % state.root)
     print("owner: %s" % describe_owner(manifest["owner"]))
@@ -1963,24 +2073,94 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_revert(args: argparse.Namespace) -> int:
-    state = open_state(args)
-    if not state.exists() and not state.orphaned_backups():
-        print("nothing to revert: no overlay at %s" % state.root)
-        return 0
+def state_given(args: argparse.Namespace) -> bool:
+    return bool(args.state or os.environ.get("OVERLAY_STATE"))
+
+
+def others_applied(args: argparse.Namespace, state: State) -> List[Tuple[State, Optional[dict]]]:
+    """Without --state and without an overlay here: this user's applied overlays."""
+    if state_given(args) or state.exists() or state.orphaned_backups():
+        return []
+    return applied_states()
+
+
+def summarise(manifest: Optional[dict]) -> str:
+    if manifest is None:
+        return "its journal cannot be read"
+    python = manifest["python"]
+    return "%d native entr%s, %d Python module(s), %d rebind(s); owner %s" % (
+        len(manifest["entries"]), "y" if len(manifest["entries"]) == 1 else "ies",
+        len(python["modules"]), len(python["rebinds"]), describe_owner(manifest["owner"]))
+
+
+def revert_state(state: State, force: bool, keep_untracked: bool) -> List[str]:
+    """Revert one state directory under its lock; it leaves the registry once
+    nothing is applied."""
     with Locked(state, "revert", create=False) as manifest:
         if not anything_applied(manifest):
-            print("nothing to revert at %s" % state.root)
-            return 0
+            unregister(state)
+            return []
         try:
-            done = revert_all(state, manifest, args.force, args.keep_untracked)
+            done = revert_all(state, manifest, force, keep_untracked)
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
                                "what is left: fix the cause and run `overlay_setup.py revert` "
                                "again" % (written(exc), exc.strerror))
+        unregister(state)
+    return done
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    if args.all:
+        if state_given(args):
+            raise UsageError("E109", "--all reverts every applied overlay of this user; drop "
+                             "--state (or $OVERLAY_STATE), or drop --all")
+        return revert_every_state(args)
+    state = open_state(args)
+    if not state.exists() and not state.orphaned_backups():
+        others = others_applied(args, state)
+        if others:
+            raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at "
+                               "%s; run `overlay_setup.py --state DIR revert` for one, or "
+                               "`overlay_setup.py revert --all`"
+                               % (state.root, ", ".join(other.root for other, _ in others)))
+        print("nothing to revert: no overlay at %s" % state.root)
+        return 0
+    done = revert_state(state, args.force, args.keep_untracked)
+    if not done:
+        print("nothing to revert at %s" % state.root)
+        return 0
     for line in done:
         print(line)
     print("reverted %s" % state.root)
+    return 0
+
+
+def revert_every_state(args: argparse.Namespace) -> int:
+    failures = 0
+    roots = registered_states()
+    for root in roots:
+        state = State(root)
+        try:
+            state.check_safe()
+            if not (state.exists() or state.orphaned_backups()):
+                unregister(state)
+                continue
+            done = revert_state(state, args.force, args.keep_untracked)
+        except OverlayError as exc:
+            failures += 1
+            print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+            continue
+        for line in done:
+            print(line)
+        if done:
+            print("reverted %s" % root)
+    if failures:
+        print("overlay_setup: %d state director%s not reverted; see above"
+              % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)
+        return 1
+    if not roots:
+        print("nothing to revert: no applied overlay in %s" % registry_dir())
     return 0
 
 
@@ -2001,7 +2181,14 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
     if not os.path.isdir(root):
         raise OverlayError("E107", "--root %s is not a directory" % root)
     failures = 0
-    for directory in find_state_dirs(root):
+    registered = []
+    for directory in registered_states():
+        state = State(directory)
+        if state.exists() or state.orphaned_backups():
+            registered.append(directory)
+        elif not args.dry_run:  # killed before its journal: nothing was changed
+            unregister(state)
+    for directory in sorted(set(find_state_dirs(root) + registered)):
         state = State(directory)
         try:
             state.check_safe()
@@ -2012,6 +2199,8 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 manifest = state.load()
                 liveness = owner_liveness(manifest["owner"])
                 if not anything_applied(manifest):
+                    if not args.dry_run:
+                        unregister(state)
                     continue
                 if liveness != "gone":
                     print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
@@ -2021,6 +2210,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                         directory, describe_owner(manifest["owner"])))
                     continue
                 revert_all(state, manifest, force=False, keep_untracked=False)
+                unregister(state)
                 print("stale: %s (owner %s): reverted" % (directory,
                                                           describe_owner(manifest["owner"])))
             finally:
@@ -2135,6 +2325,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restore sources even if someone changed them after the apply")
     sub.add_argument("--keep-untracked", action="store_true",
                      help="keep files the build made that no --artifact/--invalidate-cache covers")
+    sub.add_argument("--all", action="store_true",
+                     help="revert every applied overlay of this user (from the registry)")
     sub = command("gc-stale", "revert overlays whose owner is gone")
     sub.add_argument("--root", metavar="DIR", help="where to look (default: the current directory)")
     sub.add_argument("--dry-run", action="store_true", help="only report what would be reverted")

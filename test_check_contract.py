@@ -1871,9 +1871,11 @@ class RepositoryTest(unittest.TestCase):
     def run_readme(self, heading):
         script, expected = readme_shell(heading)
         self.assertGreater(len(expected), 5)
-        with tempfile.TemporaryDirectory() as clone:
+        with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone,
+            # overlay_setup.py records applied overlays under $XDG_STATE_HOME
+            env = dict(os.environ, XDG_STATE_HOME=home)
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
             self.assertEqual(proc.returncode, 0, proc.stdout)

@@ -124,10 +124,26 @@ def run_tool(args: list, env: dict = None, cwd: str = None, own: bool = False):
                           stderr=subprocess.PIPE, universal_newlines=True)
 
 
+# The registry of applied overlays lives under $XDG_STATE_HOME: never the real
+# home's during the tests (each test case gets its own below).
+_REGISTRY_HOME = tempfile.mkdtemp(prefix="overlay-test-xdg-")
+os.environ["XDG_STATE_HOME"] = _REGISTRY_HOME
+
+
+def registry_entries() -> list:
+    directory = overlay_setup.registry_dir()
+    if not os.path.isdir(directory):
+        return []
+    return sorted(read_json(os.path.join(directory, name))["state"]
+                  for name in os.listdir(directory))
+
+
 class OverlayTestCase(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="overlay-test-")
         self.addCleanup(shutil.rmtree, self.tmp, True)
+        os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "xdg-state")
+        self.addCleanup(os.environ.__setitem__, "XDG_STATE_HOME", _REGISTRY_HOME)
         self.state = os.path.join(self.tmp, "state")
         self.old_cwd = os.getcwd()
         os.chdir(self.tmp)
@@ -358,15 +374,30 @@ class CProjectTest(OverlayTestCase):
             1, "", "overlay_setup: E103 source %s is already overlaid; run `overlay_setup.py "
             "revert` first\n" % self.p("kernel_b.c")))
 
-    def test_relative_or_unnormalised_paths_are_usage_errors(self) -> None:
-        self.assertEqual(self.tool("add-native", "--source", "proj/kernel_b.c",
+    def test_relative_paths_are_resolved_against_the_cwd_and_recorded_absolute(self) -> None:
+        os.chdir(self.proj)
+        self.assertOk(self.tool("add-native", "--source", "kernel_b.c", "--patched",
+                                "../kernel_b_fast.c", "--artifact", "./libkernels.so",
+                                "--invalidate-cache", "cache", "--build-cmd", "make",
+                                "--build-cwd", "."))
+        entry = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]
+        self.assertEqual([r["path"] for r in entry["sources"] + entry["artifacts"]],
+                         [self.p("kernel_b.c"), self.lib])
+        self.assertEqual((entry["caches"][0]["path"], entry["build"]["cwd"]),
+                         (self.p("cache"), self.proj))
+        self.assertEqual(self.output(), "7.0")
+        self.assertOk(self.tool("revert"))
+
+    def test_unnormalised_paths_are_usage_errors(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", "proj/../proj/kernel_b.c",
                                    "--patched", self.patched, "--no-build"), (
-            2, "", "overlay_setup: E101 --source must be an absolute, normalised path (got "
-            "'proj/kernel_b.c'); pass it as e.g. %s\n" % self.p("kernel_b.c")))
+            2, "", "overlay_setup: E101 --source must be a normalised path (got "
+            "'proj/../proj/kernel_b.c'); pass it as e.g. %s\n" % self.p("kernel_b.c")))
         self.assertEqual(self.tool("add-native", "--source", self.proj + "/../proj/kernel_b.c",
                                    "--patched", self.patched, "--no-build")[0], 2)
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
-                                   self.patched, "--artifact", "libkernels.so", "--no-build")[0], 2)
+                                   self.patched, "--artifact", "proj/./libkernels.so",
+                                   "--no-build")[0], 2)
 
     def test_build_command_or_no_build_is_required(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
@@ -474,6 +505,78 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(waiter.wait(10), 0)
         waiter.stdout.close()
         waiter.stderr.close()
+
+
+    def test_state_is_named_and_found_from_another_directory(self) -> None:
+        before = tree_state(self.proj)
+        work = os.path.join(self.tmp, "work")
+        default_state = os.path.join(work, ".overlay")
+        os.mkdir(work)
+        os.chdir(work)
+        rc, out, err = call("add-native", "--source", "../proj/kernel_b.c", "--patched",
+                            "../kernel_b_fast.c", "--artifact", "../proj/libkernels.so",
+                            "--artifact", "../proj/kernel_b.o", "--invalidate-cache",
+                            "../proj/cache", "--build-cmd", "make", "--build-cwd", "../proj")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("state: %s\n" % default_state, out)
+        self.assertEqual(registry_entries(), [default_state])
+        os.chdir(self.tmp)
+        self.assertEqual(call("status"), (
+            0, "no overlay at %s\napplied overlays of this user:\n  %s: 1 native entry, 0 Python "
+            "module(s), 0 rebind(s); owner %s\nnext: `overlay_setup.py --state DIR status` for "
+            "one of them, or `overlay_setup.py revert --all`\n"
+            % (os.path.join(self.tmp, ".overlay"), default_state,
+               overlay_setup.describe_owner(read_json(os.path.join(
+                   default_state, "manifest.json"))["owner"])), ""))
+        self.assertEqual(call("revert"), (
+            1, "", "overlay_setup: E208 no overlay at %s, but this user has applied overlays at "
+            "%s; run `overlay_setup.py --state DIR revert` for one, or `overlay_setup.py revert "
+            "--all`\n" % (os.path.join(self.tmp, ".overlay"), default_state)))
+        self.assertEqual(self.output(), "7.0")
+        self.assertEqual(call("revert", "--all"), (
+            0, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"), default_state),
+            ""))
+        self.assertEqual(registry_entries(), [])
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(call("revert"), (
+            0, "nothing to revert: no overlay at %s\n" % os.path.join(self.tmp, ".overlay"), ""))
+
+    def test_revert_all_reverts_every_registered_state_and_refuses_state(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                                self.patched, "--no-build"))
+        other = os.path.join(self.tmp, "other-state")
+        self.assertOk(call("--state", other, "add-python", "pkg.mathops", self.patched))
+        self.assertEqual(registry_entries(), sorted([self.state, other]))
+        self.assertEqual(self.tool("revert", "--all"), (
+            2, "", "overlay_setup: E109 --all reverts every applied overlay of this user; drop "
+            "--state (or $OVERLAY_STATE), or drop --all\n"))
+        rc, out, err = call("revert", "--all")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("reverted %s\n" % self.state, out)
+        self.assertIn("reverted %s\n" % other, out)
+        self.assertEqual(registry_entries(), [])
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_registry_is_written_before_the_install_changes_and_gc_stale_uses_it(self) -> None:
+        before = tree_state(self.proj)
+        refused = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                            self.patched, "--artifact", self.p("kernel_b.c"), "--no-build")
+        self.assertEqual(refused[0], 1)
+        self.assertEqual(registry_entries(), [], "a refused command leaves no registry record")
+        for point in (2, 3):
+            killed = run_tool(["--state", self.state, "add-native", "--source",
+                               self.p("kernel_b.c"), "--patched", self.patched, "--no-build"],
+                              env={"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
+            self.assertEqual(killed.returncode, -9, killed)
+            self.assertEqual(registry_entries(), [self.state])
+            elsewhere = os.path.join(self.tmp, "elsewhere")
+            os.makedirs(elsewhere, exist_ok=True)
+            result = call("gc-stale", "--root", elsewhere)
+            self.assertEqual(result[0], 0, result)
+            self.assertEqual(registry_entries(), [])
+            shutil.rmtree(self.state)
+            self.assertEqual(tree_state(self.proj), before)
 
 
 class HelpTest(unittest.TestCase):
@@ -777,8 +880,8 @@ class PythonOverlayTest(OverlayTestCase):
 
     def test_rebind_replaces_the_attribute_on_import(self) -> None:
         self.assertEqual(self.tool("rebind", "pkg.mathops:scale", "pkg.fast:scale"), (
-            0, "pkg.mathops:scale is replaced by pkg.fast:scale when pkg.mathops is imported\n",
-            ""))
+            0, "pkg.mathops:scale is replaced by pkg.fast:scale when pkg.mathops is imported\n"
+            "state: %s\n" % self.state, ""))
         self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "8\n")
         self.assertOk(self.tool("revert"))
         self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "2\n")
