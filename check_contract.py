@@ -71,7 +71,11 @@ Diagnostic codes (stable; never reused):
                      in architectures, B009 default_arch differs from the
                      script's default, B010 architecture below min_capability,
                      B011 architecture is not a valid target for the platform,
-                     B012 script has Windows (CRLF) line ends
+                     B012 script has Windows (CRLF) line ends, B013 library not
+                     written under <output-dir>, B014 no #! line or an interpreter
+                     not on a standard system, B015 build.output absolute or
+                     with .., B016 -D<PREFIX>_ABI_VERSION differs from
+                     abi_version, B017 the script reader cannot tell (warning)
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -115,7 +119,9 @@ REFERENCE_KEYS = ("entrypoint", "note")
 NAME_RE = re.compile(r"[a-z0-9_]+\Z")
 ARCH_FORMS = {
     "cuda": (re.compile(r"[1-9][0-9]{1,2}[a-z]?\Z"), 'a compute capability such as 89 or "90a"'),
-    "hip": (re.compile(r"gfx[0-9a-f]{3,4}(:[a-z]+[+-])*\Z"), 'a gfx target such as "gfx942"'),
+    # A processor (gfx90a) or a generic target (gfx11-generic), feature settings after it.
+    "hip": (re.compile(r"gfx(?:[0-9a-f]{3,4}|[0-9]{1,2}(?:-[0-9])?-generic)(?::[a-z]+[+-])*\Z"),
+            'a gfx target such as "gfx942"'),
     "cpu": (re.compile(r"[a-z0-9][a-z0-9._+-]*\Z"), 'a -march value such as "x86-64"'),
 }
 
@@ -139,29 +145,26 @@ SH_WORD_RE = re.compile(r"(?:\"(?:\\.|[^\"\\])*\"?|'[^']*'?|\$\{[^}]*\}?"
                         r"|\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)?|\\.|[^\s\"'$\\]+|[$\\])+")
 SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))*\)|\\.|(&&|\|\||;;|[;|&])")
 SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
-# `-o FILE`, `--output-file FILE`, `--output-file=FILE`, `-oFILE`, with one word per line.
 COMPILER_OUTPUT_RE = re.compile(r"^(?:-o\n|--output-file[=\n]|-o(?!=))([^\n]+)$", re.M)
 # One variable and plain text after it, all quoted or all bare: "$out/lib.so".
 SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))"
                                r"([^\"$'\\`]*)(?(1)\")\Z")
 SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
-COMPILERS = frozenset(("cc", "gcc", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
-                       "icx", "icpx", "amdclang", "amdclang++", "ld", "ld.lld", "hipcc.pl"))
-# A line with no `=` and neither a compiler or make word nor a command
 # starting with a variable changes nothing.
-SH_RELEVANT_RE = re.compile(r"(?:^|[;&|(]\s*)\"?\$|(?<![\w.-])(?:%s|make)(?![\w.+-])"
-                            % "|".join(re.escape(c) for c in sorted(COMPILERS, key=len, reverse=True)))
 SH_PREFIX_WORDS = frozenset(("exec", "time", "command", "then", "else", "do", "{", "!"))
 SH_SPACE_RE = re.compile(r"\s")
 SH_ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-CUDA_CODE_RE = re.compile(r"(?:^-{1,2}(?:gpu-)?|,)code[=\n](\[[^\]\n]*\]|[A-Za-z0-9_]+)", re.M)
-CUDA_SM_RE = re.compile(r"\bsm_([0-9]+[a-z]?)\b")
-CUDA_ARCH_FLAG_RE = re.compile(r"^(?:-arch|--gpu-architecture)[=\n](?:sm|compute)_([0-9]+[a-z]?)$", re.M)
-HIP_ARCH_RE = re.compile(r"--(?:offload-arch|amdgpu-target)[=\n](gfx[0-9a-z]+(?::[a-z]+[+-])*)")
-CPU_ARCH_RE = re.compile(r"(?:^|\s)-march=(\S+)")
 DIGITS_RE = re.compile(r"[0-9]+")
-UNRESOLVED = "\x01"
+# Marks in a value the script reader expands: NOT_REACHED stands for an
+# argument the default invocation does not pass ($2), OUT_DIR for its
+# <output-dir> argument ($1), UNKNOWN for what the reader cannot know (a
+# command's output), ONE_OF for a value that depends on a condition it cannot
+# decide.
+NOT_REACHED = "\x01"
 OUT_DIR = "\x02"
+UNKNOWN = "\x03"
+ONE_OF = "\x04"
+MARKERS = (NOT_REACHED, OUT_DIR, UNKNOWN, ONE_OF)
 # A script is read, never run, but a few lines can still double a value
 # (v+=$v) until it fills the memory: a value or array longer than this is
 # taken as unresolved, and a logical line longer than this (or joined from
@@ -622,6 +625,310 @@ def find_abi_defines(text):
 
 
 # ---------------------------------------------------------------------------
+# Compiler calls: what one call builds, read from its words.  The script
+# reader and the trace both hand their calls to compiler_call(), and compare
+# what a script does with its manifest in check_build_facts().
+
+COMPILER_NAME_RE = re.compile(
+    r"(?:[A-Za-z0-9_]+-)*?(nvcc|hipcc|hipcc\.pl|amdclang\+\+|amdclang|clang\+\+|clang|g\+\+|gcc"
+    r"|c\+\+|cc|icpx|icx|ld|ld\.lld)(?:-[0-9]+(?:\.[0-9]+)*)?\Z")
+COMPILER_WRAPPERS = ("ccache", "sccache", "env")
+ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z", re.S)
+GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
+CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
+OPEN_TARGETS = ("all", "all-major", "native")
+
+
+class CompilerCall:
+    """The facts of one compiler call.
+
+    outputs: the files its -o names (probes to /dev/null apart), relative
+    paths joined to the directory it ran in when that is known; sass, ptx,
+    hip and march: the targets it builds (nvcc machine code, nvcc PTX only,
+    AMD gfx targets, CPU -march values); open_targets: -arch=all, all-major
+    or native, which are no fixed list; abi_defines: (PREFIX, value) of each
+    -D<PREFIX>_ABI_VERSION=value; unknown: what in its words the reader
+    cannot tell (a target or output that depends on such a value).
+    """
+
+    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march",
+                 "open_targets", "abi_defines", "unknown")
+
+    def __init__(self, compiler, line):
+        self.compiler = compiler
+        self.line = line
+        self.outputs = []
+        self.probes = 0
+        self.sass, self.ptx, self.hip, self.march = [], [], [], []
+        self.open_targets = []
+        self.abi_defines = []
+        self.unknown = []
+
+    def targets(self, platform):
+        """The architectures this call builds machine code for on a platform
+        (on any, for a platform the checker does not know)."""
+        targets = {"cuda": self.sass, "hip": self.hip, "cpu": self.march}
+        return targets.get(platform, self.sass + self.hip + self.march)
+
+
+def is_compiler_name(word):
+    return COMPILER_NAME_RE.match(word.rsplit("/", 1)[-1]) is not None
+
+
+def looks_like_compiler_arguments(args):
+    """Whether the arguments are a compiler's, whatever runs them."""
+    for arg in args:
+        if arg in ("-gencode", "--generate-code") or arg.startswith(
+                ("-gencode=", "--generate-code=", "--offload-arch", "--amdgpu-target", "-arch=sm_",
+                 "--gpu-architecture")):
+            return True
+    return "-shared" in args and any(a == "-o" or a.startswith("-o") for a in args)
+
+
+def option_values(args, index, names, glued=False):
+    """(value, words used) when args[index] is one of the options `names`
+    (as `-x v`, `-x=v`, or with `glued` `-xv`); (None, 0) otherwise."""
+    arg = args[index]
+    for name in names:
+        if arg == name:
+            return (args[index + 1], 2) if index + 1 < len(args) else (None, 1)
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:], 1
+        if glued and arg.startswith(name) and len(arg) > len(name):
+            return arg[len(name):], 1
+    return None, 0
+
+
+def compiler_call(words, line=None, cwd=None):
+    """The facts of a command whose words (its argv: variables expanded,
+    quotes removed) are `words`, or None when it is no compiler call.
+
+    A compiler call's command word, after `VAR=value`, ccache, sccache or
+    env, names a compiler (nvcc, hipcc, clang++, gcc-12, ...); a command
+    word the reader cannot resolve is one when its arguments are a
+    compiler's (-gencode, --offload-arch, -shared with -o).  Targets are
+    read as the compilers define them: nvcc `-gencode arch=compute_X,code=
+    [sm_X,compute_X]`, `-arch=sm_X` (machine code and PTX for X),
+    `-arch=compute_X` (PTX only), `-code=` lists; clang and hipcc
+    `--offload-arch=`, `--amdgpu-target=`, `-mcpu=gfxN`, `--genco --targets
+    a,b`; `-march=` for the CPU.  Words that hold NOT_REACHED (they depend
+    on an argument the default invocation does not pass) are not read.
+    """
+    words = list(words)
+    while words and (ENV_WORD_RE.match(words[0]) or words[0].rsplit("/", 1)[-1] in COMPILER_WRAPPERS):
+        words = words[1:]
+    if not words:
+        return None
+    command, args = words[0], words[1:]
+    if not is_compiler_name(command):
+        resolved = not any(marker in command for marker in MARKERS)
+        if resolved or not looks_like_compiler_arguments(args):
+            return None
+    call = CompilerCall(command.rsplit("/", 1)[-1], line)
+    arch = code = None
+    genco = "--genco" in args
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        used = 1
+        if NOT_REACHED in arg:
+            index += 1
+            continue
+        value, used = option_values(args, index, ("-o", "--output-file"), glued=True)
+        if used:
+            if value is None or NOT_REACHED in value:
+                pass
+            elif value == "/dev/null":
+                call.probes += 1
+            else:
+                if cwd is not None and not value.startswith(("/", OUT_DIR, UNKNOWN)):
+                    value = cwd + "/" + value
+                call.outputs.append(value)
+            index += used
+            continue
+        for names, kind in ((("-gencode", "--generate-code"), "gencode"),
+                            (("-arch", "--gpu-architecture"), "arch"),
+                            (("-code", "--gpu-code"), "code"),
+                            (("--offload-arch", "--amdgpu-target", "--cuda-gpu-arch"), "offload"),
+                            (("--targets",), "targets" if genco else None),
+                            (("-D", "--define-macro"), "define")):
+            value, used = option_values(args, index, names, glued=(kind == "define"))
+            if used:
+                break
+        else:
+            kind, used = None, 1
+            if arg.startswith("-march="):
+                kind, value = "march", arg[7:]
+            elif arg.startswith("-mcpu=gfx"):
+                kind, value = "offload", arg[6:]
+        index += used
+        if kind is None or value is None or NOT_REACHED in value:
+            continue
+        if any(marker in value for marker in (UNKNOWN, ONE_OF)):
+            call.unknown.append("%s %s" % (arg if used == 2 else arg.split("=", 1)[0], value))
+        elif kind == "gencode":
+            gencode(call, value)
+        elif kind == "arch":
+            arch = value
+        elif kind == "code":
+            code = value
+        elif kind in ("offload", "targets"):
+            for target in value.split(","):
+                if target in OPEN_TARGETS:
+                    call.open_targets.append("%s=%s" % (arg.split("=", 1)[0], target))
+                elif target.startswith("sm_"):
+                    call.sass.append(target[3:])
+                elif target:
+                    call.hip.append(target)
+        elif kind == "march":
+            call.march.append(value)
+        elif kind == "define":
+            define = ABI_DEFINE_FLAG_RE.match(value)
+            if define:
+                call.abi_defines.append((define.group(1), define.group(2)))
+    if code is not None:
+        cuda_codes(call, code.split(","), "-code=" + code)
+    elif arch in OPEN_TARGETS:
+        call.open_targets.append("-arch=" + arch)
+    elif arch is not None:
+        item = CUDA_CODE_ITEM_RE.match(arch)
+        if item is None:
+            call.unknown.append("-arch=%s, which nvcc does not read" % arch)
+        else:
+            call.ptx.append(item.group(2))
+            if item.group(1) == "sm":
+                call.sass.append(item.group(2))
+    return call
+
+
+def gencode(call, value):
+    """Read one nvcc -gencode value into the call's targets."""
+    match = GENCODE_RE.match(value)
+    if match is None:
+        call.unknown.append("-gencode %s, which nvcc does not read (a list of codes is written "
+                            "code=[sm_80,sm_90])" % value)
+        return
+    cuda_codes(call, match.group(2).strip('[]"').split(","), "-gencode " + value)
+
+
+def cuda_codes(call, codes, flag):
+    for item in codes:
+        code = CUDA_CODE_ITEM_RE.match(item.strip())
+        if code is None:
+            call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
+        elif code.group(1) == "sm":
+            call.sass.append(code.group(2))
+        else:
+            call.ptx.append(code.group(2))
+
+
+class ScriptFacts:
+    """What a build script's default invocation does: its compiler calls in
+    order, the target it takes when no <arch> is given (`${2:-N}`), and the
+    constructs met that the reader does not follow, as (line, what)."""
+
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir")
+
+    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR):
+        self.calls = calls
+        self.default_target = default_target
+        self.unfollowed = list(unfollowed)
+        self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
+
+
+def show_word(word):
+    """A word as a message shows it: $1 for the output directory, $? for what is unknown."""
+    for marker, shown in ((OUT_DIR, "$1"), (NOT_REACHED, "$2"), (UNKNOWN, "$?"), (ONE_OF, "$?")):
+        word = word.replace(marker, shown)
+    return word
+
+
+def check_build_facts(backend, rel, facts, traced=False):
+    """B004-B007, B009, B011, B013, B016, B017: compare what the build script
+    `rel` does (its ScriptFacts, read or traced) with the manifest.
+    Findings from a trace say so."""
+    said = "running %s shows: " % rel if traced else ""
+    where = backend.rel(rel)
+    unfollowed = ""
+    if facts.unfollowed:
+        unfollowed = " (%s uses %s, which the checker does not follow)" % (
+            rel, ", ".join("%s at line %d" % (what, line) for line, what in facts.unfollowed))
+    outputs = [(output, call.line) for call in facts.calls for output in call.outputs]
+    if not outputs:
+        backend.error("B005", "%sbuild script %s has no compiler command with -o; the script must "
+                      "write build.output into its <output-dir> argument%s"
+                      % (said, rel, unfollowed), where)
+        return
+    prefix = facts.out_dir + "/"
+    written = {posixpath.normpath(o[len(prefix):]) for o, line in outputs if o.startswith(prefix)}
+    output, line = outputs[-1]
+    if backend.output is not None and posixpath.normpath(backend.output) not in written:
+        if output.startswith(prefix):
+            backend.error("B004", "%sbuild script %s writes %s but build.output is %s"
+                          % (said, rel, describe(show_word(output[len(prefix):])),
+                             describe(backend.output)), where, line)
+        elif UNKNOWN in output or ONE_OF in output:
+            backend.warning("B017", "%scannot tell where %s writes its library: -o %s depends on a "
+                            "value the checker cannot know%s" % (said, rel, show_word(output), unfollowed),
+                            where, line)
+        else:
+            backend.error("B013", "%sbuild script %s writes its library to %s, not under its "
+                          "<output-dir> argument ($1): the build tier and CI look for %s in "
+                          "<output-dir>; write -o \"$1/%s\""
+                          % (said, rel, show_word(output), backend.output, backend.output), where, line)
+    check_build_defines(backend, rel, facts, said, where)
+    if backend.architectures is None:
+        return
+    platform = backend.platform
+    built, ptx, unknown = {}, set(), []
+    for call in facts.calls:
+        for arch in call.targets(platform):
+            built.setdefault(arch, call.line)
+        ptx.update(call.ptx)
+        unknown.extend("%s at line %d" % (what, call.line) for what in call.unknown)
+        for flag in call.open_targets:
+            backend.error("B011", "%s%s builds with %s, which is no fixed list of targets (it "
+                          "depends on the compiler's version or the machine it runs on); list the "
+                          "targets, one flag each" % (said, rel, flag), where, call.line)
+    for arch in backend.architectures:
+        if arch in built:
+            continue
+        if unknown:
+            backend.warning("B017", "%scannot tell whether %s builds %s: %s"
+                            % (said, rel, arch, "; ".join(unknown)), where)
+        elif platform == "cuda" and arch in ptx:
+            backend.error("B006", "%sbuild.architectures lists %s but %s builds only PTX for it "
+                          "(compute_%s), which is compiled when the library is loaded, not machine "
+                          "code; add code=sm_%s" % (said, arch, rel, arch, arch), where)
+        else:
+            backend.error("B006", "%sbuild.architectures lists %s but the default invocation of "
+                          "%s does not build it%s" % (said, arch, rel, unfollowed), where)
+    for arch in sorted(built):
+        if arch not in backend.architectures:
+            backend.warning("B007", "%s%s also builds %s, which build.architectures does not list"
+                            % (said, rel, arch), where, built[arch])
+    default = backend.default_arch
+    if default is not None and facts.default_target is not None and facts.default_target != default:
+        backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
+                      "(${2:-%s})" % (said, default, rel, facts.default_target,
+                                      facts.default_target), where)
+
+
+def check_build_defines(backend, rel, facts, said, where):
+    """B016: a -D<PREFIX>_ABI_VERSION=N that differs from abi_version."""
+    if not is_int(backend.abi_version):
+        return
+    for call in facts.calls:
+        for prefix, value in call.abi_defines:
+            if value.strip() != str(backend.abi_version):
+                backend.error("B016", "%s%s compiles with -D%s_ABI_VERSION=%s but abi_version is "
+                              "%d; the library would report another ABI version than the manifest"
+                              % (said, rel, prefix, show_word(value), backend.abi_version),
+                              where, call.line)
+
+
+# ---------------------------------------------------------------------------
 # Reading build scripts (as text; never executed)
 
 
@@ -751,10 +1058,11 @@ def parse_sh_line(line):
     if words is not None and plain_word(last):
         return (("run", words + (last,)),)
     parsed = []
-    if "=" in line or SH_RELEVANT_RE.search(line) is not None:
+    if True:
         for command in split_commands(line):
             assign = SH_ASSIGN_RE.match(command)
-            if assign and not SH_SPACE_RE.search(command, 0, assign.start(3)):
+            if (assign and not SH_SPACE_RE.search(command, 0, assign.start(3))
+                    and (assign.group(3).startswith("(") or len(split_words(assign.group(3))) <= 1)):
                 value = assign.group(3).strip()
                 items = (split_words(value[1:-1])
                          if value.startswith("(") and value.endswith(")") else None)
@@ -817,54 +1125,11 @@ def word_template(word):
 # line number, physical line) to the state after that line; state 0 is the
 # start.  A state holds the variables and the logical line being assembled.
 # Arrays are replaced, never changed in place, so a shallow copy is a snapshot.
-SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), (), "", 0)]
+SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), "", 0)]
 SH_STATES = {}
 SH_EXPANSIONS = {}  # (state, word) -> the word expanded in that state
 SH_COMMAND_HEADS = {}  # (state, words but the last) -> their expansion
 SH_SEEN = set()     # physical lines read past the kept states
-
-
-# The targets of a command depend only on its target flags (the words that
-# name "code", "arch" or "amdgpu") and the word after each, which may hold
-# the flag's value (`-arch sm_90`, `--offload-arch gfx942`): no target
-# pattern spans more than two words or starts in a word without a flag
-# name.  So the other words are dropped before the patterns run, and the
-# compiler commands of many scripts, which differ in their file names,
-# share one answer: SH_TARGETS maps (platform, kept words) to the targets.
-SH_TARGETS = {}
-
-
-def command_targets(words, platform):
-    """The architectures a compiler or make command's expanded words reach,
-    in order (with repeats)."""
-    kept = []
-    after_flag = False
-    for word in words:
-        if UNRESOLVED in word:
-            continue  # not reached by the default invocation
-        flag = "code" in word or "arch" in word or "amdgpu" in word
-        if flag or after_flag:
-            kept.append(word)
-        after_flag = flag
-    key = (platform, tuple(kept))
-    archs = SH_TARGETS.get(key)
-    if archs is not None:
-        return archs
-    # One word per line, so that `^`/`$` anchor at word boundaries.
-    text = "\n".join(kept)
-    archs = []
-    if platform in ("cuda", None):
-        if "code" in text:
-            for code in CUDA_CODE_RE.findall(text):
-                archs.extend(CUDA_SM_RE.findall(code))
-        if "-arch" in text or "--gpu-architecture" in text:
-            archs.extend(CUDA_ARCH_FLAG_RE.findall(text))
-    if platform in ("hip", None) and "--" in text:
-        archs.extend(HIP_ARCH_RE.findall(text))
-    if platform in ("cpu", None) and "-march=" in text:
-        archs.extend(CPU_ARCH_RE.findall(text))
-    SH_TARGETS[key] = archs = tuple(archs)
-    return archs
 
 
 class ScriptReader:
@@ -881,8 +1146,7 @@ class ScriptReader:
         self.vars = {"1": OUT_DIR}
         self.arrays = {}
         self.arg2_defaults = []
-        self.outputs = []       # (line, path after the output directory)
-        self.arch_tokens = []   # (line, expanded words of a compiler or make command)
+        self.calls = []         # CompilerCall of each compiler command
         self.state = None       # the state number the variables are in, when known
         self.pending, self.start = "", 0  # the logical line being assembled
         # What a line does depends only on the lines before it, so the state
@@ -946,15 +1210,15 @@ class ScriptReader:
     def snapshot(self):
         """A number for the reader's state, kept in SH_SNAPSHOTS."""
         SH_SNAPSHOTS.append((dict(self.vars), dict(self.arrays), tuple(self.arg2_defaults),
-                             tuple(self.outputs), tuple(self.arch_tokens),
+                             tuple(self.calls),
                              self.pending, self.start))
         return len(SH_SNAPSHOTS) - 1
 
     def restore(self, state):
-        vars, arrays, arg2_defaults, outputs, arch_tokens, pending, start = SH_SNAPSHOTS[state]
+        vars, arrays, arg2_defaults, calls, pending, start = SH_SNAPSHOTS[state]
         self.vars, self.arrays = dict(vars), dict(arrays)
         self.arg2_defaults = list(arg2_defaults)
-        self.outputs, self.arch_tokens = list(outputs), list(arch_tokens)
+        self.calls = list(calls)
         self.pending, self.start = pending, start
 
     # -- expansion
@@ -967,10 +1231,10 @@ class ScriptReader:
         """Value of the text inside `${...}` (or a bare name)."""
         if body.isalnum() and body.isascii() and not body[0].isdigit():
             value = self.lookup(body)  # a plain name: the common case
-            return UNRESOLVED if value is None else value
+            return NOT_REACHED if value is None else value
         match = SH_PARAM_RE.match(body)
         if not match or body.startswith("#"):
-            return UNRESOLVED
+            return NOT_REACHED
         name, index, op, rest = match.groups()
         if index is not None:
             values = self.arrays.get(name)
@@ -988,12 +1252,12 @@ class ScriptReader:
                 return default
             return value
         if op in (":?", "?"):
-            return UNRESOLVED if value is None else value
+            return NOT_REACHED if value is None else value
         if op in (":+", "+"):
             return self.expand(rest) if value else ""
         if rest:
-            return UNRESOLVED
-        return UNRESOLVED if value is None else value
+            return NOT_REACHED
+        return NOT_REACHED if value is None else value
 
     def expand(self, word):
         """The word with variables substituted and quotes removed."""
@@ -1044,7 +1308,7 @@ class ScriptReader:
                 out.append(token[1:])
             elif token == "$(":
                 end = self.matching(word, match.start() + 1)
-                out.append(OUT_DIR if self.mentions_out_dir(word[pos:end]) else UNRESOLVED)
+                out.append(OUT_DIR if self.mentions_out_dir(word[pos:end]) else NOT_REACHED)
                 pos = end + 1
             else:
                 body = match.group(1) if match.group(1) is not None else match.group(2)
@@ -1085,73 +1349,34 @@ class ScriptReader:
     # -- commands
     def command(self, number, words):
         """A simple command (its words, after any prefix words)."""
-        program = self.expand(words[0]).rsplit("/", 1)[-1]
-        if program != "make" and program not in COMPILERS:
-            return
-        if self.state is None or len(words) < 3:
-            args = self.expand_words(words[1:])
-        else:
-            # The words before the last expand alike in the same state (see
-            # SH_HEADS), unless they take a default for $2.
-            key = (self.state, words[:-1])
-            head = SH_COMMAND_HEADS.get(key)
-            if head is None:
-                defaults = len(self.arg2_defaults)
-                head = self.expand_words(words[1:-1])
-                if len(self.arg2_defaults) == defaults:
-                    SH_COMMAND_HEADS[key] = head
-            args = head + self.expand_words(words[-1:])
-        self.arch_tokens.append((number, args))
-        if program == "make":
-            return
-        outputs = COMPILER_OUTPUT_RE.findall("\n".join(args))
-        if outputs:
-            self.outputs.append((number, outputs[-1]))
+        call = compiler_call(self.expand_words(words), number)
+        if call is not None:
+            self.calls.append(call)
 
     def assign(self, name, append, value, words):
         """`name=value` or `name+=value`; `words` are those of an array value."""
         if words is not None:
             items = self.expand_words(words)
-            if any(UNRESOLVED in item for item in items) and (name in self.arrays or name in self.vars):
+            if any(NOT_REACHED in item for item in items) and (name in self.arrays or name in self.vars):
                 return
             items = (self.arrays.get(name, []) + items) if append else items
             if sum(map(len, items)) > SH_MAX_CHARS:
-                items = [UNRESOLVED]
+                items = [NOT_REACHED]
             self.arrays[name] = items
             self.vars.pop(name, None)
             return
         text = self.expand(value)
-        if UNRESOLVED in text and self.vars.get(name) is not None:
+        if NOT_REACHED in text and self.vars.get(name) is not None:
             return
         if append and self.vars.get(name) is not None:
             text = self.vars[name] + text
-        self.vars[name] = text if len(text) <= SH_MAX_CHARS else UNRESOLVED
+        self.vars[name] = text if len(text) <= SH_MAX_CHARS else NOT_REACHED
         self.arrays.pop(name, None)
 
     # -- results
-    def output(self):
-        """The library the default invocation writes, relative to <output-dir>,
-        with its line; (None, None) when no compiler command has `-o`."""
-        if not self.outputs:
-            return None, None
-        line, path = self.outputs[-1]
-        if path.startswith(OUT_DIR):
-            path = path[len(OUT_DIR):].lstrip("/")
-        elif path.startswith(UNRESOLVED + "/"):
-            path = path[2:]
-        return path, line
-
-    def architectures(self, platform):
-        """{arch: line} for every target the default invocation reaches."""
-        found = {}
-        for line, words in self.arch_tokens:
-            for arch in command_targets(words, platform):
-                found.setdefault(arch, line)
-        return found
-
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
-        values = {v for v in self.arg2_defaults if UNRESOLVED not in v}
+        values = {v for v in self.arg2_defaults if NOT_REACHED not in v}
         return values.pop() if len(values) == 1 else None
 
 
@@ -1732,7 +1957,7 @@ def check_build_script(repo, backend):
     if not isinstance(build, dict):
         return
     check_build_targets(backend, build)
-    if not isinstance(build.get("script"), str):
+    if not check_build_output(backend) or not isinstance(build.get("script"), str):
         return
     script = build["script"]
     rel, problem = normalize_relpath(script)
@@ -1764,52 +1989,56 @@ def check_build_script(repo, backend):
                       "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
                       rel_path)
     text = decode(data)[0]
+    check_shebang(backend, rel, text, rel_path)
     reader = ScriptReader(text)
-    output, line = reader.output()
-    if output is None:
-        backend.error("B005", "build script %s has no compiler command with -o; the script must "
-                      "write build.output into its <output-dir> argument%s"
-                      % (rel, unread_constructs(rel, text)), rel_path)
-    elif backend.output is not None and output != backend.output:
-        backend.error("B004", "build script %s writes %s but build.output is %s"
-                      % (rel, describe(output.replace(UNRESOLVED, "$?")), describe(backend.output)),
-                      rel_path, line)
-    if backend.architectures is None:
+    facts = ScriptFacts(reader.calls, reader.default_target(), unread_constructs(text))
+    check_build_facts(backend, rel, facts)
+
+
+# Where the interpreter of a `#!` line is on every Linux and macOS system.
+STANDARD_INTERPRETERS = ("/bin/sh", "/bin/bash", "/bin/dash", "/bin/zsh", "/bin/ksh", "/usr/bin/env",
+                         "/usr/bin/sh", "/usr/bin/bash", "/usr/bin/zsh")
+
+
+def check_shebang(backend, rel, text, rel_path):
+    """B014: `./build.sh` runs only with a #! line naming an interpreter that exists."""
+    first = text.split("\n", 1)[0]
+    if not first.startswith("#!"):
+        backend.error("B014", "build script %s has no #! line, so ./%s cannot run; start it with "
+                      "#!/usr/bin/env bash" % (rel, rel), rel_path, 1)
         return
-    platform = backend.platform if backend.platform in PLATFORMS else None
-    reached = reader.architectures(platform)
-    if output is not None and reached.keys() != set(backend.architectures):
-        unread = None
-        for arch in backend.architectures:
-            if arch not in reached:
-                if unread is None:
-                    unread = unread_constructs(rel, text)
-                backend.error("B006", "build.architectures lists %s but the default invocation "
-                              "of %s does not build it%s" % (arch, rel, unread), rel_path)
-        for arch in sorted(reached):
-            if arch not in backend.architectures:
-                backend.warning("B007", "%s also builds %s, which build.architectures does not "
-                                "list" % (rel, arch), rel_path, reached[arch])
-    default = backend.default_arch
-    if default is not None:
-        script_default = reader.default_target()
-        if script_default is not None and script_default != default:
-            backend.error("B009", "build.default_arch is %s but %s defaults its target to %s "
-                          "(${2:-%s})" % (default, rel, script_default, script_default), rel_path)
+    words = first[2:].split()
+    if not words or words[0] not in STANDARD_INTERPRETERS or (words[0] == "/usr/bin/env"
+                                                              and len(words) < 2):
+        backend.error("B014", "build script %s starts with %s, an interpreter that is not on a "
+                      "standard system, so ./%s cannot run; start it with #!/usr/bin/env bash"
+                      % (rel, first.strip(), rel), rel_path, 1)
 
 
-def unread_constructs(rel, text):
-    """For a message that the script reader found nothing: the shell
-    constructs it does not follow that the script uses, if any."""
+def check_build_output(backend):
+    """B015: build.output names a file inside <output-dir>."""
+    output = backend.output
+    if output is None:
+        return True
+    if output.startswith("/") or ".." in output.split("/"):
+        backend.error("B015", "build.output %s is not inside the build script's <output-dir>; give "
+                      "the library's path relative to it, e.g. %s"
+                      % (describe(output), describe(posixpath.basename(output) or "libname.so")))
+        return False
+    return True
+
+
+def unread_constructs(text):
+    """The shell constructs the script reader does not follow that the script
+    uses, as (line, construct)."""
     found = []
     for name, pattern in (("a for or while loop", r"^[ \t]*(?:for|while|until)[ \t]"),
                           ("a case statement", r"^[ \t]*case[ \t]"),
                           ("a shell function", r"^[ \t]*(?:function[ \t]+\w+|\w+[ \t]*\(\)[ \t]*(?:\{|$))")):
-        if re.search(pattern, text, re.M):
-            found.append(name)
-    if not found:
-        return ""
-    return " (note: %s uses %s, which the checker does not follow)" % (rel, " and ".join(found))
+        match = re.search(pattern, text, re.M)
+        if match:
+            found.append((text.count("\n", 0, match.start()) + 1, name))
+    return found
 
 
 def check_build_targets(backend, build):
@@ -2723,6 +2952,42 @@ def cmd_list(args):
     return 0
 
 
+TARGET_FLAGS = {"cuda": "-gencode, -arch or -code", "hip": "--offload-arch or -mcpu",
+                "cpu": "-march"}
+
+
+def inferred_build(script, facts, platform):
+    """(build.output, build.architectures) as the facts of `script` show them;
+    a UsageError that names what cannot be told and what to write."""
+    outputs = [output for call in facts.calls for output in call.outputs]
+    if not outputs:
+        raise UsageError("init: cannot tell from %s which library it writes: no compiler command "
+                         "with -o; write the library with -o \"$1/<library>\"" % script)
+    output = outputs[-1]
+    prefix = facts.out_dir + "/"
+    if not output.startswith(prefix) or any(m in output[len(prefix):] for m in MARKERS):
+        raise UsageError("init: %s writes its library to %s, not to a file named in its "
+                         "<output-dir> argument; write it with -o \"$1/<library>\""
+                         % (script, show_word(output)))
+    archs, unknown, open_targets = [], [], []
+    for call in facts.calls:
+        archs.extend(a for a in call.targets(platform) if a not in archs)
+        unknown.extend(call.unknown)
+        open_targets.extend(call.open_targets)
+    if open_targets or unknown:
+        raise UsageError("init: cannot tell which architectures %s builds (%s); give each target "
+                         "in a flag of its own (%s) and run init again"
+                         % (script, ", ".join(show_word(w) for w in open_targets + unknown),
+                            TARGET_FLAGS.get(platform, "a target flag")))
+    if not archs:
+        raise UsageError("init: cannot tell which architectures %s builds: its compiler commands "
+                         "have no target flag (%s); add one for each target and run init again"
+                         % (script, TARGET_FLAGS.get(platform, "a target flag")))
+    if platform == "cuda":
+        archs.sort(key=lambda a: (arch_number(a) or 0, a))
+    return posixpath.normpath(output[len(prefix):]), archs
+
+
 def cmd_init(args):
     repo = repository(args)
     target = os.path.abspath(args.dir)
@@ -2755,11 +3020,8 @@ def cmd_init(args):
     if text is None:
         raise UsageError("init: cannot read %s: %s" % (script, problem))
     reader = ScriptReader(text)
-    output, _ = reader.output()
-    if output is None or UNRESOLVED in output:
-        raise UsageError("init: cannot tell from %s which library it writes (no compiler "
-                         "command with -o \"$1/<library>\")" % script)
-    archs = sorted(reader.architectures(platform if platform in PLATFORMS else None))
+    facts = ScriptFacts(reader.calls, reader.default_target(), unread_constructs(text))
+    output, archs = inferred_build(script, facts, platform)
     abi = 1
     for source in sources:
         text, _, _ = read_text(os.path.join(target, source))
@@ -2768,10 +3030,9 @@ def cmd_init(args):
             abi = found[0][1]
             break
     if platform == "cuda":
-        archs = sorted((int(a) if a.isdigit() else a for a in archs),
-                       key=lambda a: (arch_number(str(a)) or 0, str(a)))
+        archs = [int(a) if a.isdigit() else a for a in archs]
     build = {"script": script, "output": output, "architectures": archs}
-    default = reader.default_target()
+    default = facts.default_target
     if default is None and len(archs) == 1:
         default = str(archs[0])
     if default is not None:

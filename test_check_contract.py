@@ -138,12 +138,30 @@ def run_main(argv, env=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+def script_output(reader):
+    """(the last library a script's compiler commands write, relative to
+    <output-dir>, its line), or (None, None)."""
+    outputs = [(o, call.line) for call in reader.calls for o in call.outputs]
+    if not outputs:
+        return None, None
+    output, line = outputs[-1]
+    return output.replace(check_contract.OUT_DIR + "/", "", 1), line
+
+
+def script_targets(reader, platform=None):
+    """{arch: first line} of what a script's compiler commands build."""
+    found = {}
+    for call in reader.calls:
+        for arch in call.targets(platform):
+            found.setdefault(arch, call.line)
+    return found
+
+
 def clear_script_caches():
     """Forget what the build-script reader has read in this process."""
     for cache in (check_contract.SH_STATES, check_contract.SH_EXPANSIONS, check_contract.SH_SEEN,
                   check_contract.SH_HEADS, check_contract.SH_COMMAND_HEADS,
-                  check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE,
-                  check_contract.SH_TARGETS):
+                  check_contract.SH_TEMPLATES, check_contract.SH_LINE_CACHE):
         cache.clear()
     del check_contract.SH_SNAPSHOTS[1:]
 
@@ -619,8 +637,8 @@ class BuildScriptTest(TreeTest):
 
         def answer(text):
             reader = check_contract.ScriptReader(text)
-            return (reader.output(), reader.default_target(),
-                    [sorted(reader.architectures(p).items()) for p in (None, "cuda", "hip", "cpu")])
+            return (script_output(reader), reader.default_target(),
+                    [sorted(script_targets(reader, p).items()) for p in (None, "cuda", "hip", "cpu")])
 
         alone = {}
         for text in scripts:
@@ -659,8 +677,8 @@ class BuildScriptTest(TreeTest):
 
         def answer(text):
             reader = check_contract.ScriptReader(text)
-            return (reader.output(), reader.default_target(), reader.arch_tokens,
-                    sorted(reader.architectures(None).items()))
+            return (script_output(reader), reader.default_target(),
+                    sorted(script_targets(reader).items()))
 
         warm = [answer(text) for text in texts]
         for text, expected in zip(texts, warm):
@@ -685,7 +703,7 @@ class BuildScriptTest(TreeTest):
                 del read[:]
                 text = CUDA_FAT_BUILD.replace("set -euo", "# Build lib%s.so\nset -euo" % name)
                 reader = check_contract.ScriptReader(text.replace("libfat", "lib" + name))
-                self.assertEqual(reader.output(), ("lib%s.so" % name, 13))
+                self.assertEqual(script_output(reader), ("lib%s.so" % name, 13))
         finally:
             check_contract.ScriptReader.read_physical = real
         self.assertEqual(read, [13])
@@ -718,7 +736,7 @@ class BuildScriptTest(TreeTest):
             with self.subTest(script=doubling[:12]):
                 reader = check_contract.ScriptReader(
                     doubling + 'cc -march=x86-64 -o "$1/libdemo.so" -DV="$v" "${a[@]}"\n')
-                self.assertEqual(reader.output()[0], "libdemo.so")
+                self.assertEqual(script_output(reader)[0], "libdemo.so")
                 self.assertLessEqual(max(len(v) for v in reader.vars.values()),
                                      check_contract.SH_MAX_CHARS)
                 self.assertLessEqual(max([sum(map(len, a)) for a in reader.arrays.values()] or [0]),
@@ -730,9 +748,9 @@ class BuildScriptTest(TreeTest):
         clear_script_caches()
         command = 'cc -march=x86-64 -o "$1/libdemo.so" \\\n'
         reader = check_contract.ScriptReader(command + "  -O2 \\\n" * 100 + "  k.c\n")
-        self.assertEqual(reader.output()[0], "libdemo.so")
+        self.assertEqual(script_output(reader)[0], "libdemo.so")
         reader = check_contract.ScriptReader("cc -O2 \\\n" * 5000 + '-march=x86-64 -o "$1/libdemo.so"\n')
-        self.assertEqual(reader.output(), ("libdemo.so", 4098))  # a second logical line from 4098
+        self.assertEqual(script_output(reader), ("libdemo.so", 4098))  # a second logical line from 4098
         array = check_contract.ScriptReader("a=(\n" + "x.cu\n" * 100 + ")\n")
         self.assertEqual(len(array.arrays["a"]), 100)
         array = check_contract.ScriptReader("a=(\n" + "x.cu\n" * 5000 + ")\n")
@@ -744,13 +762,13 @@ class BuildScriptTest(TreeTest):
             '#!/bin/bash\nflags=()\nfor a in 80 89 90; do\n  flags+=(-gencode arch=compute_$a,code=sm_$a)\n'
             'done\ncase "$2" in\n  *) ;;\nesac\nnvcc "${flags[@]}" -o "$1/libfat.so" ops.cu\n')})
         self.assertIssue("B006", "build.architectures lists 80 but the default invocation of build.sh "
-                         "does not build it (note: build.sh uses a for or while loop and a case "
-                         "statement, which the checker does not follow)")
+                         "does not build it (build.sh uses a for or while loop at line 3, a case "
+                         "statement at line 6, which the checker does not follow)")
         write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
             '#!/bin/bash\nbuild() {\n  nvcc -arch=sm_$1 k.cu\n}\nbuild 90\n')})
         self.assertIssue("B005", "build script build.sh has no compiler command with -o; the script "
-                         "must write build.output into its <output-dir> argument (note: build.sh "
-                         "uses a shell function, which the checker does not follow)")
+                         "must write build.output into its <output-dir> argument (build.sh uses a "
+                         "shell function at line 2, which the checker does not follow)")
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -957,12 +975,202 @@ class BuildScriptTest(TreeTest):
                 "-shared k.hip -o \"${out_dir}/librocm.so\"\n")})
         self.assertClean()
 
+    def hip_files(self, script, architectures):
+        return {
+            "backends/hip/rocm/rocm.backend.json": {
+                "name": "rocm", "abi_version": 1, "status": "experimental", "sources": ["k.hip"],
+                "build": {"script": "build.sh", "output": "librocm.so",
+                          "architectures": architectures}},
+            "backends/hip/rocm/k.hip": "#define ROCM_ABI_VERSION 1\nint rocm_abi_version(void);\n"
+                                       "const char *rocm_error_string(int);\n",
+            "backends/hip/rocm/build.sh": Executable("#!/bin/bash\n" + script)}
+
+    def test_hip_target_lists_features_and_generic_targets_are_read(self):
+        for script in ('hipcc --offload-arch=gfx90a:xnack+,gfx11-generic -shared k.hip -o "$1/librocm.so"\n',
+                       'hipcc -mcpu=gfx90a:xnack+ --amdgpu-target=gfx11-generic -o "$1/librocm.so"\n',
+                       'hipcc --genco --targets gfx90a:xnack+,gfx11-generic k.hip -o "$1/librocm.so"\n'):
+            with self.subTest(script=script):
+                self.tree(self.hip_files(script, ["gfx90a:xnack+", "gfx11-generic"]))
+                self.assertClean()
+
+    def test_versioned_and_wrapped_compilers_are_read(self):
+        for command in ("gcc-12", "ccache cc", "CCACHE_DISABLE=1 cc", "sccache clang-18"):
+            with self.subTest(command=command):
+                self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+                    "#!/bin/sh\n%s -shared -march=x86-64 ops.c -o \"$1/libdemo.so\"\n" % command)}))
+                self.assertClean()
+
+    def test_a_probe_to_dev_null_is_not_the_output(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\ncc -shared -march=x86-64 ops.c -o "$1/libdemo.so"\n'
+            'cc -march=x86-64 -x c /dev/null -o /dev/null\n')}))
+        self.assertClean()
+
+    def test_all_and_native_targets_are_no_fixed_list(self):
+        for flag in ("-arch=all", "-arch=all-major", "-arch=native"):
+            with self.subTest(flag=flag):
+                self.tree(fat_files())
+                write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
+                    '#!/bin/bash\nnvcc -shared %s ops.cu -o "$1/libfat.so"\n' % flag)})
+                self.assertIssue("B011", "build.sh builds with %s, which is no fixed list of targets "
+                                 "(it depends on the compiler's version or the machine it runs on); "
+                                 "list the targets, one flag each" % flag)
+
+    def test_ptx_only_is_not_a_built_architecture(self):
+        self.tree(fat_files(architectures=[80], default_arch=80))
+        write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
+            '#!/bin/bash\nnvcc -shared -arch=compute_80 ops.cu -o "$1/libfat.so"\n')})
+        self.assertIssue("B006", "build.architectures lists 80 but build.sh builds only PTX for it "
+                         "(compute_80), which is compiled when the library is loaded, not machine "
+                         "code; add code=sm_80")
+
+    def test_library_written_outside_the_output_dir_is_an_error(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\nmkdir -p build\ncc -shared -march=x86-64 ops.c -o build/libdemo.so\n')}))
+        issues = self.assertIssue(
+            "B013", "build script build.sh writes its library to build/libdemo.so, not under its "
+            "<output-dir> argument ($1): the build tier and CI look for libdemo.so in <output-dir>; "
+            "write -o \"$1/libdemo.so\"")
+        self.assertEqual([i["line"] for i in issues if i["code"] == "B013"], [3])
+
+    def test_script_without_a_working_shebang_is_an_error(self):
+        for first, message in (
+                ("set -e", "build script build.sh has no #! line, so ./build.sh cannot run; start it "
+                           "with #!/usr/bin/env bash"),
+                ("#!/usr/env/bin bash", "build script build.sh starts with #!/usr/env/bin bash, an "
+                                        "interpreter that is not on a standard system, so ./build.sh "
+                                        "cannot run; start it with #!/usr/bin/env bash")):
+            with self.subTest(first=first):
+                self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+                    CPU_BUILD.replace("#!/usr/bin/env bash", first))}))
+                self.assertIssue("B014", message)
+
+    def test_build_output_outside_the_output_dir_is_an_error(self):
+        for output in ("/usr/lib/libdemo.so", "../libdemo.so", "lib/../../libdemo.so"):
+            with self.subTest(output=output):
+                manifest = demo_manifest()
+                manifest["build"]["output"] = output
+                self.tree(demo_files(manifest))
+                self.assertEqual(self.codes(), ["B015"])
+
+    def test_abi_version_define_must_agree_with_the_manifest(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=2 ops.c -o "$1/libdemo.so"\n')}))
+        self.assertIssue("B016", "build.sh compiles with -DDEMO_ABI_VERSION=2 but abi_version is 1; "
+                         "the library would report another ABI version than the manifest")
+        write_tree(self.root, {"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=1 ops.c -o "$1/libdemo.so"\n')})
+        self.assertClean()
+
     def test_planned_backend_gets_only_manifest_and_abi_checks(self):
         manifest = demo_manifest(status="planned", sources=["ops.h", "ops.c", "later.c"])
         manifest["build"]["output"] = "libother.so"
         del manifest["reference"]
         self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": "not executable"}))
         self.assertClean()
+
+
+class CompilerCallTest(unittest.TestCase):
+    """compiler_call(): what one compiler call builds, from its argv."""
+
+    def call(self, *words):
+        return check_contract.compiler_call(list(words), 7)
+
+    def test_compiler_words_through_wrappers_and_versions(self):
+        for words in (["gcc-12"], ["clang++-18"], ["/opt/rocm/bin/amdclang++"], ["ccache", "cc"],
+                      ["sccache", "nvcc"], ["CCACHE_DISABLE=1", "cc"], ["env", "A=1", "hipcc"],
+                      ["x86_64-linux-gnu-g++"], ["/usr/local/cuda/bin/nvcc"]):
+            with self.subTest(words=words):
+                self.assertIsNotNone(self.call(*words + ["-c", "k.c"]))
+        for words in (["echo", "-o", "x"], ["make", "-j2"], ["clang-format", "-i", "k.c"],
+                      ["python3", "-shared", "-o", "x"]):
+            with self.subTest(words=words):
+                self.assertIsNone(self.call(*words))
+
+    def test_an_unknown_command_word_with_a_compilers_arguments_is_a_compiler(self):
+        unknown = check_contract.UNKNOWN
+        self.assertEqual(self.call(unknown, "-gencode", "arch=compute_89,code=sm_89", "-o",
+                                   "/o/l.so").sass, ["89"])
+        self.assertIsNotNone(self.call(unknown, "-shared", "-o", "/o/l.so"))
+        self.assertIsNotNone(self.call(unknown, "--offload-arch=gfx942", "-c", "k.hip"))
+        self.assertIsNone(self.call(unknown, "-o", "/o/l.so"))
+
+    def test_outputs_and_probes(self):
+        call = self.call("cc", "-march=native", "-x", "c", "-", "-o", "/dev/null")
+        self.assertEqual((call.outputs, call.probes), ([], 1))
+        for flags in (["-o", "/o/l.so"], ["-o/o/l.so"], ["--output-file", "/o/l.so"],
+                      ["--output-file=/o/l.so"]):
+            with self.subTest(flags=flags):
+                self.assertEqual(self.call("nvcc", "-shared", *flags).outputs, ["/o/l.so"])
+        self.assertEqual(check_contract.compiler_call(["cc", "-o", "l.so"], 1, "/o").outputs,
+                         ["/o/l.so"])
+
+    @unittest.skipUnless(shutil.which("nvcc"), "nvcc is not installed, so its reading of the "
+                                                "target flags cannot be compared")
+    def test_nvcc_targets_are_what_nvcc_dryrun_builds(self):
+        # Each form against the real nvcc: `nvcc --dryrun` lists the machine
+        # code (kind=elf) and PTX (kind=ptx) it would put in the fatbinary.
+        forms = [["-arch=sm_80"], ["-arch=compute_80"], ["--gpu-architecture", "sm_75"],
+                 ["-arch=compute_80", "-code=sm_80,sm_90"],
+                 ["--gpu-architecture", "compute_80", "--gpu-code", "compute_80,sm_86"],
+                 ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"],
+                 ["-gencode=arch=compute_80,code=\"sm_80,sm_86\""],
+                 ["--generate-code", "arch=compute_89,code=sm_89", "-gencode",
+                  "arch=compute_90,code=compute_90"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.cu"), "w") as handle:
+                handle.write("__global__ void k() {}\n")
+
+            def dryrun(flags):
+                done = subprocess.run(["nvcc", "--dryrun"] + flags + ["-c", "k.cu", "-o", "k.o"],
+                                      cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      universal_newlines=True)
+                images = re.findall(r"--image3=kind=(elf|ptx),sm=(\w+)", done.stdout)
+                return (done.returncode, sorted({sm for kind, sm in images if kind == "elf"}),
+                        sorted({sm for kind, sm in images if kind == "ptx"}))
+
+            for flags in forms:
+                with self.subTest(flags=flags):
+                    call = self.call("nvcc", *flags)
+                    self.assertEqual(dryrun(flags), (0, sorted(set(call.sass)), sorted(set(call.ptx))))
+                    self.assertEqual(call.unknown, [])
+            # nvcc refuses a bare list after code= in -gencode; the reader says it cannot read it.
+            flags = ["-gencode", "arch=compute_80,code=sm_80,sm_86"]
+            self.assertNotEqual(dryrun(flags)[0], 0)
+            self.assertEqual(self.call("nvcc", *flags).unknown, [
+                "-gencode arch=compute_80,code=sm_80,sm_86, which nvcc does not read (a list of "
+                "codes is written code=[sm_80,sm_90])"])
+            # all, all-major and native build a list that depends on nvcc's
+            # version and the GPU of the machine: no fixed list.
+            for arch in ("all", "all-major", "native"):
+                with self.subTest(arch=arch):
+                    code, sass, _ = dryrun(["-arch=" + arch])
+                    self.assertEqual(code, 0)
+                    self.assertTrue(sass)
+                    call = self.call("nvcc", "-arch=" + arch)
+                    self.assertEqual((call.sass, call.open_targets), ([], ["-arch=" + arch]))
+
+    def test_hip_and_cpu_targets(self):
+        call = self.call("hipcc", "--offload-arch=gfx90a:xnack+,gfx942", "--offload-arch", "gfx1100",
+                         "--amdgpu-target=gfx908", "-c", "k.hip")
+        self.assertEqual(call.hip, ["gfx90a:xnack+", "gfx942", "gfx1100", "gfx908"])
+        self.assertEqual(self.call("amdclang++", "-mcpu=gfx11-generic", "-c", "k.cpp").hip,
+                         ["gfx11-generic"])
+        self.assertEqual(self.call("hipcc", "--genco", "--targets", "gfx900,gfx906", "k.hip").hip,
+                         ["gfx900", "gfx906"])
+        self.assertEqual(self.call("hipcc", "--targets", "gfx900").hip, [])  # not with --genco
+        self.assertEqual(self.call("clang++", "--offload-arch=native").open_targets,
+                         ["--offload-arch=native"])
+        self.assertEqual(self.call("gcc-12", "-march=znver4", "-shared").march, ["znver4"])
+
+    def test_abi_version_defines(self):
+        call = self.call("nvcc", "-DQWEN_ABI_VERSION=6", "-D", "X_ABI_VERSION=7", "-DOTHER=1")
+        self.assertEqual(call.abi_defines, [("QWEN", "6"), ("X", "7")])
+
+    def test_words_of_an_argument_not_passed_are_not_read(self):
+        not_reached = check_contract.NOT_REACHED
+        call = self.call("nvcc", "-arch=sm_" + not_reached, "-o", not_reached + "/l.so")
+        self.assertEqual((call.sass, call.outputs), ([], []))
 
 
 class StatusTest(TreeTest):
