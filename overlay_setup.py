@@ -147,9 +147,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def temp_beside(path: str) -> str:
+TEMP_PREFIX = ".overlay-tmp-"
+
+
+def temp_beside(path: str, kind: str = "") -> str:
+    """The temporary name a new version of `path` is written under: short and
+    fixed whatever the length of the name (a 255-byte name has no room for a
+    suffix), so that the next run finds and removes one left by a crash."""
     head, tail = os.path.split(path)
-    return os.path.join(head, ".%s.overlay-tmp" % tail)
+    digest = hashlib.sha256(os.fsencode(tail) + os.fsencode(kind)).hexdigest()[:16]
+    return os.path.join(head, TEMP_PREFIX + digest)
 
 
 def _open_new(path: str, mode: int) -> int:
@@ -280,12 +287,18 @@ def remove_path(path: str) -> None:
 
 
 def makedirs_durable(path: str, mode: int = 0o755) -> None:
+    """Create a directory and its missing parents; one created meanwhile by
+    another process (two first uses of one state directory) is no error."""
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     makedirs_durable(parent)
     mutation_point()
-    os.mkdir(path, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
     fsync_dir(parent)
 
 
@@ -447,18 +460,58 @@ class State:
                                "%03o); refusing to use it: run `chmod go-w %s` if you trust its "
                                "contents" % (self.root, stat.S_IMODE(st.st_mode), self.root))
 
+    def check_private(self) -> None:
+        """The backups may be copies of privileged files: nobody else may enter."""
+        st = os.lstat(self.root)
+        if st.st_mode & stat.S_IXOTH:
+            raise OverlayError("E204", "state directory %s can be entered by others (mode %03o); "
+                               "refusing to keep backups there: run `chmod o-rwx %s`"
+                               % (self.root, stat.S_IMODE(st.st_mode), self.root))
+
+    def check_ours(self) -> None:
+        """Refuse a directory that is not this tool's state before anything,
+        the lock included, is written into it.  What a concurrent first use
+        leaves (a lock, a journal being written) is this tool's."""
+        try:
+            names = set(os.listdir(self.root))
+        except FileNotFoundError:
+            return
+        if "manifest.json" in names or self.exists():
+            self.read_journal()
+            return
+        if self.orphaned_backups():
+            return  # load() names the missing journal
+        foreign = sorted(name for name in names - {"lock"} if not name.startswith(TEMP_PREFIX))
+        if "lock" in names and not self.lock_is_ours():
+            foreign.insert(0, "lock")
+        if foreign and not self.exists():  # a journal renamed into place during the listing
+            raise OverlayError("E206", "state directory %s already holds %s and no journal; "
+                               "it is not an overlay state directory: pass a new or empty "
+                               "--state" % (self.root, ", ".join(foreign[:3]) + (
+                                   ", ..." if len(foreign) > 3 else "")))
+
+    def lock_is_ours(self) -> bool:
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            text = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        if not text:
+            return True
+        try:
+            info = json.loads(text.decode("utf-8"))
+        except ValueError:
+            return False
+        return isinstance(info, dict) and set(info) == {"pid", "host", "command", "since"}
+
     def create(self) -> None:
         self.check_safe()
-        if os.path.isdir(self.root) and not self.exists():
-            foreign = sorted(set(os.listdir(self.root)) - {"lock"})
-            if foreign:  # not a state directory: the overlay would write over these
-                raise OverlayError("E206", "state directory %s already holds %s and no journal; "
-                                   "it is not an overlay state directory: pass a new or empty "
-                                   "--state" % (self.root, ", ".join(foreign[:3]) + (
-                                       ", ..." if len(foreign) > 3 else "")))
+        self.check_ours()
         makedirs_durable(self.root, 0o700)
-
-    # -- lock
+        self.check_safe()
 
     def holder(self) -> str:
         try:
@@ -470,6 +523,8 @@ class State:
                                               info.get("command"), info.get("since"))
 
     def try_lock(self, command: str) -> bool:
+        self.check_ours()
+        self.check_private()
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -504,17 +559,14 @@ class State:
 
     # -- journal
 
-    def load(self) -> dict:
+    def read_journal(self) -> Optional[dict]:
+        """The journal as written, None when there is none; E202 when it is
+        unreadable or another program's."""
         try:
             with open(self.manifest_path, encoding="utf-8") as handle:
                 manifest = json.load(handle)
         except FileNotFoundError:
-            if self.orphaned_backups():
-                raise OverlayError("E202", "journal %s is missing, but %s holds the backups of "
-                                   "entries that may still be applied; restore the journal, or "
-                                   "put the files back from there by hand"
-                                   % (self.manifest_path, os.path.join(self.root, "backups")))
-            return empty_manifest()
+            return None
         except (OSError, ValueError) as exc:
             raise OverlayError("E202", "journal %s is unreadable (%s); inspect it, or move the "
                                "state directory away if nothing is applied"
@@ -522,6 +574,17 @@ class State:
         if not isinstance(manifest, dict) or manifest.get("tool") != TOOL_NAME:
             raise OverlayError("E202", "journal %s is not an overlay_setup journal; pass another "
                                "--state" % self.manifest_path)
+        return manifest
+
+    def load(self) -> dict:
+        manifest = self.read_journal()
+        if manifest is None:
+            if self.orphaned_backups():
+                raise OverlayError("E202", "journal %s is missing, but %s holds the backups of "
+                                   "entries that may still be applied; restore the journal, or "
+                                   "put the files back from there by hand"
+                                   % (self.manifest_path, os.path.join(self.root, "backups")))
+            return empty_manifest()
         version = manifest.get("format")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise OverlayError("E201", "journal %s has format %r, newer than this tool understands "
@@ -1680,6 +1743,23 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
 
 
+def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
+    """Remove the backup folders no journal entry names: a revert killed
+    between its journal write and their removal leaves them (as does a run
+    killed before its entry was journaled, when nothing was changed yet)."""
+    try:
+        names = os.listdir(state.backups)
+    except FileNotFoundError:
+        return []
+    named = {str(entry["id"]) for entry in manifest["entries"]}
+    orphans = sorted((name for name in names if name not in named), key=lambda n: (len(n), n))
+    for name in orphans:
+        remove_path(os.path.join(state.backups, name))
+    if not manifest["entries"]:
+        remove_path(state.backups)
+    return orphans
+
+
 def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) -> List[str]:
     """Switch the Python overlay off and restore every native entry in reverse order."""
     if not force:
@@ -2098,6 +2178,11 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> List[str]:
     nothing is applied."""
     with Locked(state, "revert", create=False) as manifest:
         if not anything_applied(manifest):
+            orphans = remove_orphaned_backups(state, manifest)
+            if orphans:
+                print("removed the backups of entr%s %s, left by a revert that was interrupted "
+                      "after it had restored them" % ("y" if len(orphans) == 1 else "ies",
+                                                      ", ".join(orphans)))
             unregister(state)
             return []
         try:
@@ -2200,6 +2285,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 liveness = owner_liveness(manifest["owner"])
                 if not anything_applied(manifest):
                     if not args.dry_run:
+                        remove_orphaned_backups(state, manifest)
                         unregister(state)
                     continue
                 if liveness != "gone":

@@ -1399,5 +1399,88 @@ class TarSnapshotTest(OverlayTestCase):
         self.refused("sub/file", "a path through a symlink")
 
 
+class StateDirectorySafetyTest(OverlayTestCase):
+    """The state directory: nothing written into another program's directory,
+    private to its owner, safe on concurrent first use, no backup left over."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.original = tree_state(self.proj)
+
+    def add(self, *extra: str) -> list:
+        return ["--state", self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
+                "--patched", os.path.join(self.proj, "fast.c"), "--no-build"] + list(extra)
+
+    def test_gc_stale_never_writes_the_lock_of_another_programs_directory(self) -> None:
+        other = os.path.join(self.tmp, "app")
+        write_tree(other, {"manifest.json": '{"name": "app"}\n', "lock": "held by app\n"})
+        before = tree_state(other)
+        for dry_run in (["--dry-run"], []):
+            rc, out, err = call("gc-stale", "--root", self.tmp, *dry_run)
+            self.assertEqual((rc, out), (1, ""))
+            self.assertEqual(err, "overlay_setup: E202 journal %s is not an overlay_setup journal; "
+                                  "pass another --state\noverlay_setup: 1 state directory refused "
+                                  "or failed; see above\n" % os.path.join(other, "manifest.json"))
+            self.assertEqual(tree_state(other), before)
+        rc, out, err = call("--state", other, "revert")
+        self.assertEqual((rc, tree_state(other)), (1, before))
+
+    def test_a_lone_lock_of_another_program_is_not_written(self) -> None:
+        os.makedirs(self.state, 0o700)
+        write_text_file(os.path.join(self.state, "lock"), "12345\n")
+        rc, out, err = self.tool("init", "--owner-pid", str(os.getpid()))
+        self.assertEqual(err, "overlay_setup: E206 state directory %s already holds lock and no "
+                              "journal; it is not an overlay state directory: pass a new or empty "
+                              "--state\n" % self.state)
+        self.assertEqual(read_text(os.path.join(self.state, "lock")), "12345\n")
+
+    def test_state_directory_is_private_and_one_others_can_enter_is_refused(self) -> None:
+        self.assertOk(call(*self.add("--owner-pid", str(os.getpid()))))
+        self.assertEqual(stat.S_IMODE(os.stat(self.state).st_mode), 0o700)
+        os.chmod(self.state, 0o701)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E204 state directory %s can be entered by others (mode 701); "
+            "refusing to keep backups there: run `chmod o-rwx %s`\n" % (self.state, self.state)))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+        os.chmod(self.state, 0o700)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_concurrent_first_use_of_a_new_state_directory_succeeds(self) -> None:
+        failures = []
+        for round_number in range(4):
+            state = os.path.join(self.tmp, "new%d" % round_number, "state")
+            runs = [subprocess.Popen([sys.executable, TOOL, "--state", state, "init",
+                                      "--owner-pid", str(os.getpid())],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     universal_newlines=True) for _ in range(10)]
+            for run in runs:
+                err = run.communicate()[1]
+                if run.returncode != 0:
+                    failures.append(err)
+            self.assertEqual(read_json(os.path.join(state, "manifest.json"))["tool"],
+                             "overlay_setup")
+        self.assertEqual(failures, [])
+
+    def test_backups_left_by_a_revert_killed_after_its_journal_write_are_removed(self) -> None:
+        backups = os.path.join(self.state, "backups")
+        for point in range(1, 30):
+            shutil.rmtree(self.state, True)
+            write_tree(self.proj, {"k.c": "int k;\n"})
+            self.assertEqual(run_tool(self.add("--owner-pid", str(os.getpid()))).returncode, 0)
+            killed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
+            self.assertEqual(killed.returncode, -9, "revert completed before the moment")
+            if (not read_json(os.path.join(self.state, "manifest.json"))["entries"]
+                    and os.path.isdir(os.path.join(backups, "1"))):
+                break
+        self.assertEqual(self.tool("revert"), (
+            0, "removed the backups of entry 1, left by a revert that was interrupted after it "
+               "had restored them\nnothing to revert at %s\n" % self.state, ""))
+        self.assertFalse(os.path.exists(backups))
+        self.assertEqual(read_text(os.path.join(self.proj, "k.c")), "int k;\n")
+
+
 if __name__ == "__main__":
     unittest.main()
