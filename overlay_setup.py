@@ -172,19 +172,22 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def durable_write(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` as a new file renamed into place, all fsynced."""
-    install_file(path, None, data, mode, None)
+    """Write `data` to `path` as a new file renamed into place, all fsynced.
+    The temporary name is this process's own: two first uses of one state
+    directory write the same registry record at once."""
+    install_file(path, None, data, mode, None, temp_kind="pid%d" % os.getpid())
 
 
 def install_file(target: str, source: Optional[str], data: Optional[bytes], mode: int,
-                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False) -> None:
+                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False,
+                 temp_kind: str = "") -> None:
     """Put `data` (or a copy of `source`) at `target` through a temp file and a
     rename, so a symlink planted at `target` is replaced and never followed.
     With `link_ok` a hard link to `source` is tried first: constant time for a
     backup on the same filesystem, which stays until the entry is done."""
     mutation_point()
     write_point(target)
-    tmp = temp_beside(target)
+    tmp = temp_beside(target, temp_kind)
     if not (link_ok and _link(source, tmp)):
         fd = _open_new(tmp, 0o600)
         try:
