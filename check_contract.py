@@ -35,11 +35,6 @@ warning(s)`.  Control characters in names and messages (a newline in a
 file name) are written as backslash escapes (\n, \x1b), so every line of
 the report is one finding.
 
-Environment:
-    CHECK_CONTRACT_JOBS  processes that `check` uses for 200 or more backend
-                         directories (default: the CPUs available; 1 checks
-                         serially); the report is the same either way.
-
 Exit codes:
     0  no errors (for build/test/parity: nothing failed)
     1  errors found (or warnings, with --strict); a build, test or parity run failed
@@ -48,7 +43,9 @@ Exit codes:
 Diagnostic codes (stable; never reused):
     D  discovery     D001 kernel sources but no manifest, D002 manifest under a
                      wrong file name, D003 unknown platform directory (warning),
-                     D004 directory cannot be listed
+                     D004 directory cannot be listed, D005 kernel source directly
+                     in a platform directory, D006 directory links out of the
+                     repository, D007 no backend at all (warning)
     J  manifest file J001 invalid JSON, J002 duplicate key, J003 top level is
                      not an object, J004 manifest cannot be read
     M  manifest keys M001 required key missing, M002 wrong type or value,
@@ -57,7 +54,8 @@ Diagnostic codes (stable; never reused):
     S  sources       S001 declared source missing, S002 path escapes the
                      backend directory, S003 duplicate source, S004 kernel
                      source not declared, S005 source cannot be read,
-                     S006 source is not UTF-8 (warning)
+                     S006 source is not UTF-8 (warning), S007 directory link
+                     leading out of the backend directory
     A  ABI           A001 abi_version differs from the header macro,
                      A002 several ABI versions defined, A003 no ABI version
                      macro (warning; error when validated), A004 missing
@@ -103,10 +101,14 @@ VERSION = "1.0.0"
 
 PLATFORMS = ("cpu", "cuda", "hip")
 STATUSES = ("planned", "experimental", "validated")
-KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
+# What a build could compile or include: CUDA and HIP, C, and C++ in every
+# spelling gcc knows, with the inline and template parts headers pull in.
+KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".c", ".h", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C",
+                   ".CPP", ".hpp", ".hh", ".hxx", ".hp", ".h++", ".H", ".HPP", ".inl", ".ipp",
+                   ".tpp", ".tcc", ".inc")
 MANIFEST_SUFFIX = ".backend.json"
 O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-SKIPPED_DIRS = ("__pycache__",)
+SKIPPED_DIRS = (".git", "__pycache__")
 
 TOP_KEYS = ("$schema", "name", "platform", "description", "abi_version", "status",
             "sources", "build", "models", "numerics", "reference", "excluded")
@@ -271,114 +273,96 @@ class UsageError(Exception):
 class Repository:
     """The repository being checked, and what is shared by all its backends."""
 
-    def __init__(self, root, backends_dir):
+    def __init__(self, root, backends_dir, git=None):
         self.root = root
+        self.real_root = os.path.realpath(root)
         self.backends_dir = backends_dir.strip("/") or "."
         self.backends_path = os.path.join(root, self.backends_dir)
-        self.unlisted = []  # D004 findings of candidate_dirs()
-        self._git_index = False
-        self._git_listing = None
+        self.git = git  # the GitWorkTree holding the root, or None
+        self.unlisted = []  # D004 and D006 findings of candidate_dirs()
 
-    def list_git_index(self):
-        """Start listing the git index in the background, so that git runs
-        while the backends are checked; git_index() collects the listing."""
-        if self._git_index is False and self._git_listing is None:
-            self._git_listing = GitListing(self.root, self.backends_dir)
-
-    def poll_git_index(self):
-        """Take what the background listing has written so far."""
-        if self._git_listing is not None:
-            self._git_listing.poll()
-
-    def git_index(self):
-        """The git index under the backends directory, listed once per run;
-        None outside a git work tree or when git cannot be run."""
-        if self._git_index is False:
-            self.list_git_index()
-            self._git_index = self._git_listing.finish()
-            self._git_listing = None
-        return self._git_index
+    def inside(self, path):
+        """Whether a path, its links resolved, stays inside the repository."""
+        real = os.path.realpath(path)
+        return real == self.real_root or real.startswith(self.real_root.rstrip("/") + "/")
 
 
-class GitIndex:
-    """Modes of the files `git ls-files -s -z` lists, looked up in the
-    listing itself.  The listing is in path order, and so mostly are the
-    lookups: each search starts where the last one matched."""
+def run_git(top, *args):
+    """The output of a git command run in `top`, or None when git cannot be
+    run there or fails."""
+    import subprocess
+    try:
+        done = subprocess.run(("git",) + args, cwd=top, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
+    except OSError:
+        return None
+    return done.stdout if done.returncode == 0 else None
 
-    def __init__(self, listing, prefix):
-        self.listing = listing
-        self.prefix = prefix
-        self.at = 0
+
+class GitWorkTree:
+    """What git knows of the work tree that holds the repository: the modes
+    of the files in its index and the files it ignores, each listed once per
+    run.  Paths are relative to the work tree's top, as git writes them."""
+
+    def __init__(self, top):
+        self.top = top
+        self._modes = None
+        self._ignored = None
+
+    @classmethod
+    def find(cls, directory):
+        """The work tree holding `directory`; None outside one, or when git
+        cannot be run."""
+        found = run_git(directory, "rev-parse", "--show-toplevel")
+        if not found or not found.strip():
+            return None
+        top = os.fsdecode(found.rstrip(b"\n"))
+        return cls(os.path.realpath(top))
+
+    def relative(self, path):
+        """The git path of a file (its directories' links resolved, the file
+        itself not), or None outside the work tree."""
+        directory, name = os.path.split(os.path.abspath(path))
+        rel = os.path.relpath(os.path.join(os.path.realpath(directory), name), self.top)
+        if rel == ".." or rel.startswith("../"):
+            return None
+        return "" if rel == "." else rel.replace(os.sep, "/")
 
     def mode(self, path):
-        """The index mode of a repository-relative path, or None if untracked."""
-        key = b"\t" + (self.prefix + path).encode("utf-8", "surrogateescape") + b"\0"
-        found = self.listing.find(key, self.at)
-        if found < 0:
-            found = self.listing.find(key)
-            if found < 0:
-                return None
-        self.at = found
-        start = self.listing.rfind(b"\0", 0, found) + 1
-        return self.listing[start:start + 6].decode("ascii", "replace")
+        """The index mode ("100755") of a file, or None if git does not track it."""
+        if self._modes is None:
+            listing = run_git(self.top, "ls-files", "-s", "-z", "--full-name") or b""
+            self._modes = {}
+            for entry in listing.split(b"\0"):
+                info, _, name = entry.partition(b"\t")
+                if name:
+                    self._modes[os.fsdecode(name)] = info[:6].decode("ascii", "replace")
+        rel = self.relative(path)
+        return None if rel is None else self._modes.get(rel)
 
+    def ignored_paths(self):
+        """The set of ignored, untracked paths; an ignored directory ends in /
+        and is not listed further."""
+        if self._ignored is None:
+            listing = run_git(self.top, "ls-files", "-z", "--others", "--ignored",
+                              "--exclude-standard", "--directory") or b""
+            self._ignored = {os.fsdecode(p) for p in listing.split(b"\0") if p}
+        return self._ignored
 
-class GitListing:
-    """`git ls-files -s` of the backends directory, run in the background:
-    started before the backends are checked, drained while they are (git
-    would otherwise wait on a full pipe), and read in full by finish()."""
-
-    def __init__(self, root, backends_dir):
-        """Spawn git; self.pid is None outside a git work tree or when git
-        cannot be run."""
-        self.pid = None
-        self.chunks = []
-        real_root = top = os.path.realpath(root)  # git names paths from the real work tree
-        while not os.path.exists(os.path.join(top, ".git")):
-            parent = os.path.dirname(top)
-            if parent == top:
-                return
-            top = parent
-        prefix = os.path.relpath(real_root, top).replace(os.sep, "/")
-        self.prefix = "" if prefix == "." else prefix + "/"
-        # posix_spawn and a pipe rather than the subprocess module, whose
-        # import alone costs more than checking a hundred backends.
-        command = ["git", "-C", root, "ls-files", "-s", "-z", "--full-name", "--", backends_dir]
-        self.pipe, write_end = os.pipe()
-        try:
-            self.pid = os.posix_spawnp("git", command, os.environ, file_actions=[
-                (os.POSIX_SPAWN_DUP2, write_end, 1),
-                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
-        except OSError:
-            os.close(self.pipe)
-            return
-        finally:
-            os.close(write_end)
-        os.set_blocking(self.pipe, False)
-
-    def poll(self):
-        """Take what git has written so far."""
-        if self.pid is None:
-            return
-        try:
-            while True:
-                chunk = os.read(self.pipe, READ_CHUNK)
-                if not chunk:
-                    return
-                self.chunks.append(chunk)
-        except BlockingIOError:
-            pass
-
-    def finish(self):
-        """The GitIndex, or None when git did not list it."""
-        if self.pid is None:
-            return None
-        os.set_blocking(self.pipe, True)
-        with open(self.pipe, "rb") as pipe:
-            self.chunks.append(pipe.read())
-        _, status = os.waitpid(self.pid, 0)
-        self.pid = None
-        return GitIndex(b"".join(self.chunks), self.prefix) if status == 0 else None
+    def ignores(self, rel):
+        """Whether git ignores a git path (a directory's ending in /), or a
+        directory above it."""
+        ignored = self.ignored_paths()
+        if not ignored:
+            return False
+        if rel in ignored:
+            return True
+        at = rel.find("/")
+        while 0 <= at < len(rel) - 1:
+            if rel[:at + 1] in ignored:
+                return True
+            at = rel.find("/", at + 1)
+        return False
 
 
 # ---------------------------------------------------------------------------
@@ -459,13 +443,16 @@ def read_text(path, regular=False):
     return text, None, bad_byte
 
 
-def walk_files(top, unlisted=None):
+def walk_files(top, unlisted=None, ignored=None):
     """Map every entry below `top` (relative POSIX path) to its kind.
 
     Kinds: "file" (regular file), "link" (symbolic link, never followed, so a
-    link loop cannot trap the walk), "other".  Directories are descended
-    into, except hidden ones and __pycache__.  A directory that cannot be
-    listed is added to `unlisted` as (relative path, reason).
+    link loop cannot trap the walk and no link leads it out of `top`),
+    "other".  Every directory is descended into, hidden ones too (a build
+    compiles .impl/x.cu as well as impl/x.cu), except .git and __pycache__,
+    and those `ignored` (a function of the relative path, a directory's
+    ending in /) says git ignores.  A directory that cannot be listed is added
+    to `unlisted` as (relative path, reason).
     """
     files = {}
     pending = [("", top)]
@@ -484,16 +471,19 @@ def walk_files(top, unlisted=None):
                     # The entry's type from the directory listing: regular
                     # files first, the common case, with no stat.
                     if entry.is_file(follow_symlinks=False):
-                        files[rel] = "file"
+                        kind = "file"
                     elif entry.is_dir(follow_symlinks=False):
-                        if not entry.name.startswith(".") and entry.name not in SKIPPED_DIRS:
+                        if entry.name not in SKIPPED_DIRS and not (ignored and ignored(rel + "/")):
                             pending.append((rel + "/", entry.path))
+                        continue
                     elif entry.is_symlink():
-                        files[rel] = "link"
+                        kind = "link"
                     else:
-                        files[rel] = "other"
+                        kind = "other"
                 except OSError:
-                    files[rel] = "other"
+                    kind = "other"
+                if not (ignored and ignored(rel)):
+                    files[rel] = kind
     return files
 
 
@@ -1390,10 +1380,11 @@ def discover(repo):
     backends, diagnostics = [], []
     groups = candidate_dirs(repo)
     diagnostics.extend(repo.unlisted)
-    for platform, candidates in groups:
-        found = [classify(backend) for backend in candidates]
-        if not add_platform(repo, platform, found, diagnostics):
+    for platform, candidates, strays in groups:
+        found = [classify(repo, backend) for backend in candidates]
+        if not add_platform(repo, platform, found, strays, diagnostics):
             continue
+        diagnostics.extend(strays)
         for backend, (is_backend, _, loose) in zip(candidates, found):
             diagnostics.extend(loose)
             if is_backend:
@@ -1402,47 +1393,90 @@ def discover(repo):
 
 
 def candidate_dirs(repo):
-    """[(platform, [Backend])]: every directory below a platform directory,
-    sorted, not yet walked.  The directories that cannot be listed are in
+    """[(platform, [Backend], [D005 findings])]: every directory below a
+    platform directory, sorted, not yet walked, and the kernel sources lying
+    directly in the platform directory, which belong to no backend.  The
+    directories that cannot be listed, or lead out of the repository, are in
     repo.unlisted afterwards."""
     groups = []
     repo.unlisted = []
-    try:
-        top_entries = sorted(os.scandir(repo.backends_path), key=lambda e: e.name)
-    except FileNotFoundError:  # no backends yet
-        return groups
-    except OSError as exc:
-        repo.unlisted.append(unlisted_directory(repo.backends_dir, repo.backends_dir,
-                                                exc.strerror or str(exc)))
-        return groups
-    for platform_entry in top_entries:
-        if platform_entry.name.startswith(".") or platform_entry.name in SKIPPED_DIRS:
-            continue
-        if not _is_dir(platform_entry):
-            continue
+    top_entries = sorted(listed_dirs(repo, repo.backends_path, repo.backends_dir, repo.backends_dir),
+                         key=lambda e: e[0].name)
+    for platform_entry, _ in top_entries:
         platform = platform_entry.name
-        try:
-            children = sorted((e for e in os.scandir(platform_entry.path) if _is_dir(e)),
-                              key=lambda e: e.name)
-        except OSError as exc:
-            repo.unlisted.append(unlisted_directory(
-                platform, repo.backends_dir + "/" + platform, exc.strerror or str(exc)))
-            continue
-        candidates = []
-        for child in children:
-            if child.name.startswith(".") or child.name in SKIPPED_DIRS:
-                continue
-            rel_dir = repo.backends_dir + "/" + platform + "/" + child.name
-            candidates.append(Backend(child.name, platform, child.path, rel_dir))
-        groups.append((platform, candidates))
+        platform_rel = repo_path(repo.backends_dir, platform)
+        entries = listed_dirs(repo, platform_entry.path, platform_rel, platform, files=True)
+        candidates, strays = [], []
+        for child, is_dir in sorted(entries, key=lambda e: e[0].name):
+            rel = platform_rel + "/" + child.name
+            if is_dir:
+                candidates.append(Backend(child.name, platform, child.path, rel))
+            elif is_kernel_source(child.name):
+                strays.append(Diagnostic(
+                    "error", "D005", platform, rel, None,
+                    "kernel source %s lies directly in the platform directory, where it belongs "
+                    "to no backend; move it into a backend directory %s/<name>/"
+                    % (child.name, platform_rel)))
+        groups.append((platform, candidates, strays))
     return groups
 
 
-def classify(backend):
+def repo_path(directory, name):
+    """A repository-relative path below a directory ("." for the root)."""
+    return name if directory == "." else directory + "/" + name
+
+
+def listed_dirs(repo, path, rel, key, files=False):
+    """[(entry, is_dir)] of a directory: its subdirectories, and with
+    `files` its other entries too, leaving out hidden entries, those git
+    ignores, and directories that lead out of the repository (a D006
+    finding; such a link is never followed).  A directory that cannot be
+    listed is a D004 finding."""
+    ignored = ignore_function(repo, path)
+    found = []
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:
+                    continue
+                is_dir = _is_dir(entry)
+                if ignored and ignored(entry.name + ("/" if is_dir else "")):
+                    continue
+                if is_dir and entry.is_symlink() and not repo.inside(entry.path):
+                    repo.unlisted.append(Diagnostic(
+                        "error", "D006", repo_path(key, entry.name) if files else entry.name,
+                        repo_path(rel, entry.name), None,
+                        "directory %s is a symbolic link to %s, outside the repository; the check "
+                        "does not follow it (replace the link with the directory it stands for)"
+                        % (repo_path(rel, entry.name), os.path.realpath(entry.path))))
+                    continue
+                if is_dir or files:
+                    found.append((entry, is_dir))
+    except OSError as exc:
+        repo.unlisted.append(unlisted_directory(key, rel, exc.strerror or str(exc)))
+    return found
+
+
+def ignore_function(repo, directory):
+    """A function telling whether git ignores a path relative to a
+    directory (a directory's ending in /), or None when git ignores nothing
+    there or is not at hand."""
+    if repo.git is None or not repo.git.ignored_paths():
+        return None
+    rel = os.path.relpath(os.path.realpath(directory), repo.git.top).replace(os.sep, "/")
+    if rel == ".." or rel.startswith("../"):
+        return None
+    prefix = "" if rel == "." else rel + "/"
+    if repo.git.ignores(prefix):
+        return lambda path: True
+    return lambda path: repo.git.ignores(prefix + path)
+
+
+def classify(repo, backend):
     """Walk a candidate directory: (whether it is a backend, whether it has a
     manifest or kernel sources at all, its discovery findings)."""
     unlisted = []
-    backend.files = files = walk_files(backend.dir, unlisted)
+    backend.files = files = walk_files(backend.dir, unlisted, ignore_function(repo, backend.dir))
     manifest_name = backend.name + MANIFEST_SUFFIX
     has_manifest = manifest_name in files
     relevant = has_manifest or any(p.endswith(KERNEL_SUFFIXES) for p in files)
@@ -1478,16 +1512,17 @@ def unlisted_directory(key, rel_dir, reason):
                       "readable, or move it out of the backends directory)" % (rel_dir, reason))
 
 
-def add_platform(repo, platform, found, diagnostics):
+def add_platform(repo, platform, found, strays, diagnostics):
     """Whether the candidates of a platform directory count (those of an
-    unknown platform only when one has a manifest or kernel sources, and
-    then with a warning); `found` holds classify()'s answer for each."""
+    unknown platform only when one has a manifest or kernel sources, or
+    kernel sources lie in the platform directory itself, and then with a
+    warning); `found` holds classify()'s answer for each."""
     if platform in PLATFORMS:
         return True
-    if not any(answer[1] for answer in found):
+    if not strays and not any(answer[1] for answer in found):
         return False
     diagnostics.append(Diagnostic(
-        "warning", "D003", platform, repo.backends_dir + "/" + platform, None,
+        "warning", "D003", platform, repo_path(repo.backends_dir, platform), None,
         'unknown platform directory "%s"; only platform-independent checks run '
         "(known platforms: %s)" % (platform, ", ".join(PLATFORMS))))
     return True
@@ -1938,7 +1973,9 @@ def check_sources(repo, backend):
             backend.error("S005", "source %s is not a regular file" % rel, backend.rel(rel))
     excluded = m.get("excluded")
     excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
-    for path in backend.files:  # the report is sorted: no need to sort here
+    for path, kind in backend.files.items():  # the report is sorted: no need to sort here
+        if kind == "link" and path not in declared:
+            check_linked_directory(backend, path, excluded)
         if path in declared or not path.endswith(KERNEL_SUFFIXES):
             continue
         parts = path.split("/")
@@ -1948,6 +1985,21 @@ def check_sources(repo, backend):
             continue
         backend.error("S004", "kernel source %s is not declared in sources; add it, or list it "
                       "in excluded if it is not part of the library" % path, backend.rel(path))
+
+
+def check_linked_directory(backend, path, excluded):
+    """S007: a link to a directory outside the backend directory, which the
+    walk does not follow but a build could compile from."""
+    full = backend.dir + "/" + path
+    if not os.path.isdir(full) or any(glob_matches(g, path) for g in excluded):
+        return
+    real, real_dir = os.path.realpath(full), os.path.realpath(backend.dir)
+    if real == real_dir or real.startswith(real_dir.rstrip("/") + "/"):
+        return
+    backend.error("S007", "%s is a link to the directory %s, outside the backend directory, whose "
+                  "files the check does not see; move them into the backend directory, or list %s "
+                  "in excluded if the build does not use them" % (path, real, path),
+                  backend.rel(path))
 
 
 def check_build_script(repo, backend):
@@ -2114,28 +2166,28 @@ CHECKS = (
 
 
 def check_index_modes(repo, backends):
-    """B003: each build script is executable in the git index.  The index is
-    listed once for all backends, after they are checked (see
-    Repository.list_git_index)."""
-    scripts = [backend for backend in backends if backend.index_path is not None]
-    index = repo.git_index() if scripts else None
-    if index is None:
+    """B003: each build script is executable in the git index (or, tracked
+    as a link, its target is).  The index is listed once for all backends."""
+    if repo.git is None:
         return
-    for backend in scripts:
+    for backend in backends:
         path = backend.index_path
-        mode = index.mode(path)
-        if mode is not None and mode not in ("100755", "120000"):  # a link runs its target
-            rel = path[len(backend.rel_dir) + 1:]
+        if path is None:
+            continue
+        full = os.path.join(repo.root, path)
+        mode = repo.git.mode(full)
+        rel = path[len(backend.rel_dir) + 1:]
+        if mode == "120000":  # a link runs its target
+            real = os.path.realpath(full)
+            target, target_mode = os.path.relpath(real, repo.real_root), repo.git.mode(real)
+            if target_mode is not None and target_mode != "100755":
+                backend.error("B003", "build script %s is tracked as a link to %s, which has mode "
+                              "%s in the git index; run: git update-index --chmod=+x %s"
+                              % (rel, target, target_mode, target), path)
+        elif mode is not None and mode != "100755":
             backend.error("B003", "build script %s has mode %s in the git index; run: "
-                          "git update-index --chmod=+x %s" % (rel, mode, path), path)
-
-
-def release(backend):
-    """Drop what only the checks need (the manifest, the directory listing),
-    so that a run over thousands of backends keeps little memory."""
-    backend.manifest = None
-    backend.files = None
-    backend.sources = ()
+                          "git update-index --chmod=+x %s"
+                          % (rel, mode, path), path)
 
 
 def check_backend(repo, backend):
@@ -2188,172 +2240,17 @@ def select(backends, loose, names, repo):
             [d for d in loose if d.backend in chosen])
 
 
-def run_check(repo, names=(), parallel=False):
-    """Check the named backends (all by default).  With parallel=True, for a
-    caller that only reports, many backends are shared out to worker
-    processes (see check_in_parallel), and the backends keep only what the
-    report needs; the diagnostics are the same either way."""
-    import gc
-    collecting = gc.isenabled()
-    gc.disable()  # the run makes no reference cycles worth collecting
-    try:
-        return _run_check(repo, names, parallel)
-    finally:
-        if collecting:
-            gc.freeze()  # what the run keeps is long-lived: spare a collection over it
-            gc.enable()
-
-
-def _run_check(repo, names, parallel):
-    if parallel and not names:
-        run = check_in_parallel(repo)
-        if run is not None:
-            return run
+def run_check(repo, names=()):
+    """Check the named backends (all by default)."""
     backends, loose = discover(repo)
+    if not backends and not loose:
+        loose.append(Diagnostic("warning", "D007", repo.backends_dir, repo.backends_dir, None,
+                                "the backends directory %s holds no backend; nothing was checked "
+                                "(a backend is %s/<platform>/<name>/<name>%s)"
+                                % (repo.backends_dir, repo.backends_dir, MANIFEST_SUFFIX)))
     backends, loose = select(backends, loose, names, repo)
-    repo.list_git_index()
-    for index, backend in enumerate(backends, 1):
+    for backend in backends:
         check_backend(repo, backend)
-        if parallel:
-            release(backend)
-        if not index % POLL_EVERY:
-            repo.poll_git_index()
-    check_index_modes(repo, backends)
-    return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
-
-
-# Checking in parallel.  Each backend is checked on its own, so with many of
-# them the directory list is cut into chunks that the processes (forked
-# workers and the parent) take one at a time, so that a process slowed down
-# by other load on the machine takes fewer.  The chunk numbers are bytes in
-# a pipe: reading one byte claims a chunk.  Workers send their answers back
-# through a pipe, and the answers are merged in directory order, so that the
-# report is byte for byte the serial one.
-PARALLEL_MIN_BACKENDS = 200
-PARALLEL_SLICE = 100  # at least this many directories per worker
-CHUNK_SIZE = 40       # directories per chunk, at least
-MAX_CHUNKS = 255      # a chunk number is one byte
-POLL_EVERY = 50       # directories checked between two takes of the git listing
-JOBS_VARIABLE = "CHECK_CONTRACT_JOBS"
-
-
-def worker_count(candidates):
-    """How many processes check `candidates` directories: the CPUs this
-    process may use (or $CHECK_CONTRACT_JOBS; 1 checks serially), at most
-    one per PARALLEL_SLICE directories, and 1 below PARALLEL_MIN_BACKENDS."""
-    setting = os.environ.get(JOBS_VARIABLE, "").strip()
-    if setting:
-        if not setting.isdigit() or int(setting) < 1:
-            raise UsageError("%s=%s: give a number of processes >= 1 (1 checks serially)"
-                             % (JOBS_VARIABLE, setting))
-        jobs = int(setting)
-    elif hasattr(os, "sched_getaffinity"):
-        jobs = len(os.sched_getaffinity(0))
-    else:
-        jobs = os.cpu_count() or 1
-    if candidates < PARALLEL_MIN_BACKENDS or not hasattr(os, "fork"):
-        return 1
-    return max(1, min(jobs, candidates // PARALLEL_SLICE))
-
-
-def check_candidates(repo, candidates):
-    """classify() and check each candidate directory; the answers as plain
-    tuples, which marshal can send from a worker to the parent."""
-    answers = []
-    for backend in candidates:
-        is_backend, relevant, loose = classify(backend)
-        if is_backend:
-            check_backend(repo, backend)
-        answers.append((is_backend, relevant, [d.as_tuple() for d in loose],
-                        backend.status, backend.abi_version, backend.index_path,
-                        [d.as_tuple() for d in backend.diagnostics]))
-        release(backend)
-    return answers
-
-
-def check_claimed(repo, chunks, queue, parent=False):
-    """Check the chunks whose numbers this process reads from the queue
-    pipe, until it is empty: {chunk number: answers}.  The parent also
-    drains the git listing (a worker must not read from that pipe)."""
-    answers = {}
-    while True:
-        claimed = os.read(queue, 1)
-        if not claimed:
-            return answers
-        answers[claimed[0]] = check_candidates(repo, chunks[claimed[0]])
-        if parent:
-            repo.poll_git_index()
-
-
-def check_in_parallel(repo):
-    """The Run of every backend, checked by worker processes; None when one
-    process is enough (few backends, one CPU, no os.fork).  The backends of
-    this Run carry what the report needs: name, platform, status,
-    abi_version and diagnostics.  The parent looks the build scripts up in
-    the git index once the answers are in (check_index_modes)."""
-    import marshal
-    groups = candidate_dirs(repo)
-    candidates = [backend for _, group in groups for backend in group]
-    workers = worker_count(len(candidates))
-    if workers < 2:
-        return None
-    repo.list_git_index()
-    size = max(CHUNK_SIZE, -(-len(candidates) // MAX_CHUNKS))
-    chunks = [candidates[i:i + size] for i in range(0, len(candidates), size)]
-    queue, queue_end = os.pipe()
-    os.write(queue_end, bytes(range(len(chunks))))
-    os.close(queue_end)  # an empty queue then reads as the end
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children = []
-    try:
-        for _ in range(workers - 1):
-            read_end, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                status = 1
-                try:
-                    os.close(read_end)
-                    data = memoryview(marshal.dumps(check_claimed(repo, chunks, queue)))
-                    while data:
-                        data = data[os.write(write_end, data):]
-                    status = 0
-                finally:
-                    os._exit(status)
-            os.close(write_end)
-            children.append((pid, read_end))
-        answers = check_claimed(repo, chunks, queue, parent=True)
-    finally:
-        os.close(queue)
-    for pid, read_end in children:
-        with open(read_end, "rb") as pipe:
-            data = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        try:
-            if status == 0:
-                answers.update(marshal.loads(data))
-        except (ValueError, EOFError, TypeError):
-            pass
-    backends, loose = [], list(repo.unlisted)
-    at = 0
-    for platform, group in groups:
-        given = []
-        for backend in group:
-            chunk, index = divmod(at, size)
-            if chunk not in answers:  # its worker failed: check that chunk here
-                answers[chunk] = check_candidates(repo, chunks[chunk])
-            given.append(answers[chunk][index])
-            at += 1
-        if not add_platform(repo, platform, given, loose):
-            continue
-        for backend, answer in zip(group, given):
-            is_backend, _, discovered, status, abi, index_path, diagnostics = answer
-            loose.extend(Diagnostic(*d) for d in discovered)
-            if is_backend:
-                backend.status, backend.abi_version = status, abi
-                backend.index_path = index_path
-                backend.diagnostics = [Diagnostic(*d) for d in diagnostics]
-                backends.append(backend)
     check_index_modes(repo, backends)
     return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
 
@@ -2719,7 +2616,8 @@ def build_backend(repo, run, backend, args, stream):
     if shutil.which(tool) is None:
         return TierResult(key, "skipped", "%s not found (set %s or put %s on PATH)"
                           % (tool, toolchain[0], toolchain[1]))
-    out_dir = os.path.join(os.path.abspath(args.out), backend.platform, backend.name)
+    out_root = args.out if args.out is not None else os.path.join(repo.root, "build", "backends")
+    out_dir = os.path.join(os.path.abspath(out_root), backend.platform, backend.name)
     command = [os.path.join(os.path.abspath(backend.dir), backend.build_script), out_dir]
     if args.arch is not None:
         command.append(args.arch)
@@ -2888,27 +2786,74 @@ def run_tier(args, run_one, choose=None):
 
 
 def repository(args):
-    root = args.repo_root
-    if not os.path.isdir(root):
-        raise UsageError("--repo-root %s: no such directory; give the repository root" % root)
+    """The Repository the command line names.  Without --repo-root the root
+    is found the way git finds its work tree: the top of the git work tree
+    holding the current directory, else the nearest directory from here up
+    that holds the backends directory."""
     given = args.backends_dir
     relative = posixpath.normpath(given.replace(os.sep, "/")) if given else ""
     if not given or os.path.isabs(given) or relative == ".." or relative.startswith("../"):
         raise UsageError("--backends-dir %s: give a directory relative to the repository root "
                          "and inside it (default: backends)" % (given or '""'))
-    repo = Repository(root, relative)
-    # A repository without backends/ yet has no backends; a directory named
-    # on purpose that is not there is a mistake.
-    if not os.path.isdir(repo.backends_path) and (
-            relative != "backends" or os.path.lexists(repo.backends_path)):
-        raise UsageError("--backends-dir %s: not a directory under %s; give the directory that "
-                         "holds <platform>/<name>/ (default: backends)" % (given, root))
+    root = args.repo_root
+    if root is not None:
+        if not os.path.isdir(root):
+            raise UsageError("--repo-root %s: no such directory; give the repository root" % root)
+        git = GitWorkTree.find(root)
+    else:
+        here = os.getcwd()
+        git = GitWorkTree.find(here)
+        root = git.top if git is not None else nearest_holding(here, relative) or here
+    repo = Repository(root, relative, git)
+    if git is None and in_git_work_tree(root):
+        sys.stderr.write("check_contract.py: note: %s is in a git work tree but git cannot be run; "
+                         "files git ignores are checked like the others, and B003 (the build "
+                         "script's mode in the git index) is not checked\n" % root)
+    if not os.path.isdir(repo.backends_path):
+        if args.repo_root is not None:
+            how = "given by --repo-root"
+        elif git is not None:
+            how = "the top of the git work tree"
+        else:
+            how = "the current directory; no directory from here up holds %s/" % relative
+        raise UsageError("no backends directory: %s is %s (the root is %s, %s); give --repo-root "
+                         "DIR (the directory that holds %s/) or --backends-dir DIR, or run from "
+                         "inside the repository" % (
+                             os.path.join(root, repo.backends_dir),
+                             "not a directory" if os.path.lexists(repo.backends_path) else "not there",
+                             root, how, relative))
+    if not repo.inside(repo.backends_path):
+        raise UsageError("--backends-dir %s leads to %s, outside the repository %s; the check "
+                         "does not follow it" % (given, os.path.realpath(repo.backends_path), root))
     return repo
+
+
+def in_git_work_tree(directory):
+    """Whether a directory or one above it holds .git (a directory, or the
+    file of a linked work tree)."""
+    directory = os.path.abspath(directory)
+    while not os.path.lexists(os.path.join(directory, ".git")):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return False
+        directory = parent
+    return True
+
+
+def nearest_holding(directory, name):
+    """The nearest of a directory and those above it holding `name`, or None."""
+    while True:
+        if os.path.isdir(os.path.join(directory, name)):
+            return directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
 
 
 def cmd_check(args):
     repo = repository(args)
-    run = run_check(repo, args.names, parallel=True)
+    run = run_check(repo, args.names)
     if args.json and args.format not in (None, "json"):
         raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
     fmt = "json" if args.json else args.format
@@ -2998,7 +2943,7 @@ def cmd_init(args):
     if parent != backends_abs:
         raise UsageError("init %s: not a backend directory; give %s/<platform>/<name> under the "
                          "repository root (--repo-root %s)"
-                         % (args.dir, repo.backends_dir, args.repo_root))
+                         % (args.dir, repo.backends_dir, repo.root))
     name = os.path.basename(target)
     platform = os.path.basename(os.path.dirname(target))
     manifest_path = os.path.join(target, name + MANIFEST_SUFFIX)
@@ -3066,8 +3011,6 @@ def cmd_init(args):
 def cmd_build(args):
     if args.arch is not None and not args.arch.strip():
         raise UsageError("--arch must name an architecture, e.g. --arch 90")
-    if args.out is None:
-        args.out = os.path.join(args.repo_root, "build", "backends")
     return run_tier(args, build_backend)
 
 
@@ -3102,7 +3045,8 @@ def build_parser(only=None):
     all costs more than checking a few backends)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--repo-root", metavar="DIR", default=argparse.SUPPRESS,
-                        help="repository root (default: the current directory)")
+                        help="repository root (default: the top of the git work tree here, else "
+                        "the nearest directory from here up holding the backends directory)")
     common.add_argument("--backends-dir", metavar="DIR", default=argparse.SUPPRESS,
                         help="backends directory relative to the root (default: backends)")
     formatter = argparse.RawDescriptionHelpFormatter
@@ -3110,8 +3054,9 @@ def build_parser(only=None):
                     description="Check that each backend's manifest tells the truth about its "
                     "directory; build, test and compare backends.", epilog=HELP_EXAMPLES)
     parser.add_argument("--version", action="version", version="%(prog)s " + VERSION)
-    parser.add_argument("--repo-root", metavar="DIR", default=".",
-                        help="repository root (default: the current directory)")
+    parser.add_argument("--repo-root", metavar="DIR", default=None,
+                        help="repository root (default: the top of the git work tree here, else "
+                        "the nearest directory from here up holding the backends directory)")
     parser.add_argument("--backends-dir", metavar="DIR", default="backends",
                         help="backends directory relative to the root (default: backends)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
