@@ -48,6 +48,7 @@ Exit codes:
   0  done (also: revert with nothing to revert)
   1  failed; the message says what to run next
   2  usage: a wrong option, a relative or unnormalised path, a bad module name
+  130  interrupted (Ctrl-C), also while the tool starts
 
 Diagnostic codes (stable, never reused):
   E1xx  arguments and preconditions (paths, files, modules, conflicts)
@@ -65,12 +66,25 @@ Test hooks (for the crash and I/O-error tests only; never set them in use):
 
 from __future__ import annotations
 
+import os
+import _signal  # the C module: `signal` itself takes milliseconds to load
+
+
+def _interrupted_at_start_up(signum: int, frame: object) -> None:
+    os._exit(130)
+
+
+if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    # Ctrl-C while the modules below load ends the run as any interrupt does
+    # (status 130), not with a traceback; main() puts the usual handler back.
+    _signal.signal(_signal.SIGINT, _interrupted_at_start_up)
+
 import argparse
 import errno
 import fcntl
 import hashlib
 import json
-import os
+import math
 import re
 import selectors
 import shutil
@@ -89,6 +103,7 @@ TOOL_NAME = "overlay_setup"
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
 SCAN_LIMIT = 50000
 CHUNK = 1 << 20
+INPUT_LIMIT = 64 << 20  # a patch or a patched source, read whole into memory
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
@@ -387,7 +402,7 @@ def process_start_time(pid: int) -> Optional[str]:
 def pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no pid is that large
         return False
     except PermissionError:
         return True
@@ -1799,12 +1814,17 @@ def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) 
 
 def read_input(path: str, what: str, hint: str = "") -> bytes:
     """The bytes of a file the caller names, or E102 saying why it cannot be
-    read (`what` names the argument, `hint` says what to pass instead)."""
+    read (`what` names the argument, `hint` says what to pass instead).  At
+    most INPUT_LIMIT bytes are read: /dev/zero is no source file."""
     try:
         with open(path, "rb") as handle:
-            return handle.read()
+            data = handle.read(INPUT_LIMIT + 1)
     except OSError as exc:
         raise OverlayError("E102", "cannot read %s%s (%s)%s" % (what, path, exc.strerror, hint))
+    if len(data) > INPUT_LIMIT:
+        raise OverlayError("E102", "%s%s is larger than %d MiB (or endless)%s"
+                           % (what, path, INPUT_LIMIT >> 20, hint))
+    return data
 
 
 def open_state(args: argparse.Namespace) -> State:
@@ -1922,8 +1942,9 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
         raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build")
     if args.build_cmd is not None and args.no_build:
         raise UsageError("E109", "--build-cmd and --no-build exclude each other; pass one")
-    if args.timeout is not None and args.timeout <= 0:
-        raise UsageError("E109", "--timeout must be a positive number of seconds")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError("E109", "--timeout must be a positive, finite number of seconds (got %g)"
+                         % args.timeout)
     if args.build_cwd is not None:
         args.build_cwd = require_abs_normal(args.build_cwd, "--build-cwd")
     build = None
@@ -2002,7 +2023,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.p < 0:
         raise UsageError("E109", "-p must be 0 or more")
     artifacts, caches, build = native_options(args)
-    text = read_input(args.patch, "patch ").decode("utf-8", "surrogateescape")
+    text = read_input(args.patch, "patch ", "; pass a unified diff").decode(
+        "utf-8", "surrogateescape")
     name = os.path.basename(args.patch)
     file_patches = parse_patch(text, args.p, name)
     natives: List[Tuple[str, Optional[bytes]]] = []
@@ -2439,6 +2461,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted_at_start_up:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         return COMMANDS[args.command](args)
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
@@ -2451,7 +2475,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("overlay_setup: interrupted; run `overlay_setup.py status`, then "
               "`overlay_setup.py revert`", file=sys.stderr)
-        return 1
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -1484,3 +1485,70 @@ class StateDirectorySafetyTest(OverlayTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class HostileArgumentTest(OverlayTestCase):
+    """Arguments that used to end in a traceback: one line, a non-zero exit, nothing written."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.source = os.path.join(self.proj, "k.c")
+
+    def add(self, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", self.source, "--patched",
+                         os.path.join(self.proj, "fast.c"), *extra)
+
+    def test_owner_pid_beyond_any_pid_is_a_usage_error(self) -> None:
+        self.assertEqual(self.tool("init", "--owner-pid", "2147483648"), (
+            2, "", "overlay_setup: E108 --owner-pid 2147483648 is not a running process; pass the "
+            "pid of the process that owns this overlay\n"))
+
+    def test_timeout_that_is_no_finite_number_is_a_usage_error(self) -> None:
+        for value in ("nan", "inf", "-inf", "0"):
+            with self.subTest(value=value):
+                self.assertEqual(self.add("--build-cmd", "true", "--timeout=" + value), (
+                    2, "", "overlay_setup: E109 --timeout must be a positive, finite number of "
+                    "seconds (got %s)\n" % value))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_endless_patched_file_is_refused_after_a_bounded_read(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", self.source, "--patched",
+                                   "/dev/zero", "--no-build"), (
+            1, "", "overlay_setup: E102 --patched /dev/zero is larger than 64 MiB (or endless); "
+            "pass the patched file\n"))
+        patch_rc = self.tool("apply", "/dev/zero", "--root", self.proj, "--no-build")
+        self.assertEqual(patch_rc, (
+            1, "", "overlay_setup: E102 patch /dev/zero is larger than 64 MiB (or endless); "
+            "pass a unified diff\n"))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_ctrl_c_during_start_up_exits_130_without_a_traceback(self) -> None:
+        # SIGINT from the process start to past the time a run takes: while
+        # the interpreter starts, while the tool's modules load, and in main().
+        # What the interpreter does before the script's first line runs
+        # ("Fatal Python error", the bare "KeyboardInterrupt" of the script's
+        # compilation or at its "line 0", an interrupt it ignores) no script
+        # can change; from the first line on, every interrupt ends with 130
+        # and no traceback.
+        command = [sys.executable, TOOL, "--state", self.state, "init", "--owner-pid",
+                   str(os.getpid())]
+        began = time.monotonic()
+        subprocess.run([sys.executable, TOOL, "--version"], stdout=subprocess.DEVNULL, check=True)
+        span = 1.5 * (time.monotonic() - began)
+        reached = 0
+        for step in range(41):
+            with self.subTest(delay=step * span / 40):
+                process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           universal_newlines=True)
+                time.sleep(step * span / 40)
+                process.send_signal(signal.SIGINT)
+                out, err = process.communicate(timeout=20)
+                if process.returncode != 130 and "overlay_setup:" not in err and not re.search(
+                        r'overlay_setup.py", line [1-9]', err):
+                    continue  # too late, or the interpreter had not reached the script yet
+                reached += 1
+                self.assertIn(process.returncode, (130, -signal.SIGINT), err)
+                self.assertNotIn("Traceback", err)
+        self.assertGreater(reached, 5)
