@@ -8,7 +8,9 @@ its headers define, what its build script builds and for which architectures.
 The check reads text only: no compiler, no GPU, nothing is executed.  The
 `build`, `test` and `parity` subcommands are the further tiers: they run the
 build script, inspect the library it writes, and run the tests and the parity
-reference of each backend.
+reference of each backend.  `trace` runs each build script on a temporary
+copy of the repository with every compiler replaced by a shim that records
+its arguments, and checks the manifest against what the script really does.
 
 Usage:
     check_contract.py [--repo-root DIR] [--backends-dir DIR] [check]
@@ -19,6 +21,7 @@ Usage:
                             [--format text|json]
     check_contract.py test [NAME ...] [--timeout S] [--format text|json]
     check_contract.py parity [NAME ...] [--timeout S] [--format text|json]
+    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json]
 
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
@@ -36,8 +39,8 @@ file name) are written as backslash escapes (\n, \x1b), so every line of
 the report is one finding.
 
 Exit codes:
-    0  no errors (for build/test/parity: nothing failed)
-    1  errors found (or warnings, with --strict); a build, test or parity run failed
+    0  no errors (for build/test/parity/trace: nothing failed)
+    1  errors found (or warnings, with --strict); a build, test, parity or trace run failed
     2  usage error: no such repository root, unknown backend name, bad flag
 
 Diagnostic codes (stable; never reused):
@@ -86,6 +89,10 @@ Diagnostic codes (stable; never reused):
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
+    X  trace tier    X001 a compiler run by a path the shims do not intercept
+                     (warning); a traced run reports R001/R002 when the script
+                     fails or times out, and the B codes, marked "traced", when
+                     what it builds differs from the manifest
 """
 
 import argparse
@@ -876,7 +883,8 @@ def check_build_facts(backend, rel, facts, traced=False):
         for arch in call.targets(platform):
             built.setdefault(arch, call.line)
         ptx.update(call.ptx)
-        unknown.extend("%s at line %d" % (what, call.line) for what in call.unknown)
+        unknown.extend(what + (" at line %d" % call.line if call.line else "")
+                       for what in call.unknown)
         for flag in call.open_targets:
             backend.error("B011", "%s%s builds with %s, which is no fixed list of targets (it "
                           "depends on the compiler's version or the machine it runs on); list the "
@@ -2508,7 +2516,7 @@ TOOLCHAINS = {"cpu": ("CC", "cc"), "cuda": ("NVCC", "nvcc"), "hip": ("HIPCC", "h
 class TierResult:
     """What happened to one backend in a tier: passed, failed or skipped."""
 
-    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics")
+    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics", "trace")
 
     def __init__(self, backend, outcome, detail="", elapsed=None, diagnostics=()):
         self.backend = backend
@@ -2516,11 +2524,15 @@ class TierResult:
         self.detail = detail
         self.elapsed = elapsed
         self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+        self.trace = None  # trace: what each traced run built (traced_build)
 
     def as_dict(self):
-        return {"backend": self.backend, "result": self.outcome, "detail": self.detail,
-                "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
-                "issues": [d.as_dict() for d in self.diagnostics]}
+        found = {"backend": self.backend, "result": self.outcome, "detail": self.detail,
+                 "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
+                 "issues": [d.as_dict() for d in self.diagnostics]}
+        if self.trace is not None:
+            found["runs"] = [dict(r, elapsed=round(r["elapsed"], 3)) for r in self.trace]
+        return found
 
 
 class ChildOutcome:
@@ -2751,6 +2763,404 @@ def parity_backend(repo, run, backend, args, stream):
     return TierResult(key, "failed", message, child.elapsed, [failure])
 
 
+# ---------------------------------------------------------------------------
+# The trace tier: the build script run with compiler shims in place
+#
+# `trace` runs a build script as CI would, on a temporary copy of the
+# repository (the files git lists, or every file but .git outside a git work
+# tree), with a shim in place of every compiler: first on PATH, in $NVCC,
+# $HIPCC, $CC and $CXX, and in the fake toolkit that CUDA_HOME, CUDA_PATH,
+# HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
+# arguments, creates the file its -o names (never /dev/null), answers
+# --version-style probes and does nothing else: no toolchain is needed and
+# nothing is compiled.  The script itself does run: what it does besides
+# calling compilers (mkdir, make, cp, and any download) happens, inside the
+# copy and the temporary directory.  A compiler called by an absolute path
+# (/usr/bin/gcc) gets past the shims; bash's xtrace, switched on in every
+# bash the script starts (BASH_ENV), shows such calls.
+
+TRACE_COMPILERS = ("nvcc", "hipcc", "clang", "clang++", "gcc", "g++", "cc", "c++",
+                   "amdclang", "amdclang++")
+TRACE_VERSIONED = ("gcc", "g++", "clang", "clang++", "amdclang", "amdclang++")
+TRACE_VERSIONS = tuple(str(n) for n in range(4, 31))  # gcc-12, clang++-18
+TRACE_WRAPPERS = ("ccache", "sccache")
+TRACE_COMPILER_VARIABLES = (("NVCC", "nvcc"), ("HIPCC", "hipcc"), ("CC", "cc"), ("CXX", "c++"))
+TRACE_TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "HIP_PATH", "ROCM_PATH")
+# All a traced script keeps of the caller's environment: the default
+# invocation sets no optional variable.
+TRACE_KEPT_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME")
+
+TRACE_SHIM = r"""#!/bin/sh
+# Written by check_contract.py trace in place of a compiler: records its
+# arguments, creates the file -o names and answers version probes; it
+# compiles nothing and runs nothing.
+name=${0##*/} via= word=${0##*/}
+case $name in
+ccache|sccache)
+    case ${1:--} in -*) exit 0 ;; esac  # a statistics or configuration call
+    via=$name word=$1 name=${1##*/}
+    shift ;;
+esac
+printf '%%s\0' "$via" "$PWD" "$word" "$@" > %(log)s/"$(date +%%s%%N).$$"
+out= next= probe= stdin=
+for arg in "$@"; do
+    if [ -n "$next" ]; then out=$arg next=; continue; fi
+    case $arg in
+    -o|--output-file) next=1 ;;
+    --output-file=*) out=${arg#*=} ;;
+    -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
+    -o*) out=${arg#-o} ;;
+    -) stdin=1 ;;
+    --version|-dumpversion|-dumpfullversion|-dumpmachine|--list-gpu-arch|--list-gpu-code)
+        probe=$arg ;;
+    esac
+done
+[ -z "$stdin" ] || cat > /dev/null  # a source read from stdin: take it, as a compiler would
+case $probe in
+--version)
+    case $name in
+    nvcc*) printf 'nvcc: NVIDIA (R) Cuda compiler driver (trace shim)\nCuda compilation tools, release 12.8, V12.8.93\n' ;;
+    hipcc*) printf 'HIP version: 6.2.41133 (trace shim)\nAMD clang version 18.0.0\nTarget: x86_64-unknown-linux-gnu\n' ;;
+    *clang*) printf 'clang version 18.1.8 (trace shim)\nTarget: x86_64-unknown-linux-gnu\n' ;;
+    *) printf '%%s (trace shim) 12.2.0\n' "$name" ;;
+    esac ;;
+-dumpversion) echo 12 ;;
+-dumpfullversion) echo 12.2.0 ;;
+-dumpmachine) echo x86_64-linux-gnu ;;
+--list-gpu-arch) for n in 75 80 86 87 89 90 100 120; do echo "compute_$n"; done ;;
+--list-gpu-code) for n in 75 80 86 87 89 90 100 120; do echo "sm_$n"; done ;;
+esac
+case $out in
+''|-|/dev/null) ;;
+*) : > "$out" || exit 1 ;;
+esac
+exit 0
+"""
+
+# Sourced by every bash the traced script starts: its xtrace goes to a file
+# of its own, where the calls the shims did not see are looked for.
+TRACE_BASH_ENV = """exec {check_contract_xtrace}>>%(xtrace)s
+BASH_XTRACEFD=$check_contract_xtrace
+PS4='+ '
+set -x
+"""
+
+
+class RecordedCall:
+    """One compiler call a traced script made: its words (the compiler word
+    as the script gave it first), its working directory, and the wrapper
+    (ccache, sccache) it went through, if any."""
+
+    __slots__ = ("words", "cwd", "via")
+
+    def __init__(self, words, cwd, via):
+        self.words = words
+        self.cwd = cwd
+        self.via = via
+
+
+class Trace:
+    """What one run of a build script under the shims did.  Paths inside the
+    temporary directory are shown as what they stand for: <output-dir>, the
+    repository (relative), <toolkit> and <tmp>."""
+
+    def __init__(self, command, child, calls, uncaught, written, out_dir, places):
+        self.command = command    # as run, shown
+        self.child = child        # its ChildOutcome
+        self.calls = calls        # [RecordedCall] in the order they were made
+        self.uncaught = uncaught  # compiler words run by a path outside the shims
+        self.written = written    # {path under <output-dir>: size} after the run
+        self.out_dir = out_dir    # the temporary <output-dir>
+        self.places = places      # (temporary path, shown as), longest first
+
+    def show(self, text):
+        for path, name in self.places:
+            if text == path:
+                return name
+            text = text.replace(path + "/", name + "/" if name != "." else "")
+        return text
+
+
+def shell_quote(word):
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def write_shims(top):
+    """The fake toolkit under top, a shim for every compiler name in its
+    bin/; returns (toolkit, the directory the shims record calls in)."""
+    toolkit, log = os.path.join(top, "toolkit"), os.path.join(top, "calls")
+    bin_dir = os.path.join(toolkit, "bin")
+    os.makedirs(bin_dir)
+    os.mkdir(log)
+    shim = os.path.join(bin_dir, ".shim")
+    with open(shim, "w", encoding="utf-8") as handle:
+        handle.write(TRACE_SHIM % {"log": shell_quote(log)})
+    os.chmod(shim, 0o755)
+    names = list(TRACE_COMPILERS) + list(TRACE_WRAPPERS)
+    names += [n + "-" + v for n in TRACE_VERSIONED for v in TRACE_VERSIONS]
+    for name in names:
+        os.symlink(".shim", os.path.join(bin_dir, name))
+    os.mkdir(os.path.join(toolkit, "lib"))  # ROCm's clang is in llvm/bin and lib/llvm/bin
+    os.symlink(".", os.path.join(toolkit, "llvm"))
+    os.symlink("..", os.path.join(toolkit, "lib", "llvm"))
+    return toolkit, log
+
+
+def repository_files(root):
+    """Repository-relative paths of what a checkout holds: the files git
+    lists (tracked, or untracked and not ignored); outside a git work tree,
+    every file but those in .git."""
+    import subprocess
+    try:
+        listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, check=False)
+    except OSError:
+        listed = None
+    if listed is not None and listed.returncode == 0:
+        return sorted(set(os.fsdecode(p) for p in listed.stdout.split(b"\0") if p))
+    paths = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        rel = os.path.relpath(top, root)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            paths.append(name if rel == "." else os.path.join(rel, name))
+    return sorted(paths)
+
+
+def copy_repository(root, copy):
+    """Copy the repository's files into copy, modes kept.  A symbolic link
+    is copied as a link, except that one leading into the repository by an
+    absolute path leads to the same place in the copy: nothing the script
+    does reaches the repository."""
+    import shutil
+    real_root = os.path.realpath(root)
+    for rel in repository_files(root):
+        source, target = os.path.join(root, rel), os.path.join(copy, rel)
+        if not os.path.lexists(source):
+            continue  # tracked, but deleted in the working tree
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.islink(source):
+            link = os.readlink(source)
+            if os.path.isabs(link):
+                real = os.path.realpath(link)
+                if real == real_root or real.startswith(real_root + os.sep):
+                    link = os.path.join(copy, os.path.relpath(real, real_root))
+            os.symlink(link, target)
+        elif os.path.isfile(source):
+            shutil.copy2(source, target)
+
+
+def read_calls(log):
+    """The RecordedCalls the shims recorded, in the order they were made."""
+    calls = []
+    for entry in sorted(os.listdir(log), key=lambda n: [int(p) for p in n.split(".")]):
+        with open(os.path.join(log, entry), "rb") as handle:
+            fields = [os.fsdecode(f) for f in handle.read().split(b"\0")[:-1]]
+        if len(fields) >= 3:
+            calls.append(RecordedCall(fields[2:], fields[1], fields[0] or None))
+    return calls
+
+
+def read_uncaught(xtrace, toolkit):
+    """The compiler words bash ran by a path outside the shims' toolkit."""
+    import shlex
+    try:
+        with open(xtrace, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().split("\n")
+    except OSError:
+        return []
+    inside = os.path.realpath(toolkit) + os.sep
+    found = []
+    for line in lines:
+        if not line.startswith("+"):
+            continue
+        try:
+            words = shlex.split(line.lstrip("+"))
+        except ValueError:
+            words = line.lstrip("+").split()
+        while words and (SH_ENV_WORD_RE.match(words[0]) or words[0] in (
+                "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
+            words.pop(0)  # VAR=value and wrapper words before the compiler
+        if not words or "/" not in words[0]:
+            continue
+        word = words[0]
+        if is_compiler_name(word) and word not in found \
+                and not os.path.realpath(word).startswith(inside):
+            found.append(word)
+    return found
+
+
+def written_files(out):
+    """{path under out: size} of the files the run left in out."""
+    written = {}
+    for top, dirs, files in os.walk(out):
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                written[os.path.relpath(path, out)] = os.lstat(path).st_size
+            except OSError:
+                pass
+    return written
+
+
+def trace_script(repo, backend, arch, timeout, stream):
+    """Run the backend's build script under the shims, `<script> <out>` or,
+    with arch, `<script> <out> <arch>`, and return the Trace of that run."""
+    import shutil
+    import tempfile
+    top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
+    try:
+        copy, out, home = (os.path.join(top, n) for n in ("repo", "out", "home"))
+        os.mkdir(copy)
+        os.mkdir(home)
+        copy_repository(repo.root, copy)
+        toolkit, log = write_shims(top)
+        xtrace, bash_env = os.path.join(top, "xtrace"), os.path.join(top, "bash_env")
+        with open(bash_env, "w", encoding="utf-8") as handle:
+            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
+        bin_dir = os.path.join(toolkit, "bin")
+        env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
+        env.update(HOME=home, TMPDIR=top, BASH_ENV=bash_env)
+        env.update((k, os.path.join(bin_dir, v)) for k, v in TRACE_COMPILER_VARIABLES)
+        env.update((k, toolkit) for k in TRACE_TOOLKIT_VARIABLES)
+        script = backend.rel(backend.build_script)
+        command = [os.path.join(copy, script), out] + ([arch] if arch is not None else [])
+        places = [(out, "<output-dir>"), (toolkit, "<toolkit>"), (copy, "."), (top, "<tmp>")]
+        shown = " ".join(["./" + script, "<output-dir>"] + command[2:])
+        stream.write("==> trace %s: %s\n" % (backend.key, shown))
+        stream.flush()
+        child = run_streaming(command, copy, timeout, stream, env=env)
+        return Trace(shown, child, read_calls(log), read_uncaught(xtrace, toolkit),
+                     written_files(out), out, places)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def traced_facts(trace):
+    """The ScriptFacts of a traced run: each recorded call read by
+    compiler_call(), its outputs joined to the directory it ran in."""
+    calls = []
+    for recorded in trace.calls:
+        call = compiler_call(recorded.words, cwd=recorded.cwd)
+        if call is not None:
+            call.outputs = [posixpath.normpath(o) for o in call.outputs]
+        calls.append(call)
+    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir), calls
+
+
+def traced_build(trace, calls, platform):
+    """What a traced run did, as the report shows it: the command, each
+    compiler call (words, directory, wrapper, outputs, targets), the library
+    (the last output: "output" as shown, "landed" relative to <output-dir> or
+    None when it is written elsewhere), the targets, the -D flags, the
+    compilers run by a path the shims do not intercept, and the files left
+    in <output-dir>."""
+    shown, output, targets, ptx, defines = [], None, [], [], []
+    for recorded, call in zip(trace.calls, calls):
+        words = [trace.show(w) for w in recorded.words]
+        entry = {"words": words, "cwd": trace.show(recorded.cwd), "via": recorded.via,
+                 "outputs": [], "targets": [], "ptx": [], "probe": True}
+        if call is not None:
+            entry.update(outputs=[trace.show(o) for o in call.outputs],
+                         targets=list(call.targets(platform)), ptx=list(call.ptx),
+                         probe=not call.outputs)
+            output = entry["outputs"][-1] if call.outputs else output
+            targets += [t for t in entry["targets"] if t not in targets]
+            ptx += [t for t in call.ptx if t not in ptx]
+        for index, word in enumerate(words[1:], 1):
+            define = word if word.startswith("-D") and word != "-D" else (
+                "-D" + words[index + 1] if word == "-D" and index + 1 < len(words) else None)
+            if define is not None and define not in defines:
+                defines.append(define)
+        shown.append(entry)
+    inside = "<output-dir>/"
+    return {"command": trace.command, "elapsed": trace.child.elapsed, "calls": shown,
+            "output": output,
+            "landed": output[len(inside):] if output and output.startswith(inside) else None,
+            "targets": targets, "ptx": ptx, "defines": defines, "uncaught": trace.uncaught,
+            "written": sorted(trace.written)}
+
+
+def trace_backend(repo, run, backend, args, stream):
+    """Trace one backend's build script: its default invocation, and its
+    single-target invocation for --arch, build.default_arch or the first of
+    build.architectures; compare what they did with the manifest."""
+    import copy
+    import shutil
+    key = backend.key
+    script = backend.build_script
+    if script is None or not os.path.isfile(os.path.join(backend.dir, script)):
+        return TierResult(key, "skipped", "no build script to trace (build.script %s); run "
+                          "check_contract.py check %s" % ("is not given" if script is None
+                                                          else "does not exist", key))
+    if shutil.which("bash") is None:
+        return TierResult(key, "skipped", "bash not found; trace runs build scripts with bash")
+    platform = backend.platform if backend.platform in PLATFORMS else None
+    arch = args.arch or backend.default_arch or (backend.architectures or [None])[0]
+    found, runs = [], []
+    for target in (None, arch) if arch is not None else (None,):
+        trace = trace_script(repo, backend, target, args.timeout, stream)
+        facts, calls = traced_facts(trace)
+        built = traced_build(trace, calls, platform)
+        runs.append(built)
+        said = "running %s shows: " % " ".join([script, "<output-dir>"] + (
+            [target] if target is not None else []))
+
+        def report(level, code, message):
+            found.append(Diagnostic(level, code, key, backend.rel(script), None, said + message))
+
+        for word in trace.uncaught:
+            report("warning", "X001", "the script runs the compiler %s by its path, which the "
+                   "trace cannot intercept; what that call built is not in this report (call it "
+                   "by name, or through $NVCC/$CC/$CXX/$HIPCC or CUDA_HOME/ROCM_PATH)" % word)
+        child = trace.child
+        if child.error is not None:
+            report("error", "R001", "the script cannot be run: %s" % child.error)
+            continue
+        if child.timed_out:
+            report("error", "R002", "the script did not finish within %gs; it was stopped"
+                   % args.timeout)
+            continue
+        if child.returncode != 0:
+            report("error", "R001", "the script failed with exit status %d" % child.returncode)
+            continue
+        checked = copy.copy(backend)
+        checked.diagnostics = []
+        if target is not None:  # the targets of a single-target run are checked below
+            checked.architectures = None
+        check_build_facts(checked, script, facts, traced=True)
+        for d in checked.diagnostics:
+            d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
+            found.append(d)
+        if target is not None and facts.calls:
+            if target not in built["targets"]:
+                report("error", "B006", "the single-target invocation does not build %s" % target)
+            for other in built["targets"]:
+                if other != target:
+                    report("warning", "B007", "the single-target invocation for %s also builds "
+                           "%s" % (target, other))
+    result = TierResult(key, "failed" if any(d.level == "error" for d in found) else "passed",
+                        trace_summary(runs[0]), sum(r["elapsed"] for r in runs), found)
+    result.trace = runs
+    return result
+
+
+def trace_summary(built):
+    """One line: what a traced run built."""
+    parts = ["%d compiler call(s)" % sum(1 for c in built["calls"] if not c["probe"])]
+    if built["output"] is not None:
+        parts.append("writes " + built["output"])
+    if built["targets"]:
+        parts.append("targets " + ", ".join(built["targets"]))
+    if built["ptx"]:
+        parts.append("PTX " + ", ".join(built["ptx"]))
+    if built["defines"]:
+        parts.append(" ".join(built["defines"]))
+    return "; ".join(parts)
+
+
 def report_tier(results, fmt, out, root):
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
@@ -2765,6 +3175,13 @@ def report_tier(results, fmt, out, root):
         if result.elapsed is not None:
             line += " (%.1fs)" % result.elapsed
         out.write(escape_control(line) + "\n")
+        for built in result.trace or ():
+            out.write("  %s\n" % escape_control(built["command"]))
+            for call in built["calls"]:
+                out.write(escape_control("    %s%s  (in %s)" % (
+                    "%s " % call["via"] if call["via"] else "", " ".join(call["words"]),
+                    call["cwd"])) + "\n")
+            out.write("    -> %s\n" % escape_control(trace_summary(built)))
         for d in result.diagnostics:
             out.write(finding_line(d, locator))
     out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
@@ -3018,6 +3435,12 @@ def cmd_test(args):
     return run_tier(args, test_backend)
 
 
+def cmd_trace(args):
+    if args.arch is not None and not args.arch.strip():
+        raise UsageError("--arch must name an architecture, e.g. --arch 90")
+    return run_tier(args, trace_backend)
+
+
 def cmd_parity(args):
     def choose(backends, names):
         return backends if names else [b for b in backends if b.status == "validated"]
@@ -3066,6 +3489,8 @@ def build_parser(only=None):
         add_other_parsers(sub, common, formatter, only)
     if only in (None, "test", "parity"):
         add_tier_parsers(sub, common, formatter, only)
+    if only in (None, "trace"):
+        add_trace_parser(sub, common, formatter)
     return parser
 
 
@@ -3165,8 +3590,34 @@ def add_tier_parsers(sub, common, formatter, only):
                           help="json: results on stdout, child output on stderr")
 
 
+def add_trace_parser(sub, common, formatter):
+    trace = sub.add_parser(
+        "trace", parents=[common], formatter_class=formatter,
+        help="run build scripts with compiler shims and check what they build",
+        description="Run each backend's build script as CI would (<script> <output-dir>, then "
+        "<script> <output-dir> <arch>) on a temporary copy of the repository, with every "
+        "compiler replaced by a shim that records its arguments and creates the file -o names; "
+        "report the compiler calls, where the library lands, its targets and -D flags, and "
+        "check the manifest against them with the codes of the contract check. No toolchain "
+        "is needed; the repository is not changed. The script itself runs (with bash, in an "
+        "environment holding only PATH, the locale, HOME and TMPDIR in the temporary "
+        "directory, and the compiler variables): a script that downloads, downloads.",
+        epilog="examples:\n"
+        "  python3 check_contract.py trace\n"
+        "  python3 check_contract.py trace cuda/llm_ops --arch 89\n"
+        "  python3 check_contract.py trace --format json > trace.json\n")
+    trace.add_argument("names", nargs="*", metavar="NAME", help="backends to trace (default: all)")
+    trace.add_argument("--arch", metavar="A", default=None,
+                       help="the target of the single-target run (default: build.default_arch, "
+                       "else the first of build.architectures)")
+    trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=120.0,
+                       help="time limit per run of a script in seconds (default: 120)")
+    trace.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: results on stdout, script output on stderr")
+
+
 COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd_build,
-            "test": cmd_test, "parity": cmd_parity}
+            "test": cmd_test, "parity": cmd_parity, "trace": cmd_trace}
 
 
 def with_default_command(argv):

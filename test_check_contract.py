@@ -2052,6 +2052,195 @@ class CudaBuildTierTest(TreeTest):
                       "build.architectures is 80\n", out)
 
 
+def tree_digest(root):
+    """Every path under root with its type, mode and content (or link target)."""
+    digest = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if os.path.islink(path):
+                digest[path] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                digest[path] = ("dir", info.st_mode)
+            else:
+                with open(path, "rb") as handle:
+                    digest[path] = ("file", info.st_mode, handle.read())
+    return digest
+
+
+class TraceTierTest(TreeTest):
+    def trace(self, *args):
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"] + list(args))
+        return rc, json.loads(out), err
+
+    def backend(self, script, platform="cuda", output="libk.so", architectures=(80,), **extra):
+        files = {
+            "backends/%s/k/k.backend.json" % platform: {
+                "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.cu"],
+                "build": {"script": "build.sh", "output": output,
+                          "architectures": list(architectures)}},
+            "backends/%s/k/k.cu" % platform: "#define K_ABI_VERSION 1\n",
+            "backends/%s/k/build.sh" % platform: Executable(script)}
+        files.update(extra)
+        self.tree(files)
+
+    def test_fat_and_single_target_runs_report_calls_output_and_targets(self):
+        self.tree(fat_files())
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, report)
+        (result,) = report["results"]
+        self.assertEqual((result["result"], result["issues"]), ("passed", []))
+        default, single = result["runs"]
+        self.assertEqual(default["command"], "./backends/cuda/fat/build.sh <output-dir>")
+        self.assertEqual(single["command"], "./backends/cuda/fat/build.sh <output-dir> 90")
+        self.assertEqual((default["output"], default["landed"], default["targets"]),
+                         ("<output-dir>/libfat.so", "libfat.so", ["80", "89", "90"]))
+        self.assertEqual((single["landed"], single["targets"]), ("libfat.so", ["90"]))
+        (call,) = default["calls"]
+        self.assertEqual(call["cwd"], ".")
+        self.assertEqual(call["words"][:4], ["nvcc", "-O3", "-shared", "-Xcompiler"])
+        self.assertIn("arch=compute_90,code=[sm_90,compute_90]", call["words"])
+        self.assertEqual(default["written"], ["libfat.so"])
+
+    def test_text_report_lists_each_run_and_its_calls(self):
+        self.tree(fat_files())
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "fat", "--arch", "89"])
+        self.assertEqual(rc, 0, out)
+        self.assertIn("==> trace cuda/fat: ./backends/cuda/fat/build.sh <output-dir> 89\n", out)
+        self.assertIn("\n  ./backends/cuda/fat/build.sh <output-dir> 89\n    nvcc -O3 -shared "
+                      "-Xcompiler -fPIC -gencode arch=compute_89,code=sm_89 -o "
+                      "<output-dir>/libfat.so ops.cu  (in .)\n    -> 1 compiler call(s); writes "
+                      "<output-dir>/libfat.so; targets 89\n", out)
+        self.assertTrue(out.endswith("\n1 backend(s) passed, 0 failed, 0 skipped\n"), out)
+
+    def test_the_compiler_picked_from_cuda_home_or_path_is_traced(self):
+        # The shape the script reader misread (B005): assignments after then/else.
+        self.backend('#!/usr/bin/env bash\nset -euo pipefail\nout=$1\nmkdir -p "$out"\n'
+                     'nvcc=${NVCC:-}\n'
+                     'if [ -z "$nvcc" ]; then\n'
+                     '    if [ -n "${CUDA_HOME:-}" ]; then nvcc=$CUDA_HOME/bin/nvcc; '
+                     'else nvcc=$(command -v nvcc); fi\nfi\narch=89\n'
+                     '"$nvcc" -O3 -gencode "arch=compute_${arch},code=[sm_${arch},compute_${arch}]"'
+                     ' -shared -o "$out/libk.so" k.cu\n', architectures=[89])
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), report)
+        self.assertEqual(result["runs"][0]["calls"][0]["words"][:2], ["nvcc", "-O3"])
+
+    def test_versioned_and_wrapped_compilers_and_probes_are_shimmed(self):
+        self.backend('#!/usr/bin/env bash\nset -euo pipefail\nmkdir -p "$1"\n'
+                     'release=$(nvcc --version | sed -n "s/.*release \\([0-9.]*\\),.*/\\1/p")\n'
+                     '[ -n "$release" ] || { echo "no nvcc release" >&2; exit 1; }\n'
+                     'gcc-12 -dumpversion >/dev/null\n'
+                     'echo "int main(void){return 0;}" | cc -x c -o /dev/null -\n'
+                     'CCACHE_DISABLE=1 ccache clang++-18 -c k.cpp -o "$1/k.o"\n'
+                     'sccache g++ -c k.cpp -o "$1/k2.o"\n'
+                     '"$CXX" -c k.cpp -o"$1/k3.o"\n'
+                     '"$ROCM_PATH/llvm/bin/clang++" -c k.cpp -o "$1/k4.o"\n'
+                     '"$CUDA_HOME/bin/nvcc" -arch=sm_80 -shared --output-file="$1/libk.so" "$1"/k*.o\n')
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), report)
+        calls = result["runs"][0]["calls"]
+        self.assertEqual([(c["via"], c["words"][0]) for c in calls],
+                         [(None, "nvcc"), (None, "gcc-12"), (None, "cc"), ("ccache", "clang++-18"),
+                          ("sccache", "g++"), (None, "c++"), (None, "clang++"), (None, "nvcc")])
+        self.assertEqual(result["runs"][0]["written"], ["k.o", "k2.o", "k3.o", "k4.o", "libk.so"])
+
+    def test_a_compiler_run_by_its_path_is_named(self):
+        gcc = "/usr/bin/gcc"
+        if not os.access(gcc, os.X_OK):
+            self.skipTest("%s is not installed" % gcc)
+        self.backend('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
+                     'echo "int k_abi_version(void){return 1;}" > "$1/k.c"\n'
+                     '%s -shared -fPIC -march=x86-64 -o "$1/libk.so" "$1/k.c"\n' % gcc,
+                     platform="cpu", architectures=["x86-64"])
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual(rc, 1, report)
+        messages = [(i["level"], i["code"], i["message"]) for i in result["issues"]]
+        self.assertIn(("warning", "X001", "running build.sh <output-dir> shows: the script runs the compiler /usr/bin/gcc by its path, which the trace cannot "
+                       "intercept; what that call built is not in this report (call it by name, or "
+                       "through $NVCC/$CC/$CXX/$HIPCC or CUDA_HOME/ROCM_PATH)"), messages)
+        self.assertIn(("error", "B005", "running build.sh <output-dir> shows: build script "
+                       "build.sh has no compiler command with -o; the script must write "
+                       "build.output into its <output-dir> argument"), messages)
+
+    def test_the_repository_stays_byte_identical(self):
+        subprocess.run(["git", "init", "-q", self.root], check=True)
+        self.backend('#!/usr/bin/env bash\nset -eu\nhere=$(cd "$(dirname "$0")" && pwd)\n'
+                     'echo stamp > "$here/stamp"\necho "// changed" >> "$here/k.cu"\n'
+                     'rm -f "$here/k.backend.json"\nchmod 600 "$here/build.sh"\n'
+                     'echo x > "$here/linked/through"\nmkdir -p "$1"\nmkdir -p "$here/../../../build"\n'
+                     'echo y > "$here/../../../build/lib.so"\ntouch "$HOME/.cache"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
+                     **{"backends/cuda/k/data/keep": "kept\n"})
+        os.symlink(self.path("backends/cuda/k/data"), self.path("backends/cuda/k/linked"))
+        before = tree_digest(self.root)
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), report)
+        self.assertEqual(tree_digest(self.root), before)
+
+    def test_a_failing_script_fails_with_its_status(self):
+        self.backend("#!/bin/sh\necho cannot build >&2\nexit 3\n")
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual((rc, result["result"]), (1, "failed"))
+        self.assertEqual([(i["code"], i["message"]) for i in result["issues"]],
+                         [("R001", "running build.sh <output-dir> 80 shows: the script failed "
+                           "with exit status 3"),
+                          ("R001", "running build.sh <output-dir> shows: the script failed with "
+                           "exit status 3")])
+        self.assertIn("cannot build\n", err)
+
+    def test_timeout_stops_the_script_and_what_it_started(self):
+        pid_file = self.path("pid")
+        self.backend('#!/usr/bin/env bash\nsleep 300 &\necho $! > %s\nwait\n' % pid_file)
+        start = time.monotonic()
+        rc, report, err = self.trace("--timeout", "1")
+        self.assertLess(time.monotonic() - start, 30)
+        (result,) = report["results"]
+        self.assertEqual(rc, 1)
+        self.assertEqual(result["issues"][0]["code"], "R002")
+        with open(pid_file) as handle:
+            pid = int(handle.read())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            self.fail("the script's background sleep (pid %d) outlived the trace" % pid)
+
+    def test_manifest_disagreeing_with_the_trace_is_reported(self):
+        self.tree(fat_files(output="libother.so", architectures=[80, 86, 90]))
+        rc, report, err = self.trace("fat")
+        (result,) = report["results"]
+        self.assertEqual(rc, 1)
+        found = [(i["level"], i["code"], i["message"]) for i in result["issues"]]
+        self.assertEqual(found, [
+            ("error", "B004", "running build.sh <output-dir> 90 shows: build script build.sh "
+             "writes \"libfat.so\" but build.output is \"libother.so\""),
+            ("error", "B004", "running build.sh <output-dir> shows: build script build.sh writes "
+             "\"libfat.so\" but build.output is \"libother.so\""),
+            ("error", "B006", "running build.sh <output-dir> shows: build.architectures lists 86 "
+             "but the default invocation of build.sh does not build it"),
+            ("warning", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
+             "which build.architectures does not list")])
+
+    def test_backend_without_a_build_script_is_skipped(self):
+        self.backend("#!/bin/sh\n")
+        os.unlink(self.path("backends/cuda/k/build.sh"))
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["result"]), (0, "skipped"))
+        self.assertEqual(report["results"][0]["detail"], "no build script to trace (build.script "
+                         "does not exist); run check_contract.py check cuda/k")
+
+
 class TestTierTest(TreeTest):
     def run_tests(self, *args):
         return run_main(["--repo-root", self.root, "test"] + list(args))
