@@ -138,10 +138,18 @@ ARCH_FORMS = {
 # string is not taken for a comment.
 C_TOKEN_RE = re.compile(r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
                         re.S)
-C_IF0_RE = re.compile(r"^[ \t]*#[ \t]*if[ \t]+0\b", re.M)
-C_IF0_DIRECTIVE_RE = re.compile(r"#[ \t]*if[ \t]+0\b")  # C_IF0_RE from the `#`: found much faster
-C_COND_RE = re.compile(r"[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b")
-ABI_DEFINE_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION\b(.*)$", re.M)
+C_DIRECTIVE_RE = re.compile(r"[ \t]*#[ \t]*([A-Za-z_][A-Za-z0-9_]*)?(.*)\Z", re.S)
+C_NAME_RE = re.compile(r"[ \t]*([A-Za-z_][A-Za-z0-9_]*)")
+C_INCLUDE_RE = re.compile(r'[ \t]*"([^"]+)"')
+C_CALL_RE = re.compile(r"[ \t\n]*\(")
+# The words of an #if expression: numbers, names and operators.
+IF_TOKEN_RE = re.compile(r"[ \t]*(?:(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*(?![A-Za-z0-9_.])"
+                         r"|([A-Za-z_][A-Za-z0-9_]*)|(\|\||&&|<<|>>|<=|>=|==|!=|[-+*/%<>&|^!~()?:,]))")
+IF_BINARY = {"*": 10, "/": 10, "%": 10, "+": 9, "-": 9, "<<": 8, ">>": 8, "<": 7, ">": 7,
+             "<=": 7, ">=": 7, "==": 6, "!=": 6, "&": 5, "^": 4, "|": 3, "&&": 2, "||": 1}
+IF_MAX_DEPTH = 64    # parentheses nested deeper leave an #if unevaluated
+MAX_DIGITS = 18      # a number with more digits is no ABI version, target or #if value
+ABI_SUFFIX = "_ABI_VERSION"
 ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
 
 # Build scripts.
@@ -543,81 +551,232 @@ def arch_number(arch):
 
 
 def strip_c_comments(text):
-    """Text with comments blanked (newlines kept, so line numbers hold) and
-    `#if 0` blocks blanked."""
+    """Text with comments blanked (newlines kept, so line numbers hold)."""
     def blank(match):
         token = match.group()
         if token[0] == "/":
             return "\n" * token.count("\n") + " "
         return token
-    text = C_TOKEN_RE.sub(blank, text)
-    if not has_if0(text):
-        return text
-    lines = text.split("\n")
-    depth = 0  # > 0: inside an `#if 0` block, counting nested conditionals
-    for index, line in enumerate(lines):
-        cond = C_COND_RE.match(line)
-        if depth == 0:
-            if cond and cond.group(1) == "if" and C_IF0_RE.match(line):
-                depth = 1
+    return C_TOKEN_RE.sub(blank, text)
+
+
+def preprocess(text):
+    """(live text, directives) of a C source: the text without comments and
+    with the lines of dead conditional branches blanked, and the directives
+    of the live lines as [(line, name, rest)], a continued directive joined
+    and given at its first line.
+
+    A branch is dead when its #if or #elif has the value 0 (see if_value),
+    or an earlier branch of its chain surely was taken; a branch whose
+    condition cannot be evaluated (#ifdef, a macro) counts, like the one
+    after it: both may be compiled.
+    """
+    lines = strip_c_comments(text).split("\n")
+    frames = []  # [enclosing branch live, this branch live, a branch surely taken]
+    live = True
+    directives = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        match = C_DIRECTIVE_RE.match(line) if "#" in line else None
+        if match is None:
+            if not live:
                 lines[index] = ""
+            index += 1
             continue
-        lines[index] = ""
-        if cond is None:
+        first, rest = index, match.group(2)
+        while rest.endswith("\\") and index + 1 < len(lines):
+            index += 1
+            rest = rest[:-1] + " " + lines[index]
+        name = match.group(1)
+        if name in ("if", "ifdef", "ifndef"):
+            value = if_value(rest) if live and name == "if" else (None if live else 0)
+            frames.append([live, value != 0, value not in (None, 0)])
+        elif name in ("elif", "elifdef", "elifndef", "else") and frames:
+            frame = frames[-1]
+            if frame[2]:
+                frame[1] = False
+            else:
+                value = if_value(rest) if frame[0] and name == "elif" else None
+                frame[1], frame[2] = value != 0, value not in (None, 0)
+        elif name == "endif" and frames:
+            frames.pop()
+        elif live and name:
+            directives.append((first + 1, name, rest))
+        live = not frames or (frames[-1][0] and frames[-1][1])
+        if not live:
+            lines[first:index + 1] = [""] * (index + 1 - first)
+        index += 1
+    return "\n".join(lines), directives
+
+
+class Unevaluable(Exception):
+    """An #if expression that this reader cannot give a value."""
+
+
+def if_value(expression):
+    """The value of an #if expression of integer literals, as the
+    preprocessor computes it (64-bit), or None when it cannot be told here:
+    it names a macro or defined(), or is beyond what this evaluator reads."""
+    tokens = []
+    pos, end = 0, len(expression.rstrip())
+    while pos < end:
+        match = IF_TOKEN_RE.match(expression, pos)
+        if match is None:
+            return None
+        number, name, operator = match.groups()
+        if number is not None:
+            if len(number) > MAX_DIGITS:
+                return None
+            tokens.append(int(number, 16) if number[:2] in ("0x", "0X")
+                          else int(number, 8) if number[0] == "0" and number.isdigit()
+                          and set(number) <= set("01234567") else int(number))
+        else:
+            tokens.append(name if name is not None else operator)
+        pos = match.end()
+    try:
+        value, at = if_conditional(tokens, 0, 0)
+    except (Unevaluable, IndexError, ValueError):
+        return None
+    return value if at == len(tokens) else None
+
+
+def if_conditional(tokens, at, depth):
+    """(value, next position) of `a ? b : c` or a binary expression."""
+    value, at = if_binary(tokens, at, 1, depth)
+    if at < len(tokens) and tokens[at] == "?":
+        first, at = if_conditional(tokens, at + 1, depth + 1)
+        if tokens[at] != ":":
+            raise Unevaluable()
+        second, at = if_conditional(tokens, at + 1, depth + 1)
+        value = None if value is None else first if value else second
+    return value, at
+
+
+def if_binary(tokens, at, lowest, depth):
+    value, at = if_unary(tokens, at, depth)
+    while at < len(tokens) and type(tokens[at]) is str and IF_BINARY.get(tokens[at], 0) >= lowest:
+        operator = tokens[at]
+        right, at = if_binary(tokens, at + 1, IF_BINARY[operator] + 1, depth)
+        value = if_apply(operator, value, right)
+    return value, at
+
+
+def if_unary(tokens, at, depth):
+    if depth > IF_MAX_DEPTH:
+        raise Unevaluable()
+    token = tokens[at]
+    if type(token) is int:
+        return token, at + 1
+    if token == "(":
+        value, at = if_conditional(tokens, at + 1, depth + 1)
+        if tokens[at] != ")":
+            raise Unevaluable()
+        return value, at + 1
+    if token in ("!", "~", "-", "+"):
+        value, at = if_unary(tokens, at + 1, depth + 1)
+        if value is not None:
+            value = {"!": int(not value), "~": ~value, "-": -value, "+": value}[token]
+        return value, at
+    if token in ("true", "false"):
+        return int(token == "true"), at + 1
+    if token in IF_BINARY or token in ("?", ":", ")", ","):
+        raise Unevaluable()
+    # A macro, defined(X), or a function-like name: skip its argument list.
+    at += 1
+    if token == "defined" and tokens[at] != "(":
+        return None, at + 1
+    if at < len(tokens) and tokens[at] == "(":
+        open_parens = 0
+        while True:
+            open_parens += {"(": 1, ")": -1}.get(tokens[at], 0) if type(tokens[at]) is str else 0
+            at += 1
+            if open_parens == 0:
+                break
+    return None, at
+
+
+def if_apply(operator, left, right):
+    """A binary operator on values that may be unknown (None)."""
+    if operator == "&&":
+        if left == 0 or right == 0:
+            return 0
+        return None if left is None or right is None else 1
+    if operator == "||":
+        if left not in (None, 0) or right not in (None, 0):
+            return 1
+        return None if left is None or right is None else 0
+    if left is None or right is None:
+        return None
+    if operator in ("/", "%"):
+        if right == 0:
+            return None
+        quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
+        return quotient if operator == "/" else left - right * quotient
+    if operator in ("<<", ">>"):
+        if not 0 <= right < 64:
+            return None
+        value = left << right if operator == "<<" else left >> right
+    else:
+        value = {"*": lambda: left * right, "+": lambda: left + right, "-": lambda: left - right,
+                 "<": lambda: int(left < right), ">": lambda: int(left > right),
+                 "<=": lambda: int(left <= right), ">=": lambda: int(left >= right),
+                 "==": lambda: int(left == right), "!=": lambda: int(left != right),
+                 "&": lambda: left & right, "^": lambda: left ^ right,
+                 "|": lambda: left | right}[operator]()
+    return value if -(1 << 63) <= value < (1 << 64) else None
+
+
+def abi_value(raw):
+    """The integer an ABI macro's replacement text spells, or None."""
+    value = ABI_VALUE_RE.match(raw)
+    if value is None:
+        return None
+    digits = value.group(1)
+    if len(digits) > MAX_DIGITS:
+        return None
+    if digits[:2] in ("0x", "0X"):
+        return int(digits, 16)
+    if len(digits) > 1 and digits[0] == "0":
+        return int(digits, 8) if set(digits) <= set("01234567") else None
+    return int(digits)
+
+
+def macro_events(directives):
+    """What the directives of a file do to ABI macros, in order:
+    ("define", line, prefix, value or None, raw value), ("undef", line,
+    prefix), and ("include", line, quoted file name)."""
+    events = []
+    for line, name, rest in directives:
+        if name == "include":
+            included = C_INCLUDE_RE.match(rest)
+            if included:
+                events.append(("include", line, included.group(1)))
             continue
-        word = cond.group(1)
-        if word in ("if", "ifdef", "ifndef"):
-            depth += 1
-        elif word == "endif":
-            depth -= 1
-        elif depth == 1 and word in ("else", "elif"):
-            depth = 0
-    return "\n".join(lines)
-
-
-def has_if0(text):
-    """Whether a line of the text starts an `#if 0` block."""
-    for match in C_IF0_DIRECTIVE_RE.finditer(text):
-        start = match.start()
-        if not text[text.rfind("\n", 0, start) + 1:start].strip(" \t"):
-            return True
-    return False
-
-
-def abi_define_lines(text):
-    """The ABI_DEFINE_RE matches of the text, one per line that names
-    _ABI_VERSION (the regex alone tries every line)."""
-    at = text.find("_ABI_VERSION")
-    while at >= 0:
-        start = text.rfind("\n", 0, at) + 1
-        end = text.find("\n", at)
-        if end < 0:
-            end = len(text)
-        match = ABI_DEFINE_RE.match(text, start, end)
-        if match is not None:
-            yield match
-        at = text.find("_ABI_VERSION", end)
+        if name not in ("define", "undef"):
+            continue
+        macro = C_NAME_RE.match(rest)
+        if macro is None or not macro.group(1).endswith(ABI_SUFFIX) or len(macro.group(1)) == len(ABI_SUFFIX):
+            continue
+        prefix = macro.group(1)[:-len(ABI_SUFFIX)]
+        if name == "undef":
+            events.append(("undef", line, prefix))
+        else:
+            raw = rest[macro.end():]
+            events.append(("define", line, prefix, abi_value(raw), raw.strip()))
+    return events
 
 
 def find_abi_defines(text):
-    """[(prefix, value or None, line, raw value)] for each ABI version macro."""
+    """[(prefix, value or None, line, raw value)] for each ABI version macro
+    a source defines in its live lines, in order (an #undef dropping those
+    before it)."""
     found = []
-    line, counted = 1, 0
-    for match in abi_define_lines(text):
-        raw = match.group(2)
-        value = ABI_VALUE_RE.match(raw)
-        number = None
-        if value:
-            digits = value.group(1)
-            if digits[:2] in ("0x", "0X"):
-                number = int(digits, 16)
-            elif len(digits) > 1 and digits[0] == "0":
-                number = int(digits, 8) if set(digits) <= set("01234567") else None
-            else:
-                number = int(digits)
-        line += text.count("\n", counted, match.start())
-        counted = match.start()
-        found.append((match.group(1), number, line, raw.strip()))
+    for event in macro_events(preprocess(text)[1]):
+        if event[0] == "define":
+            found.append((event[2], event[3], event[1], event[4]))
+        elif event[0] == "undef":
+            found = [d for d in found if d[0] != event[2]]
     return found
 
 
@@ -1850,21 +2009,9 @@ def check_abi(repo, backend):
     """A001-A005: the ABI version macro in the declared sources."""
     if type((backend.manifest or {}).get("sources")) is not list:
         return
-    defines = []
-    texts = []
-    for _, rel, problem in backend.sources:
-        if problem or not rel.endswith(KERNEL_SUFFIXES):
-            continue
-        text = read_source(backend, rel)
-        if text is None:
-            continue
-        if "_ABI_VERSION" in text:
-            stripped = strip_c_comments(text)
-            for prefix, value, line, raw in find_abi_defines(stripped):
-                defines.append((rel, line, prefix, value, raw))
-            texts.append([text, stripped])
-        else:
-            texts.append([text, None])
+    sources = AbiSources(backend)
+    own = sources.own_prefixes()
+    defines = [d for d in sources.defines() if d[2] in own]
     for rel, line, prefix, value, raw in defines:
         if value is None:
             backend.error("A005", "%s defines %s_ABI_VERSION as %s, not an integer literal"
@@ -1891,30 +2038,80 @@ def check_abi(repo, backend):
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
     for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
-        for entry in texts:
-            if declares(entry, symbol):
-                break
-        else:
+        if not sources.declares(symbol):
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
 
 
-def declares(entry, symbol):
-    """Whether a source ([text, comment-free text or None]) names `symbol(`
-    outside comments."""
-    if symbol not in entry[0]:
+class AbiSources:
+    """The declared sources of a backend as the preprocessor meets them: in
+    the manifest's order, each quoted #include of a source that names an ABI
+    macro read where it stands (once), so that an #undef and a new #define
+    replace what came before in include order."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.texts = {}    # rel -> [text, live text or None]
+        self.events = []   # (rel, event) in include order
+        declared = [rel for _, rel, problem in backend.sources
+                    if not problem and rel.endswith(KERNEL_SUFFIXES)]
+        for rel in declared:
+            if rel not in self.texts:
+                self.read(rel, read_source(backend, rel))
+
+    def read(self, rel, text):
+        self.texts[rel] = entry = [text or "", None]
+        if text is None or ("_ABI_VERSION" not in text and "#undef" not in text):
+            return
+        entry[1], directives = preprocess(text)
+        for event in macro_events(directives):
+            if event[0] != "include":
+                self.events.append((rel, event))
+                continue
+            for candidate in (posixpath.join(posixpath.dirname(rel), event[2]), event[2]):
+                included, problem = normalize_relpath(posixpath.normpath(candidate))
+                if problem is None and included not in self.texts and (
+                        self.backend.files.get(included) == "file"):
+                    data, _, _ = read_bytes(self.backend.dir + "/" + included, True)
+                    self.read(included, None if data is None else decode(data)[0])
+                    break
+
+    def defines(self):
+        """[(rel, line, prefix, value or None, raw)] of the definitions in
+        force at the end, an #undef dropping the earlier ones."""
+        found = []
+        for rel, event in self.events:
+            if event[0] == "define":
+                found.append((rel, event[1], event[2], event[3], event[4]))
+            else:
+                found = [d for d in found if d[2] != event[2]]
+        return found
+
+    def own_prefixes(self):
+        """The prefixes of the backend's own ABI: those whose
+        <prefix>_abi_version() the sources declare; all when none is (a
+        vendored header's macro, such as DLPACK_ABI_VERSION, is not the
+        backend's ABI)."""
+        prefixes = {d[2] for d in self.defines()}
+        declared = {p for p in prefixes if self.declares(p.lower() + "_abi_version")}
+        return declared or prefixes
+
+    def declares(self, symbol):
+        """Whether a source names `symbol(` in its live text."""
+        for entry in self.texts.values():
+            if symbol not in entry[0]:
+                continue
+            if entry[1] is None:
+                entry[1] = preprocess(entry[0])[0]
+            text = entry[1]
+            start = text.find(symbol)
+            while start >= 0:
+                end = start + len(symbol)
+                before = text[start - 1] if start else " "
+                if not (before.isalnum() or before == "_") and C_CALL_RE.match(text, end):
+                    return True
+                start = text.find(symbol, end)
         return False
-    if entry[1] is None:
-        entry[1] = strip_c_comments(entry[0])
-    text = entry[1]
-    start = text.find(symbol)
-    while start >= 0:
-        end = start + len(symbol)
-        before = text[start - 1] if start else " "
-        if not (before.isalnum() or before == "_") and text[end:].lstrip(" \t\n").startswith("("):
-            return True
-        start = text.find(symbol, end)
-    return False
 
 
 def read_source(backend, rel):

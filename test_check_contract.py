@@ -1649,6 +1649,72 @@ class WalkTest(TreeTest):
         self.assertClean()
 
 
+
+class AbiReadingTest(TreeTest):
+    """The ABI macro is read where the preprocessor would take it from."""
+
+    def with_header(self, header, **extra):
+        self.tree(demo_files(**dict({"backends/cpu/demo/ops.h": header}, **extra)))
+
+    def test_if_expressions_of_literals_are_evaluated(self):
+        for condition in ("0 || 1", "0 + 1", "0 == 0", "0 \\\n    || 1", "(2 > 1) && !0", "true",
+                          "1 ? 1 : 0", "0x10 >> 4"):
+            with self.subTest(condition=condition):
+                self.with_header("#if %s\n#define DEMO_ABI_VERSION 1\n#else\n#define DEMO_ABI_VERSION 9\n"
+                                 "#endif\nuint32_t demo_abi_version(void);\n"
+                                 "const char* demo_error_string(int code);\n" % condition)
+                self.assertClean()
+
+    def test_only_an_if_whose_value_is_zero_is_dead(self):
+        for condition in ("0", "false", "1 - 1", "0 && FOO", "(0)"):
+            with self.subTest(condition=condition):
+                self.with_header("#if %s\n#define DEMO_ABI_VERSION 9\n#else\n#define DEMO_ABI_VERSION 1\n"
+                                 "#endif\nuint32_t demo_abi_version(void);\n"
+                                 "const char* demo_error_string(int code);\n" % condition)
+                self.assertClean()
+
+    def test_branches_that_cannot_be_evaluated_both_count(self):
+        for opening in ("#ifdef DEMO_V2", "#if DEMO_V2 > 1", "#if defined(DEMO_V2)", "#if 0\n#elifdef X",
+                        "#if 0\n#elifndef X"):
+            with self.subTest(opening=opening):
+                header = ("%s\n#define DEMO_ABI_VERSION 2\n#else\n#define DEMO_ABI_VERSION 1\n#endif\n"
+                          "uint32_t demo_abi_version(void);\nconst char* demo_error_string(int code);\n"
+                          % opening)
+                self.with_header(header)
+                line = header.count("\n", 0, header.index("VERSION 2")) + 1
+                self.assertIssue("A002", "several ABI versions are defined (ops.h:%d defines "
+                                 "DEMO_ABI_VERSION 2, ops.h:%d defines DEMO_ABI_VERSION 1); keep "
+                                 "exactly one" % (line, line + 2))
+
+    def test_undef_and_redefinition_the_last_in_include_order_wins(self):
+        manifest = demo_manifest(sources=["ops.h", "ops.c", "version.inl"])
+        self.tree(demo_files(manifest, **{
+            "backends/cpu/demo/ops.h": OPS_H.replace("#define DEMO_ABI_VERSION 1\n",
+                                                     '#define DEMO_ABI_VERSION 3\n#include "version.inl"\n'),
+            "backends/cpu/demo/version.inl": "#undef DEMO_ABI_VERSION\n#define DEMO_ABI_VERSION 1\n"}))
+        self.assertClean()
+        os.unlink(self.path("backends/cpu/demo/version.inl"))
+        self.with_header(OPS_H.replace("#define DEMO_ABI_VERSION 1\n", "#define DEMO_ABI_VERSION 2\n"
+                                       "#undef DEMO_ABI_VERSION\n#define DEMO_ABI_VERSION 1\n"))
+        self.assertClean()
+
+    def test_a_vendored_abi_macro_is_not_the_backends(self):
+        for value in (1, 7):
+            with self.subTest(value=value):
+                manifest = demo_manifest(sources=["dlpack.h", "ops.h", "ops.c"])
+                self.tree(demo_files(manifest, **{
+                    "backends/cpu/demo/dlpack.h": "#define DLPACK_VERSION 80\n#define DLPACK_ABI_VERSION %d\n"
+                                                  % value}))
+                self.assertClean()
+
+    def test_a_long_one_line_header_is_read_in_linear_time(self):
+        line = "int x; #if 0 /* c */ \"s\" " * 110000
+        self.with_header(OPS_H + line + "\n")
+        start = time.monotonic()
+        self.assertClean()
+        self.assertLess(time.monotonic() - start, 10)
+
+
 # -- Robustness and the schema ---------------------------------------------
 
 VALUES = (None, 42, True, "x", [], {}, [1, 2], ["a", 3])
