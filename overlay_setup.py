@@ -26,13 +26,23 @@ Usage:
   overlay_setup.py [--state DIR] add-native --source PATH --patched FILE
         [--artifact PATH]... [--invalidate-cache DIR]...
         (--build-cmd CMD | --no-build) [--build-cwd DIR] [--timeout S] [--owner-pid PID]
+        [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] apply PATCH [--root DIR] [-p N] [--artifact PATH]...
         [--invalidate-cache DIR]... (--build-cmd CMD | --no-build)
         [--build-cwd DIR] [--timeout S] [--owner-pid PID]
+        [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] verify-native
   overlay_setup.py [--state DIR] status [--json]
   overlay_setup.py [--state DIR] revert [--force] [--keep-untracked] [--all]
   overlay_setup.py gc-stale [--root DIR] [--dry-run]
+
+  Before the build, the existing files it may rewrite are backed up too, so
+  that revert gives back the install's build state as well: for make the
+  targets `make -n --trace -W SOURCE` names, for ninja and `cmake --build` the
+  outputs depending on the source in ninja's graph plus .ninja_log and
+  .ninja_deps, for any other build the object files, libraries and depfiles
+  of the build directory and everything under its build/ folder (over 1 GiB
+  is refused: --no-protect, --protect PATH).  --dry-run prints that plan.
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
   else ./.overlay.  Relative paths are taken from the current directory and
@@ -48,13 +58,15 @@ Exit codes:
   0  done (also: revert with nothing to revert)
   1  failed; the message says what to run next
   2  usage: a wrong option, a relative or unnormalised path, a bad module name
+  3  revert or gc-stale finished, but the files named (E505) are not back
+     byte-exact: the build rewrote them and nothing had backed them up
   130  interrupted (Ctrl-C), also while the tool starts
 
 Diagnostic codes (stable, never reused):
   E1xx  arguments and preconditions (paths, files, modules, conflicts)
   E2xx  the state directory and its journal (format, ownership, tampering, lock)
   E3xx  patches (malformed, hunk does not apply, unsupported file kind)
-  E4xx  builds and verification
+  E4xx  builds and verification (E404: the build changed no artifact)
   E5xx  revert and recovery
   E6xx  I/O errors (no space, permission) during a change; the state stays recoverable
 
@@ -87,6 +99,7 @@ import json
 import math
 import re
 import selectors
+import shlex
 import shutil
 import signal
 import stat
@@ -108,6 +121,12 @@ MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 MTIME_KEY = "OVERLAY.mtime_ns"
+# Object files, libraries, depfiles and GPU code objects a build may rewrite.
+PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
+PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
+PREDICT_TIMEOUT = 120  # seconds for one dry-run query of make or ninja
+NOT_EXACT = 3  # exit status: reverted, but some files are not back byte-exact
+FICLONE = 0x40049409  # Linux ioctl: share the extents of another file (reflink)
 
 
 # ---------------------------------------------------------------- errors
@@ -234,8 +253,14 @@ def _link(source: str, tmp: str) -> bool:
 
 
 def _copy_into(fd: int, source: str) -> None:
-    """Copy a file's content into an open descriptor, in the kernel."""
+    """Copy a file's content into an open descriptor, in the kernel: as a
+    reflink where the filesystem shares extents, else with sendfile."""
     with open(source, "rb") as src:
+        try:
+            fcntl.ioctl(fd, FICLONE, src.fileno())
+            return
+        except OSError:
+            pass
         size = os.fstat(src.fileno()).st_size
         offset = 0
         while offset < size:
@@ -656,7 +681,7 @@ class State:
             raise OverlayError("E202", "journal %s has no entry list; inspect it"
                                % self.manifest_path)
         for entry in entries:
-            for record in entry.get("sources", []) + entry.get("artifacts", []):
+            for record in entry_files(entry):
                 target(record.get("path"), "target")
                 if record.get("backup") is not None:
                     self.state_path(record["backup"])
@@ -686,7 +711,7 @@ JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
     "process": {"pid": int, "host": str, "start_time": (str, type(None))},
     "entry": {"id": int, "state": str, "sources": list, "artifacts": list, "caches": list,
               "dirs": (dict,), "build": (dict, type(None)), "scan": (str, type(None)),
-              "untracked": (list, type(None))},
+              "untracked": (list, type(None)), "protected": (list, type(None))},
     "file": {"path": str, "present": bool, "backup": (str, type(None)), "mode": (int, type(None)),
              "uid": (int, type(None)), "gid": (int, type(None)),
              "mtime_ns": (int, type(None)), "atime_ns": (int, type(None))},
@@ -731,6 +756,8 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
                      for i, r in enumerate(entry["sources"])]
         problems += [bad(r, "file", "%s.artifacts[%d]" % (where, i))
                      for i, r in enumerate(entry["artifacts"])]
+        problems += [bad(r, "file", "%s.protected[%d]" % (where, i))
+                     for i, r in enumerate(entry.get("protected") or [])]
         problems += [bad(r, "cache", "%s.caches[%d]" % (where, i))
                      for i, r in enumerate(entry["caches"])]
         if entry.get("build") is not None:
@@ -743,6 +770,12 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
                    for k, v in entry.get("dirs", {}).items()):
             problems.append(where + ".dirs")
     return next((p for p in problems if p), None)
+
+
+def entry_files(entry: dict) -> List[dict]:
+    """The file records of an entry that revert restores: sources, artifacts
+    and the build products backed up before the build."""
+    return entry.get("sources", []) + entry.get("artifacts", []) + (entry.get("protected") or [])
 
 
 def empty_manifest() -> dict:
@@ -1167,7 +1200,7 @@ def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
 
 def scan_exclusions(state: State, entry: dict) -> List[str]:
     return ([os.path.realpath(state.root), state.root]
-            + [record["path"] for record in entry["sources"] + entry["artifacts"]]
+            + [record["path"] for record in entry_files(entry)]
             + [cache["path"] for cache in entry["caches"]])
 
 
@@ -1191,6 +1224,273 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
         elif info[0] != "d" and old != info:
             products.append({"path": path, "kind": info[0], "created": False})
     return products
+
+
+# ---------------------------------------------------------------- what the build will rewrite
+
+
+def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
+    """('make', argv, directory) or ('ninja', argv, directory) when the build
+    command is one plain call of make, ninja or `cmake --build DIR` (leading
+    VAR=value words allowed); None for anything else (a shell pipeline, a
+    setup.py, a script)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+        words = words[1:]
+    if not words or any(word in ("&&", "||", ";", "|", "&", ">", "<") or word.endswith(";")
+                        for word in words):
+        return None
+    name = os.path.basename(words[0])
+    if name in ("make", "gmake"):
+        return "make", words, cwd
+    if name in ("ninja", "ninja-build"):
+        directory = cwd
+        for number, word in enumerate(words[1:-1], 1):
+            if word == "-C":
+                directory = os.path.normpath(os.path.join(directory, words[number + 1]))
+        return "ninja", words, directory
+    if name == "cmake" and len(words) >= 3 and words[1] == "--build":
+        directory = os.path.normpath(os.path.join(cwd, words[2]))
+        cache = cmake_cache(directory)
+        targets = [words[i + 1] for i in range(len(words) - 1) if words[i] in ("--target", "-t")]
+        generator = cache.get("CMAKE_GENERATOR")
+        program = cache.get("CMAKE_MAKE_PROGRAM")
+        if generator == "Ninja":
+            return "ninja", [program or "ninja", "-C", directory] + targets, directory
+        if generator == "Unix Makefiles":
+            return "make", [program or "make", "-C", directory] + targets, directory
+    return None
+
+
+def cmake_cache(directory: str) -> Dict[str, str]:
+    """NAME -> value of a CMakeCache.txt (empty when there is none)."""
+    values = {}
+    try:
+        with open(os.path.join(directory, "CMakeCache.txt"), encoding="utf-8",
+                  errors="replace") as handle:
+            for line in handle:
+                match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):[A-Z]+=(.*)$", line.rstrip("\n"))
+                if match:
+                    values[match.group(1)] = match.group(2)
+    except OSError:
+        pass
+    return values
+
+
+def ask_build_tool(argv: List[str], cwd: str) -> Optional[str]:
+    """The output of a dry-run query of the build tool, or None if it failed."""
+    try:
+        result = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, timeout=PREDICT_TIMEOUT,
+                                env=dict(os.environ, LC_ALL="C"))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.decode("utf-8", "surrogateescape")
+
+
+def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List[str]]:
+    """Every target make would remake if `sources` changed: `make -n --trace`
+    with -W (what-if) for each source, by its absolute name and by its name
+    relative to the build directory; sub-makes are followed through their
+    'Entering directory' lines.  make -n still runs recipes that use $(MAKE)
+    or start with '+', as it always does."""
+    what_if = []
+    for source in sources:
+        what_if += ["-W", source, "-W", os.path.relpath(source, cwd)]
+    output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if, cwd)
+    if output is None:
+        return None
+    directories = [cwd]
+    targets = []
+    for line in output.splitlines():
+        entering = re.match(r"^\S+: Entering directory '(.*)'$", line)
+        if entering:
+            directories.append(entering.group(1))
+            continue
+        if re.match(r"^\S+: Leaving directory '.*'$", line) and len(directories) > 1:
+            directories.pop()
+            continue
+        target = re.match(r"^(?:\S+:\d+: )?(?:update target '(.*)' due to|target '(.*)' does "
+                          r"not exist)", line)
+        if target:
+            name = target.group(1) if target.group(1) is not None else target.group(2)
+            targets.append(os.path.normpath(os.path.join(directories[-1], name)))
+    return targets
+
+
+def ninja_targets(argv: List[str], directory: str, sources: List[str]) -> Optional[List[str]]:
+    """Every output that depends on one of `sources` in ninja's graph: the
+    edges that read a node (`ninja -t query`) and the header dependencies
+    ninja recorded (`ninja -t deps`), followed to the end; then .ninja_log and
+    .ninja_deps, which every ninja run rewrites."""
+    base = [argv[0], "-C", directory]
+    for number, word in enumerate(argv[:-1]):
+        if word == "-f":
+            base += ["-f", argv[number + 1]]
+    listing = ask_build_tool(base + ["-t", "deps"], directory)
+    if listing is None:
+        return None
+    readers: Dict[str, List[str]] = {}
+    output = None
+    for line in listing.splitlines():
+        if line and not line[0].isspace():
+            output = line.split(": #deps", 1)[0]
+        elif line.strip() and output is not None:
+            readers.setdefault(line.strip(), []).append(output)
+    frontier = set()
+    for source in sources:
+        for name in (source, os.path.relpath(source, directory)):
+            if name in readers or ask_build_tool(base + ["-t", "query", name], directory):
+                frontier.add(name)
+    seen: set = set()
+    found = []
+    while frontier:
+        batch = sorted(frontier - seen)
+        seen.update(batch)
+        frontier = set()
+        for name in batch:
+            frontier.update(readers.get(name, []))
+        answer = ask_build_tool(base + ["-t", "query"] + batch, directory) if batch else ""
+        if answer is None:
+            return None
+        section = None
+        for line in answer.splitlines():
+            if line.startswith("  ") and not line.startswith("    "):
+                section = line.strip()
+            elif line.startswith("    ") and section == "outputs:":
+                frontier.add(line.strip())
+        found += sorted(frontier - seen)
+    return [os.path.normpath(os.path.join(directory, name)) for name in found] + [
+        os.path.join(directory, ".ninja_log"), os.path.join(directory, ".ninja_deps")]
+
+
+def product_files(cwd: str, excluded: List[str]) -> List[str]:
+    """Build products already in the build directory: object files, libraries
+    and depfiles anywhere, and every file under its `build/` folder (where
+    setuptools keeps its own).  Hidden folders and virtual environments are
+    not build products."""
+    found = []
+    for directory, dirs, files in os.walk(cwd):
+        dirs[:] = sorted(name for name in dirs if not name.startswith(".")
+                         and not os.path.isfile(os.path.join(directory, name, "pyvenv.cfg"))
+                         and not any(is_within(os.path.join(directory, name), path)
+                                     for path in excluded))
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            if (PRODUCT_RE.search(name) or is_within(path, os.path.join(cwd, "build"))) and \
+                    not any(is_within(path, other) for other in excluded):
+                found.append(path)
+    return found
+
+
+def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tuple[List[str], str]:
+    """The existing regular files the build may rewrite, and how that was found."""
+    tool = build_tool(build["cmd"], build["cwd"])
+    predicted = None
+    how = "found in the build directory"
+    if tool is not None:
+        kind, argv, directory = tool
+        if kind == "make":
+            predicted = make_targets(argv, build["cwd"], sources)
+            how = "predicted by make -n -W"
+        else:
+            predicted = ninja_targets(argv, directory, sources)
+            how = "predicted from ninja's graph"
+        if predicted is None:
+            how = "found in the build directory (asking %s failed)" % kind
+    if predicted is None:
+        predicted = product_files(build["cwd"], excluded)
+    paths = []
+    # A compiler run with -MD writes a depfile beside the object that no make
+    # rule names: x.d for x.o (gcc), x.o.d (CMake, ninja's $out.d).
+    for path in [name for target in predicted for name in (
+            target, os.path.splitext(target)[0] + ".d", target + ".d")]:
+        if path not in paths and not any(is_within(path, other) for other in excluded) and \
+                os.path.isfile(path) and not os.path.islink(path):
+            paths.append(path)
+    return paths, how
+
+
+def protected_paths(state: State, sources: List[str], artifacts: List[str], caches: List[str],
+                    build: Optional[dict], protect: List[str],
+                    no_protect: bool) -> List[Tuple[str, str]]:
+    """[(path, why)] of the existing files to back up besides sources and
+    artifacts, so that revert gives back what the build rewrites.  The
+    automatic part is refused over PROTECT_BUDGET before anything changes."""
+    excluded = sources + artifacts + caches + [state.root, os.path.realpath(state.root)]
+    chosen: List[Tuple[str, str]] = []
+    for path in protect:
+        files = [path]
+        if os.path.isdir(path):
+            files = sorted(os.path.join(directory, name) for directory, _, names in os.walk(path)
+                           for name in names if os.path.isfile(os.path.join(directory, name))
+                           and not os.path.islink(os.path.join(directory, name)))
+        for name in files:
+            if name not in excluded and all(name != other for other, _ in chosen):
+                chosen.append((name, "--protect"))
+    if build is None or no_protect:
+        return chosen
+    predicted, how = predict_products(build, sources, excluded)
+    predicted = [path for path in predicted if all(path != other for other, _ in chosen)]
+    size = sum(os.lstat(path).st_size for path in predicted)
+    if size > PROTECT_BUDGET:
+        raise OverlayError("E110", "backing up the %d existing build product(s) the build may "
+                           "rewrite (%s) takes %d MiB, over the budget of %d MiB; nothing was "
+                           "changed: pass --no-protect to accept that revert leaves them rebuilt, "
+                           "with --protect PATH for those to keep byte-exact"
+                           % (len(predicted), how, size >> 20, PROTECT_BUDGET >> 20))
+    return chosen + [(path, how) for path in predicted]
+
+
+def build_candidates(sources: List[str]) -> List[Tuple[str, str]]:
+    """[(suggested options, what was found)] walking up from each source:
+    build systems and JIT caches to suggest, never to run."""
+    found: List[Tuple[str, str]] = []
+    def add(option: str, why: str) -> None:
+        if all(option != other for other, _ in found):
+            found.append((option, why))
+    for source in sources:
+        directory = os.path.dirname(source)
+        while True:
+            places = [directory] + sorted(
+                os.path.join(directory, name) for name in os.listdir(directory)
+                if name.startswith("build") and os.path.isdir(os.path.join(directory, name))) \
+                if os.access(directory, os.R_OK | os.X_OK) else [directory]
+            for place in places:
+                quoted = shell_quote(place)
+                if os.path.isfile(os.path.join(place, "CMakeCache.txt")):
+                    add("--build-cmd 'cmake --build %s' --build-cwd %s" % (quoted, quoted),
+                        os.path.join(place, "CMakeCache.txt"))
+                if os.path.isfile(os.path.join(place, "build.ninja")):
+                    add("--build-cmd ninja --build-cwd %s" % quoted,
+                        os.path.join(place, "build.ninja"))
+                if os.path.isfile(os.path.join(place, "Makefile")):
+                    add("--build-cmd make --build-cwd %s" % quoted, os.path.join(place, "Makefile"))
+            if os.path.isfile(os.path.join(directory, "setup.py")):
+                add("--build-cmd 'python3 setup.py build_ext --inplace' --build-cwd %s"
+                    % shell_quote(directory), os.path.join(directory, "setup.py"))
+            elif os.path.isfile(os.path.join(directory, "pyproject.toml")):
+                add("--build-cmd 'python3 -m pip install --no-build-isolation --no-deps -e .' "
+                    "--build-cwd %s" % shell_quote(directory),
+                    os.path.join(directory, "pyproject.toml"))
+            parent = os.path.dirname(directory)
+            if parent == directory:
+                break
+            directory = parent
+    home = os.path.expanduser("~")
+    for variable, default, what in (
+            ("TORCH_EXTENSIONS_DIR", os.path.join(home, ".cache", "torch_extensions"),
+             "torch extension build cache"),
+            ("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"), "Triton JIT cache")):
+        cache = os.environ.get(variable) or default
+        if os.path.isdir(cache):
+            add("--invalidate-cache %s" % shell_quote(cache), what)
+    return found
 
 
 # ---------------------------------------------------------------- tar snapshots
@@ -1385,7 +1685,7 @@ def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
 
 def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                        artifacts: List[str], caches: List[str], build: Optional[dict],
-                       command: str) -> dict:
+                       protected: List[Tuple[str, str]], command: str) -> dict:
     """Steps 1-3: make the backups and the journal entry durable, then set the
     caches aside and swap the sources.  `changes` maps each source to its
     patched content (None: delete it).  A crash before the entry is journaled
@@ -1394,7 +1694,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     directory = "backups/%d" % entry_id
     entry = {"id": entry_id, "command": command, "state": "applying",
              "sources": [], "artifacts": [], "caches": [], "build": build,
-             "scan": None, "untracked": None}
+             "scan": None, "untracked": None, "protected": []}
     for number, (source, patched) in enumerate(changes):
         record = record_file(source, "source")
         record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
@@ -1406,6 +1706,11 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         if record["present"]:
             record["backup"] = "%s/a%d" % (directory, number)
         entry["artifacts"].append(record)
+    for number, (path, why) in enumerate(protected):
+        record = record_file(path, "build product")
+        record["why"] = why
+        record["backup"] = "%s/p%d" % (directory, number)
+        entry["protected"].append(record)
     backup_dev = os.stat(state.root).st_dev
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
@@ -1417,7 +1722,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
                                                         "" if same_fs or not present else ".tar")})
     # Parent directories get their mtimes back too: temp files and renames touch them.
     entry["dirs"] = {}
-    for path in changes_paths(changes) + artifacts + caches:
+    for path in changes_paths(changes) + artifacts + caches + [p for p, _ in protected]:
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and parent not in entry["dirs"]:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
@@ -1425,7 +1730,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
     makedirs_durable(backup_dir)
-    for record in entry["sources"] + entry["artifacts"]:
+    for record in entry_files(entry):
         record["sha256"] = None
         if record["present"]:
             record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
@@ -1603,10 +1908,15 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     if noop:
         entry["state"] = "build-changed-nothing"
     state.save(manifest)
-    if entry["untracked"]:
-        print("warning: the build created or changed files that no --artifact or "
-              "--invalidate-cache covers (revert removes them): %s"
-              % ", ".join(product["path"] for product in entry["untracked"]), file=sys.stderr)
+    created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
+    if created:
+        print("warning: the build created files that no --artifact or --invalidate-cache covers "
+              "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
+    rewritten = inexact_products(entry["untracked"])
+    if rewritten:
+        print("warning: the build rewrote files that nothing backed up, so revert cannot give "
+              "them back byte-exact (it removes them, the next build makes them again): %s; "
+              "pass --protect PATH for each next time" % ", ".join(rewritten), file=sys.stderr)
     if status is None:
         raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
                            "patch stays applied: run `overlay_setup.py revert`" % seconds)
@@ -1639,7 +1949,7 @@ def source_drift(entry: dict) -> List[str]:
 
 def check_entry_restorable(state: State, entry: dict) -> None:
     """Everything a revert of `entry` needs, checked before anything changes."""
-    for record in entry["sources"] + entry["artifacts"]:
+    for record in entry_files(entry):
         path = record["path"]
         if os.path.isdir(path) and not os.path.islink(path):
             # Someone's directory: a revert never removes one wholesale.
@@ -1732,10 +2042,18 @@ def stop_leftover_build(entry: dict) -> None:
     stop_process_group(pid)
 
 
-def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> None:
-    """Restore one entry (idempotent: safe to run again after a crash)."""
+def inexact_products(products: List[dict]) -> List[str]:
+    """Files that were there before and that the build changed without a backup."""
+    return [product["path"] for product in products
+            if not product["created"] and product["kind"] != "d"]
+
+
+def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> List[str]:
+    """Restore one entry (idempotent: safe to run again after a crash); returns
+    the files that are not back byte-exact (rewritten without a backup)."""
     stop_leftover_build(entry)
-    products = [] if keep_untracked else untracked_products(state, entry)
+    found = untracked_products(state, entry)
+    products = [] if keep_untracked else found
     aside = None
     if products and entry.get("untracked") is None:
         # The run died during its build: what changed in the build directory
@@ -1747,7 +2065,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
               % (entry["id"], len([p for p in products if p["kind"] != "d"]), aside[0], aside[1],
                  ", ".join(os.path.relpath(p["path"], aside[0]) for p in products
                            if p["kind"] != "d")), file=sys.stderr)
-    for record in entry["sources"] + entry["artifacts"]:
+    for record in entry_files(entry):
         restore_file(state, record)
         remove_path(temp_beside(record["path"]))
     for cache in entry["caches"]:
@@ -1759,6 +2077,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     manifest["entries"].remove(entry)
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
+    return inexact_products(found)
 
 
 def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
@@ -1778,8 +2097,10 @@ def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
     return orphans
 
 
-def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) -> List[str]:
-    """Switch the Python overlay off and restore every native entry in reverse order."""
+def revert_all(state: State, manifest: dict, force: bool,
+               keep_untracked: bool) -> Tuple[List[str], List[str]]:
+    """Switch the Python overlay off and restore every native entry in reverse
+    order; returns what was done and the files not back byte-exact."""
     if not force:
         for entry in manifest["entries"]:
             changed = source_drift(entry)
@@ -1790,7 +2111,8 @@ def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) 
                                    "anyway" % changed[0])
     for entry in manifest["entries"]:
         check_entry_restorable(state, entry)
-    done = []
+    done: List[str] = []
+    inexact: List[str] = []
     python = manifest["python"]
     if python["modules"] or python["rebinds"]:
         done.append("Python overlay switched off (%d module(s), %d rebind(s))"
@@ -1802,11 +2124,17 @@ def revert_all(state: State, manifest: dict, force: bool, keep_untracked: bool) 
         state.save(manifest)
     remove_path(state.python)
     for entry in reversed(list(manifest["entries"])):
-        revert_entry(state, manifest, entry, keep_untracked)
+        inexact += revert_entry(state, manifest, entry, keep_untracked)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
     remove_path(state.backups)
-    return done
+    return done, inexact
+
+
+def report_inexact(inexact: List[str]) -> None:
+    print("overlay_setup: E505 not byte-exact: the build rewrote %s with no backup; the next "
+          "build makes %s again (pass --protect PATH to keep such files next time)"
+          % (", ".join(inexact), "it" if len(inexact) == 1 else "them"), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -1938,8 +2266,9 @@ def shell_quote(text: str) -> str:
 def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
     artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
     caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
-    if args.build_cmd is None and not args.no_build:
-        raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build")
+    if args.build_cmd is None and not args.no_build and not args.dry_run:
+        raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build; "
+                         "--dry-run lists the build systems found near the source")
     if args.build_cmd is not None and args.no_build:
         raise UsageError("E109", "--build-cmd and --no-build exclude each other; pass one")
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -1947,6 +2276,14 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
                          % args.timeout)
     if args.build_cwd is not None:
         args.build_cwd = require_abs_normal(args.build_cwd, "--build-cwd")
+    for path in args.protect:
+        require_abs_normal(path, "--protect")
+        if not os.path.lexists(path):
+            raise OverlayError("E102", "--protect %s does not exist; pass an existing build "
+                               "product or a directory of them" % path)
+        if os.path.islink(path) or not (os.path.isfile(path) or os.path.isdir(path)):
+            raise OverlayError("E104", "--protect %s is a symlink or special file; pass the file "
+                               "or directory itself" % path)
     build = None
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
@@ -1954,16 +2291,55 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
+def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[str, str]],
+               artifacts: List[str], caches: List[str], build: Optional[dict],
+               protected: List[Tuple[str, str]]) -> None:
+    """What add-native or apply would do, for --dry-run."""
+    print("plan (--dry-run: nothing was changed):")
+    for path, patched in changes:
+        print("  %-10s %s" % ("delete" if patched is None else
+                              "patch" if os.path.lexists(path) else "create", path))
+    for name, origin in modules:
+        print("  %-10s module %s from %s (Python overlay)" % ("overlay", name, origin))
+    for path, _ in changes:
+        if os.path.lexists(path):
+            print("  %-10s %s (source)" % ("back up", path))
+    for path in artifacts:
+        print("  %-10s %s (artifact%s)" % ("back up", path,
+                                           "" if os.path.lexists(path) else ", absent now"))
+    for path, why in protected:
+        print("  %-10s %s (build product, %s)" % ("back up", path, why))
+    for path in caches:
+        print("  %-10s %s (cache%s)" % ("set aside", path,
+                                        "" if os.path.lexists(path) else ", absent now"))
+    if build is not None:
+        print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
+    elif changes:
+        sources = changes_paths(changes)
+        candidates = build_candidates(sources)
+        print("  %-10s none given; found near %s (suggestions, never run by themselves):"
+              % ("build", sources[0] if len(sources) == 1 else "the sources"))
+        for option, why in candidates:
+            print("    %s  (%s)" % (option, why))
+        if not candidates:
+            print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
+
+
 def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
-                  artifacts: List[str], caches: List[str], build: Optional[dict], command: str,
-                  python_update=None) -> dict:
+                  artifacts: List[str], caches: List[str], build: Optional[dict],
+                  protected: List[Tuple[str, str]], command: str, python_update=None) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
     modules_before = set(manifest["python"]["modules"])
     try:
         if changes:
-            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build, command)
+            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
+                                       protected, command)
+            if entry["protected"]:
+                print("backed up %d build product(s) the build may rewrite: %s" % (
+                    len(entry["protected"]), ", ".join(
+                        "%s (%s)" % (r["path"], r["why"]) for r in entry["protected"])))
         if python_update is not None:
             python_update()
     except OSError as exc:
@@ -1995,6 +2371,19 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
                        "run the command again" % (written(exc), exc.strerror))
 
 
+def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
+            modules: List[Tuple[str, str]], artifacts: List[str], caches: List[str],
+            build: Optional[dict]) -> int:
+    """Check and print the plan of add-native or apply; change nothing."""
+    manifest = state.load() if state.exists() else empty_manifest()
+    sources = changes_paths(changes)
+    validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
+    protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
+                                args.no_protect) if changes else []
+    print_plan(changes, modules, artifacts, caches, build, protected)
+    return 0
+
+
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
     artifacts, caches, build = native_options(args)
@@ -2003,12 +2392,16 @@ def cmd_add_native(args: argparse.Namespace) -> int:
         raise OverlayError("E102", "--source %s does not exist; pass the installed file to patch "
                            "(or use `apply` with a patch that creates it)" % source)
     state = open_state(args)
+    if args.dry_run:
+        return dry_run(state, args, [(source, patched)], [], artifacts, caches, build)
+    protected = protected_paths(state, [source], artifacts, caches, build, args.protect,
+                                args.no_protect)
     with Locked(state, "add-native") as manifest:
         claim_owner(manifest, args.owner_pid)
         validate_native_plan(state, manifest, [source], artifacts, caches,
                              build and build["cwd"])
         entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
-                              "add-native")
+                              protected, "add-native")
     if build is None:
         print("entry %d applied without a build: %s; run `overlay_setup.py revert` to take it "
               "back" % (entry["id"], source))
@@ -2063,6 +2456,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
     state = open_state(args)
+    if args.dry_run:
+        return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
+                       artifacts, caches, build if natives else None)
+    protected = protected_paths(state, [path for path, _ in natives], artifacts, caches,
+                                build if natives else None, args.protect, args.no_protect)
     with Locked(state, "apply") as manifest:
         claim_owner(manifest, args.owner_pid)
         for module, _content, _package, _origin in modules:
@@ -2080,7 +2478,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 write_python_overlay(state, manifest)
 
         entry = finish_native(state, manifest, natives, artifacts, caches,
-                              build if natives else None, "apply", python_update)
+                              build if natives else None, protected, "apply", python_update)
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
@@ -2166,7 +2564,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         build = entry["build"]
         rc = "" if not build else " (build status %s, %ss)" % (build["rc"], build["seconds"])
         print("entry %d [%s]%s" % (entry["id"], entry["state"], rc))
-        for record in entry["sources"] + entry["artifacts"]:
+        for record in entry_files(entry):
             print("  %s %s%s" % (record["role"], record["path"],
                                  "" if record["present"] else " (absent before)"))
         for cache in entry["caches"]:
@@ -2198,9 +2596,10 @@ def summarise(manifest: Optional[dict]) -> str:
         len(python["modules"]), len(python["rebinds"]), describe_owner(manifest["owner"]))
 
 
-def revert_state(state: State, force: bool, keep_untracked: bool) -> List[str]:
+def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Revert one state directory under its lock; it leaves the registry once
-    nothing is applied."""
+    nothing is applied.  Returns what was done and the files not back
+    byte-exact."""
     with Locked(state, "revert", create=False) as manifest:
         if not anything_applied(manifest):
             orphans = remove_orphaned_backups(state, manifest)
@@ -2209,15 +2608,15 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> List[str]:
                       "after it had restored them" % ("y" if len(orphans) == 1 else "ies",
                                                       ", ".join(orphans)))
             unregister(state)
-            return []
+            return [], []
         try:
-            done = revert_all(state, manifest, force, keep_untracked)
+            done, inexact = revert_all(state, manifest, force, keep_untracked)
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
                                "what is left: fix the cause and run `overlay_setup.py revert` "
                                "again" % (written(exc), exc.strerror))
         unregister(state)
-    return done
+    return done, inexact
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
@@ -2236,18 +2635,22 @@ def cmd_revert(args: argparse.Namespace) -> int:
                                % (state.root, ", ".join(other.root for other, _ in others)))
         print("nothing to revert: no overlay at %s" % state.root)
         return 0
-    done = revert_state(state, args.force, args.keep_untracked)
+    done, inexact = revert_state(state, args.force, args.keep_untracked)
     if not done:
         print("nothing to revert at %s" % state.root)
         return 0
     for line in done:
         print(line)
     print("reverted %s" % state.root)
+    if inexact:
+        report_inexact(inexact)
+        return NOT_EXACT
     return 0
 
 
 def revert_every_state(args: argparse.Namespace) -> int:
     failures = 0
+    not_exact = False
     roots = registered_states()
     for root in roots:
         state = State(root)
@@ -2256,7 +2659,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
             if not (state.exists() or state.orphaned_backups()):
                 unregister(state)
                 continue
-            done = revert_state(state, args.force, args.keep_untracked)
+            done, inexact = revert_state(state, args.force, args.keep_untracked)
         except OverlayError as exc:
             failures += 1
             print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
@@ -2265,13 +2668,16 @@ def revert_every_state(args: argparse.Namespace) -> int:
             print(line)
         if done:
             print("reverted %s" % root)
+        if inexact:
+            report_inexact(inexact)
+            not_exact = True
     if failures:
         print("overlay_setup: %d state director%s not reverted; see above"
               % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)
         return 1
     if not roots:
         print("nothing to revert: no applied overlay in %s" % registry_dir())
-    return 0
+    return NOT_EXACT if not_exact else 0
 
 
 def find_state_dirs(root: str) -> List[str]:
@@ -2291,6 +2697,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
     if not os.path.isdir(root):
         raise OverlayError("E107", "--root %s is not a directory" % root)
     failures = 0
+    not_exact = False
     registered = []
     for directory in registered_states():
         state = State(directory)
@@ -2320,10 +2727,13 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                     print("stale: %s (owner %s): would revert" % (
                         directory, describe_owner(manifest["owner"])))
                     continue
-                revert_all(state, manifest, force=False, keep_untracked=False)
+                _, inexact = revert_all(state, manifest, force=False, keep_untracked=False)
                 unregister(state)
                 print("stale: %s (owner %s): reverted" % (directory,
                                                           describe_owner(manifest["owner"])))
+                if inexact:
+                    report_inexact(inexact)
+                    not_exact = True
             finally:
                 state.unlock()
         except OverlayError as exc:
@@ -2338,7 +2748,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
         print("overlay_setup: %d state director%s refused or failed; see above"
               % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)
         return 1
-    return 0
+    return NOT_EXACT if not_exact else 0
 
 
 # ---------------------------------------------------------------- CLI
@@ -2406,6 +2816,17 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--build-cwd", metavar="DIR",
                          help="directory the build runs in (default: the current directory)")
         sub.add_argument("--timeout", type=float, metavar="S", help="kill the build after S seconds")
+        sub.add_argument("--protect", action="append", default=[], metavar="PATH",
+                         help="also back up this file, or every file in this directory, so "
+                              "revert gives it back byte-exact (repeatable)")
+        sub.add_argument("--no-protect", action="store_true",
+                         help="do not back up the build products the build may rewrite "
+                              "(make -n / ninja's graph / the build directory); revert then "
+                              "leaves them to be rebuilt")
+        sub.add_argument("--dry-run", action="store_true",
+                         help="change nothing; print what would be backed up and built, and "
+                              "the build systems found near the source when --build-cmd is "
+                              "not given")
 
     command("init", "create the state directory (idempotent)", owner=True)
     sub = command("add-python", "serve FILE as module MODULE to processes using `env`", owner=True)

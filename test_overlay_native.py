@@ -328,7 +328,7 @@ class CProjectTest(OverlayTestCase):
         before = tree_state(self.proj)
         rc, out, err = self.add_kernel_b()
         self.assertEqual(rc, 0)
-        self.assertEqual(err, "warning: the build created or changed files that no --artifact or "
+        self.assertEqual(err, "warning: the build created files that no --artifact or "
                               "--invalidate-cache covers (revert removes them): %s\n"
                          % self.p("api.o"))
         self.assertIn("untracked build product %s" % self.p("api.o"), self.tool("status")[1])
@@ -404,7 +404,7 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
                                    "--patched", self.patched), (
             2, "", "overlay_setup: E109 pass --build-cmd CMD (the install's own build) or "
-            "--no-build\n"))
+            "--no-build; --dry-run lists the build systems found near the source\n"))
 
     def test_unreadable_patched_file_and_missing_source_are_refused(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
@@ -1083,6 +1083,311 @@ class CrashMatrixTest(unittest.TestCase):
             run_tool(["--state", state, "revert"]).check_returncode()
             self.assertRestored(root, shm, expected, "revert ENOSPC at write %d" % write)
         self.assertGreater(write, 3)
+
+
+LIB_SOURCES = {
+    "k.h": "#define K 4\nint a(void);\nint b(void);\n",
+    "a.c": '#include "k.h"\nint a(void) { return 1; }\n',
+    "b.c": '#include "k.h"\nint b(void) { return K; }\n',
+}
+
+MAKE_PROJECT = dict(LIB_SOURCES, Makefile=(
+    "libk.so: a.o b.o\n"
+    "\tsleep 0.3\n"  # a build that takes real time, so a kill lands in it
+    "\t$(CC) -shared -o $@ a.o b.o\n"
+    "%.o: %.c k.h\n"
+    "\t$(CC) -O1 -fPIC -MMD -c -o $@ $<\n"))
+
+NINJA_PROJECT = dict(LIB_SOURCES, **{"build.ninja": (
+    "rule cc\n"
+    "  command = gcc -O1 -fPIC -MMD -MF $out.d -c $in -o $out\n"
+    "  depfile = $out.d\n"
+    "  deps = gcc\n"
+    "rule link\n"
+    "  command = sleep 0.3 && gcc -shared $in -o $out\n"
+    "build a.o: cc a.c\n"
+    "build b.o: cc b.c\n"
+    "build libk.so: link a.o b.o\n")})
+
+CMAKE_PROJECT = dict(LIB_SOURCES, **{"CMakeLists.txt": (
+    "cmake_minimum_required(VERSION 3.13)\n"
+    "project(k C)\n"
+    "add_library(k SHARED a.c b.c)\n"
+    "add_custom_command(TARGET k POST_BUILD COMMAND sleep 0.3)\n")})
+
+EXTENSION_PROJECT = {
+    "pkg/__init__.py": "",
+    "pkg/_k.c": (
+        "#include <Python.h>\n"
+        "static PyObject *value(PyObject *self, PyObject *args) { return PyLong_FromLong(4); }\n"
+        'static PyMethodDef methods[] = {{"value", value, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};\n'
+        'static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_k", "", -1, methods};\n'
+        "PyMODINIT_FUNC PyInit__k(void) { return PyModule_Create(&module); }\n"),
+    "setup.py": ("from setuptools import setup, Extension\n"
+                 'setup(name="pkg", version="0", packages=["pkg"],\n'
+                 '      ext_modules=[Extension("pkg._k", ["pkg/_k.c"])])\n'),
+}
+
+
+def age_tree(root: str) -> None:
+    """Move every mtime under `root` an hour back, keeping their order: an
+    install built a while ago (setuptools compares mtimes in whole seconds)."""
+    for directory, dirs, files in os.walk(root, topdown=False):
+        for path in [os.path.join(directory, name) for name in files] + [directory]:
+            st = os.lstat(path)
+            past = st.st_mtime_ns - 3600 * 10 ** 9
+            os.utime(path, ns=(past, past), follow_symlinks=False)
+
+
+def quiet(argv: list, cwd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True)
+
+
+class RealBuildSystemTest(OverlayTestCase):
+    """The install's own build, as it comes: make, ninja, cmake and setuptools
+    build_ext --inplace, with only the obvious flags.  Revert gives back the
+    whole tree (build products and build-system state included) and the next
+    incremental build has nothing to do; the same after the tool is killed
+    during the build and gc-stale cleans up."""
+
+    def project(self, files: dict) -> str:
+        proj = os.path.join(self.tmp, "proj")
+        write_tree(proj, files)
+        return proj
+
+    def kill_during_build(self, args: list) -> None:
+        """Run the tool and SIGKILL it as soon as its build is journaled as running."""
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
+                                 TOOL, "--state", self.state] + args, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        journal = os.path.join(self.state, "manifest.json")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and tool.poll() is None:
+            try:
+                entries = read_json(journal)["entries"]
+            except (OSError, ValueError):
+                entries = []
+            if entries and (entries[-1].get("build") or {}).get("process"):
+                break
+            time.sleep(0.005)
+        tool.kill()
+        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
+
+    def round_trips(self, proj: str, source: str, patched_text: str, artifact: str,
+                    build_cmd: str, build_cwd: str, no_work) -> None:
+        patched = os.path.join(self.tmp, "patched" + os.path.splitext(source)[1])
+        write_text_file(patched, patched_text)
+        args = ["add-native", "--source", source, "--patched", patched, "--artifact", artifact,
+                "--build-cmd", build_cmd, "--build-cwd", build_cwd]
+        age_tree(proj)
+        before = tree_state(proj)
+        original = overlay_setup.file_sha256(artifact)
+        rc, out, err = self.tool(*args)
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertNotEqual(overlay_setup.file_sha256(artifact), original)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(tree_state(proj), before)
+        self.assertTrue(no_work(), "the incremental build after revert is no no-op")
+        self.assertEqual(tree_state(proj), before)
+
+        self.kill_during_build(args)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("): reverted\n", out)
+        self.assertEqual(tree_state(proj), before)
+        self.assertTrue(no_work(), "the incremental build after gc-stale is no no-op")
+        self.assertEqual(tree_state(proj), before)
+
+    def test_make(self) -> None:
+        proj = self.project(MAKE_PROJECT)
+        quiet(["make"], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
+                         os.path.join(proj, "libk.so"), "make", proj,
+                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+
+    def test_ninja(self) -> None:
+        proj = self.project(NINJA_PROJECT)
+        quiet(["ninja"], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "k.h"), LIB_SOURCES["k.h"].replace("4", "7"),
+                         os.path.join(proj, "libk.so"), "ninja", proj,
+                         lambda: "no work to do" in quiet(["ninja", "-n"], proj).stdout)
+
+    def test_cmake_with_ninja(self) -> None:
+        proj = self.project(CMAKE_PROJECT)
+        build = os.path.join(proj, "build")
+        quiet(["cmake", "-S", proj, "-B", build, "-G", "Ninja"], proj).check_returncode()
+        quiet(["cmake", "--build", build], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "a.c"), LIB_SOURCES["a.c"].replace("1", "2"),
+                         os.path.join(build, "libk.so"), "cmake --build build", proj,
+                         lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
+
+    def test_setuptools_build_ext_inplace(self) -> None:
+        proj = self.project(EXTENSION_PROJECT)
+        venv = os.path.join(self.tmp, "venv")
+        quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
+              self.tmp).check_returncode()
+        python = os.path.join(venv, "bin", "python")
+        if quiet([python, "-c", "import setuptools"], self.tmp).returncode != 0:
+            quiet([python, "-m", "ensurepip"], self.tmp)
+            if quiet([python, "-m", "pip", "install", "-q", "setuptools"], self.tmp).returncode:
+                self.skipTest("setuptools is neither importable nor installable in a venv here")
+        build = [python, "setup.py", "build_ext", "--inplace"]
+        quiet(build, proj).check_returncode()
+        suffix = quiet([python, "-c", "import sysconfig; print(sysconfig.get_config_var("
+                                      "'EXT_SUFFIX'))"], proj).stdout.strip()
+        self.round_trips(proj, os.path.join(proj, "pkg", "_k.c"),
+                         EXTENSION_PROJECT["pkg/_k.c"].replace("(4)", "(7)"),
+                         os.path.join(proj, "pkg", "_k" + suffix),
+                         " ".join(build), proj,
+                         lambda: "_k.c" not in quiet(build, proj).stdout)
+
+
+class ProtectTest(OverlayTestCase):
+    """What the build will rewrite is backed up, planned, bounded and reported."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, MAKE_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        age_tree(self.proj)
+        self.patched = os.path.join(self.tmp, "b_fast.c")
+        write_text_file(self.patched, LIB_SOURCES["b.c"].replace("K", "7"))
+
+    def p(self, relative: str) -> str:
+        return os.path.join(self.proj, relative)
+
+    def add(self, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", self.p("b.c"), "--patched", self.patched,
+                         "--artifact", self.p("libk.so"), "--build-cmd", "make",
+                         "--build-cwd", self.proj, *extra)
+
+    def test_dry_run_prints_the_plan_and_changes_nothing(self) -> None:
+        before = tree_state(self.proj)
+        self.assertEqual(self.add("--dry-run"), (0, (
+            "plan (--dry-run: nothing was changed):\n"
+            "  patch      {p}/b.c\n"
+            "  back up    {p}/b.c (source)\n"
+            "  back up    {p}/libk.so (artifact)\n"
+            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
+            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
+            "  build      make (in {p})\n").format(p=self.proj), ""))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_apply_dry_run_shows_natives_and_python_modules(self) -> None:
+        write_tree(self.proj, {"pkg/__init__.py": "", "pkg/m.py": "X = 1\n"})
+        patch = os.path.join(self.tmp, "p.diff")
+        write_text_file(patch, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n-int b(void) { return K; }\n"
+                               "+int b(void) { return 7; }\n"
+                               "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-X = 1\n+X = 2\n")
+        before = tree_state(self.proj)
+        rc, out, err = self.tool("apply", patch, "--root", self.proj, "--dry-run",
+                                 "--build-cmd", "make", "--build-cwd", self.proj)
+        self.assertEqual((rc, err), (0, "warning: no --artifact given; verify-native will have "
+                                        "nothing to check\n"))
+        self.assertEqual(out, (
+            "plan (--dry-run: nothing was changed):\n"
+            "  patch      {p}/b.c\n"
+            "  overlay    module pkg.m from {p}/pkg/m.py (Python overlay)\n"
+            "  back up    {p}/b.c (source)\n"
+            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
+            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
+            "  back up    {p}/libk.so (build product, predicted by make -n -W)\n"
+            "  build      make (in {p})\n").format(p=self.proj))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_dry_run_without_a_build_command_suggests_what_it_finds(self) -> None:
+        base = os.path.join(self.tmp, "install")
+        write_tree(base, {"setup.py": "", "Makefile": "all:\n\ttouch ran\n",
+                          "build/CMakeCache.txt": "CMAKE_GENERATOR:INTERNAL=Ninja\n",
+                          "build/build.ninja": "", "csrc/ops/k.cu": "int k;\n",
+                          "torch-ext/x": ""})
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "torch-ext")
+        self.addCleanup(os.environ.pop, "TORCH_EXTENSIONS_DIR")
+        before = tree_state(base)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(base, "csrc/ops/k.cu"),
+                                 "--patched", self.patched, "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.startswith(
+            "plan (--dry-run: nothing was changed):\n"
+            "  patch      {b}/csrc/ops/k.cu\n"
+            "  back up    {b}/csrc/ops/k.cu (source)\n"
+            "  build      none given; found near {b}/csrc/ops/k.cu (suggestions, never run by "
+            "themselves):\n"
+            "    --build-cmd make --build-cwd {b}  ({b}/Makefile)\n"
+            "    --build-cmd 'cmake --build {b}/build' --build-cwd {b}/build  "
+            "({b}/build/CMakeCache.txt)\n"
+            "    --build-cmd ninja --build-cwd {b}/build  ({b}/build/build.ninja)\n"
+            "    --build-cmd 'python3 setup.py build_ext --inplace' --build-cwd {b}  "
+            "({b}/setup.py)\n".format(b=base)), out)
+        self.assertIn("    --invalidate-cache {b}/torch-ext  (torch extension build cache)\n"
+                      .format(b=base), out)
+        self.assertEqual(tree_state(base), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_products_over_the_budget_are_refused_before_anything_changes(self) -> None:
+        big = self.p("build/big.o")
+        os.makedirs(os.path.dirname(big))
+        with open(big, "wb") as handle:  # sparse: its size costs no disk
+            handle.truncate(overlay_setup.PROTECT_BUDGET + (1 << 20))
+        source = read_text(self.p("b.c"))
+        rc, out, err = self.tool("add-native", "--source", self.p("b.c"), "--patched",
+                                 self.patched, "--artifact", self.p("libk.so"),
+                                 "--build-cmd", "make && true", "--build-cwd", self.proj)
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E110 backing up the 5 existing build product(s) the "
+                              "build may rewrite (found in the build directory) takes 1025 MiB, "
+                              "over the budget of 1024 MiB; nothing was changed: pass "
+                              "--no-protect to accept that revert leaves them rebuilt, with "
+                              "--protect PATH for those to keep byte-exact\n")
+        self.assertEqual(read_text(self.p("b.c")), source)
+        self.assertFalse(os.path.exists(self.state))
+        rc, out, err = self.tool("add-native", "--source", self.p("b.c"), "--patched",
+                                 self.patched, "--artifact", self.p("libk.so"),
+                                 "--build-cmd", "make && true", "--build-cwd", self.proj,
+                                 "--no-protect",
+                                 "--protect", self.p("b.o"), "--protect", self.p("b.d"))
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("backed up 2 build product(s) the build may rewrite: %s (--protect), %s "
+                      "(--protect)\n" % (self.p("b.o"), self.p("b.d")), out)
+        self.assertEqual(self.tool("revert")[0], 0)
+        self.assertEqual(read_text(self.p("b.c")), source)
+
+    def test_protect_needs_an_existing_file_or_directory(self) -> None:
+        os.symlink("b.o", self.p("link.o"))
+        before = tree_state(self.proj)
+        self.assertEqual(self.add("--protect", self.p("gone.o")), (
+            1, "", "overlay_setup: E102 --protect %s does not exist; pass an existing build "
+            "product or a directory of them\n" % self.p("gone.o")))
+        self.assertEqual(self.add("--protect", self.p("link.o")), (
+            1, "", "overlay_setup: E104 --protect %s is a symlink or special file; pass the file "
+            "or directory itself\n" % self.p("link.o")))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_rewrite_nothing_backed_up_is_named_at_once_and_revert_exits_3(self) -> None:
+        before = tree_state(self.proj)
+        rc, out, err = self.add("--no-protect", "--protect", self.p("b.o"))
+        self.assertEqual(rc, 0)
+        self.assertEqual(err, "warning: the build rewrote files that nothing backed up, so revert "
+                              "cannot give them back byte-exact (it removes them, the next build "
+                              "makes them again): %s; pass --protect PATH for each next time\n"
+                         % self.p("b.d"))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (overlay_setup.NOT_EXACT, "entry 1 restored: %s\nreverted %s\n"
+                                     % (self.p("b.c"), self.state)))
+        self.assertEqual(err, "overlay_setup: E505 not byte-exact: the build rewrote %s with no "
+                              "backup; the next build makes it again (pass --protect PATH to keep "
+                              "such files next time)\n" % self.p("b.d"))
+        after = tree_state(self.proj)
+        self.assertNotIn("b.d", after)
+        after["b.d"] = before["b.d"]
+        self.assertEqual(after, before)
 
 
 class GcStaleTest(OverlayTestCase):
