@@ -73,6 +73,7 @@ Diagnostic codes (stable, never reused):
 Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
                             its N-th mutation (1-based) of the install or state.
+  OVERLAY_TEST_KILL_SIGNAL=S  ... with SIGS (TERM, HUP) instead of SIGKILL.
   OVERLAY_TEST_ENOSPC_AT=N  the N-th data write fails with OSError(ENOSPC).
 """
 
@@ -147,6 +148,15 @@ class UsageError(OverlayError):
     status = 2
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived during a build: unwind as Ctrl-C does, so
+    that the build's process group is stopped with this process."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 # ---------------------------------------------------------------- fault hooks
 
 
@@ -160,7 +170,8 @@ def mutation_point() -> None:
     if kill_at and int(kill_at) == _FAULTS["points"]:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("OVERLAY_TEST_KILL_SIGNAL",
+                                                                    "KILL")))
 
 
 def write_point(path: str) -> None:
@@ -1829,22 +1840,47 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+# The build's shell waits for one line on its stdin (a pipe from this process)
+# before it runs the command: written once the build's pid is journaled, never
+# if this process dies first (the pipe then reads end-of-file).  `set --` inside
+# the eval leaves the command no positional parameters, as `sh -c CMD` would.
+BUILD_GATE = 'read -r overlay_go || exit 125; unset overlay_go; exec </dev/null; eval "set --\n$1"'
+
+
 def stream_build(command: str, cwd: str, timeout: Optional[float],
                  started: Callable[[int], None]) -> Tuple[Optional[int], float]:
     """Run the caller's build command, streaming its output with the elapsed time.
     Returns (exit status or None on timeout, seconds).  `started` gets the pid
-    of the build (the leader of its own process group) once it runs.  If this
-    process is interrupted, the build is stopped with it."""
-    start = time.monotonic()
-    process = subprocess.Popen(command, shell=True, cwd=cwd, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
+    of the build (the leader of its own process group) and makes it durable
+    before the command may run.  If this process is interrupted (Ctrl-C,
+    SIGTERM, SIGHUP), the build is stopped with it."""
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    gate_read, gate_write = os.pipe()
     try:
-        started(process.pid)
-        return follow_build(process, start, timeout)
-    except BaseException:
-        stop_process_group(process.pid, process)
-        raise
+        start = time.monotonic()
+        try:
+            process = subprocess.Popen(["/bin/sh", "-c", BUILD_GATE, "sh", command], cwd=cwd,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       stdin=gate_read, start_new_session=True)
+        finally:
+            os.close(gate_read)
+        try:
+            started(process.pid)
+            os.write(gate_write, b"go\n")
+            os.close(gate_write)
+            gate_write = -1
+            return follow_build(process, start, timeout)
+        except BaseException:
+            stop_process_group(process.pid, process)
+            raise
+    finally:
+        if gate_write >= 0:
+            os.close(gate_write)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def follow_build(process: subprocess.Popen, start: float,
@@ -1888,8 +1924,6 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
     def started(pid: int) -> None:  # so that a revert after a crash can stop it
-        # (a build that kills this process within the few ms before this save
-        # is not recorded, and is not stopped)
         build["process"] = {"pid": pid, "start_time": process_start_time(pid),
                             "host": host_name()}
         state.save(manifest)
@@ -2893,6 +2927,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "fix the cause, then run `overlay_setup.py revert`"
               % (written(exc), exc.strerror), file=sys.stderr)
         return 1
+    except Stopped as exc:
+        print("overlay_setup: stopped by %s; the build was stopped with it and the patch stays "
+              "applied: run `overlay_setup.py revert`" % signal.Signals(exc.signum).name,
+              file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("overlay_setup: interrupted; run `overlay_setup.py status`, then "
               "`overlay_setup.py revert`", file=sys.stderr)

@@ -977,8 +977,8 @@ class CrashMatrixTest(unittest.TestCase):
                 "--patched", patched, "--artifact", os.path.join(root, "build/k.so"),
                 "--artifact", os.path.join(root, "build/new.so"),
                 "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
-                "--build-cmd", "cp src/k.c build/k.so && cp src/k.c build/new.so && "
-                               "mkdir -p cache && echo x > cache/fresh && echo t > stray.o",
+                "--build-cmd", "sleep 0.3 && cp src/k.c build/k.so && cp src/k.c build/new.so "
+                               "&& mkdir -p cache && echo x > cache/fresh && echo t > stray.o",
                 "--build-cwd", root]
 
     def apply_args(self, root: str, shm: str, state: str) -> list:
@@ -992,7 +992,8 @@ class CrashMatrixTest(unittest.TestCase):
         return ["--state", state, "apply", patch, "--root", root,
                 "--artifact", os.path.join(root, "build/k.so"),
                 "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
-                "--build-cmd", "cp src/k.c build/k.so && echo t > stray.o", "--build-cwd", root]
+                "--build-cmd", "sleep 0.3 && cp src/k.c build/k.so && echo t > stray.o",
+                "--build-cwd", root]
 
     def assertRestored(self, root: str, shm: str, expected: tuple, context: str) -> None:
         self.assertEqual((tree_state(root), tree_state(shm)), expected, context)
@@ -1001,7 +1002,12 @@ class CrashMatrixTest(unittest.TestCase):
             self.assertFalse(read_json(served)["enabled"], "Python overlay still on: " + context)
 
     def kill_matrix(self, make_args) -> int:
+        """SIGKILL at every point.  At the first point after the build was
+        forked (its pid not yet journaled), SIGTERM and SIGHUP too: a build
+        must not outlive the run, and its late writes must not land after the
+        recovery (the builds sleep 0.3 s first, so that one would)."""
         point = 0
+        window = None
         while True:
             point += 1
             self.assertLess(point, 300)
@@ -1011,14 +1017,33 @@ class CrashMatrixTest(unittest.TestCase):
             if result.returncode == 0:
                 run_tool(["--state", state, "revert"]).check_returncode()
                 self.assertRestored(root, shm, expected, "completed run")
+                self.assertIsNotNone(window, "no kill point after the build started")
                 return point
             self.assertEqual(result.returncode, -9, result.stderr)
-            gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
-            self.assertEqual(gc.returncode, 0, gc.stderr)
-            self.assertRestored(root, shm, expected, "killed at point %d" % point)
-            again = run_tool(["--state", state, "revert"])
-            self.assertEqual(again.returncode, 0, again.stderr)
-            self.assertRestored(root, shm, expected, "revert after gc, point %d" % point)
+            in_build = "building in" in result.stdout
+            self.recover(root, shm, state, expected, "killed at point %d" % point, in_build)
+            if in_build and window is None:
+                window = point
+                for name in ("TERM", "HUP"):
+                    root, shm, state, expected = self.fresh()
+                    result = run_tool(make_args(root, shm, state),
+                                      {"OVERLAY_TEST_KILL_AT": str(point),
+                                       "OVERLAY_TEST_KILL_SIGNAL": name}, own=True)
+                    number = getattr(signal, "SIG" + name)
+                    self.assertEqual(result.returncode, 128 + number, result.stderr)
+                    self.recover(root, shm, state, expected, "SIG%s at point %d" % (name, point),
+                                 True)
+
+    def recover(self, root: str, shm: str, state: str, expected: tuple, context: str,
+                in_build: bool) -> None:
+        gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
+        self.assertEqual(gc.returncode, 0, gc.stderr)
+        if in_build:
+            time.sleep(0.5)  # what a build left running would write, it has written now
+        self.assertRestored(root, shm, expected, context)
+        again = run_tool(["--state", state, "revert"])
+        self.assertEqual(again.returncode, 0, again.stderr)
+        self.assertRestored(root, shm, expected, "revert after gc, " + context)
 
     def enospc_matrix(self, make_args) -> int:
         write = 0
@@ -1857,3 +1882,58 @@ class HostileArgumentTest(OverlayTestCase):
                 self.assertIn(process.returncode, (130, -signal.SIGINT), err)
                 self.assertNotIn("Traceback", err)
         self.assertGreater(reached, 5)
+
+
+class BuildProcessTest(OverlayTestCase):
+    """The build as a process: when it may start, when it is stopped, how
+    long its output is waited for, how its output is shown."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.original = tree_state(self.proj)
+        self.late = os.path.join(self.proj, "late.o")
+
+    def add_args(self, build_cmd: str) -> list:
+        return ["--state", self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
+                "--patched", os.path.join(self.proj, "fast.c"), "--build-cmd", build_cmd,
+                "--build-cwd", self.proj]
+
+    def test_a_run_killed_before_its_build_is_journaled_leaves_no_build_running(self) -> None:
+        # The kill point just after "building in" is printed is the journal
+        # write that records the build process: the build was forked, and
+        # must not run until that record is durable.
+        build = "sleep 0.3; echo late > late.o"
+        point = 0
+        while True:
+            point += 1
+            self.assertLess(point, 100)
+            shutil.rmtree(self.state, ignore_errors=True)
+            result = run_tool(self.add_args(build), {"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
+            self.assertEqual(result.returncode, -9, result.stderr)
+            if "building in" in result.stdout:
+                break
+            self.assertOk(call("--state", self.state, "revert"))
+        self.assertNotIn("process", read_json(self.state + "/manifest.json")["entries"][0]["build"])
+        rc, out, err = call("gc-stale")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("): reverted\n", out)
+        time.sleep(0.8)
+        self.assertFalse(os.path.exists(self.late))
+        self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_sigterm_and_sighup_stop_the_build_with_the_run(self) -> None:
+        for name, number in (("SIGTERM", signal.SIGTERM), ("SIGHUP", signal.SIGHUP)):
+            with self.subTest(signal=name):
+                shutil.rmtree(self.state, ignore_errors=True)
+                result = run_tool(self.add_args("kill -%s $PPID; sleep 1; echo late > late.o"
+                                                % name[3:]), own=True)
+                self.assertEqual(result.returncode, 128 + number, result.stderr)
+                self.assertEqual(result.stderr, "overlay_setup: stopped by %s; the build was "
+                                 "stopped with it and the patch stays applied: run "
+                                 "`overlay_setup.py revert`\n" % name)
+                time.sleep(1.3)
+                self.assertFalse(os.path.exists(self.late))
+                self.assertOk(call("--state", self.state, "revert"))
+                self.assertEqual(tree_state(self.proj), self.original)
