@@ -2307,6 +2307,30 @@ class TraceTierTest(TreeTest):
                          "does not exist); run check_contract.py check cuda/k")
 
 
+class TraceAgreesWithRealBuildTest(unittest.TestCase):
+    def test_trace_agrees_with_a_real_cc_build_of_the_cpu_backend(self):
+        if shutil.which("cc") is None or shutil.which("make") is None:
+            self.skipTest("cc or make is not installed")
+        with tempfile.TemporaryDirectory() as out:
+            real = subprocess.run([os.path.join(HERE, "backends/cpu/llm_ops/build.sh"), out],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  universal_newlines=True)
+            self.assertEqual(real.returncode, 0, real.stdout)
+            check_contract.read_shared_object(os.path.join(out, "libllmops_cpu.so"))
+            built = sorted(os.path.relpath(os.path.join(top, name), out)
+                           for top, dirs, files in os.walk(out) for name in files
+                           if name.endswith((".o", ".so")))
+            with open(os.path.join(out, "obj", "flags")) as handle:  # the Makefile's compile line
+                marches = re.findall(r"-march=(\S+)", handle.read())
+        rc, stdout, err = run_main(["--repo-root", HERE, "trace", "cpu/llm_ops", "--format", "json"])
+        self.assertEqual(rc, 0, stdout)
+        default_run = json.loads(stdout)["results"][0]["runs"][0]
+        self.assertEqual(default_run["landed"], "libllmops_cpu.so")
+        self.assertEqual([w for w in default_run["written"] if w.endswith((".o", ".so"))], built)
+        self.assertEqual(default_run["targets"], marches)
+        self.assertEqual(marches, ["x86-64"])
+
+
 class TestTierTest(TreeTest):
     def run_tests(self, *args):
         return run_main(["--repo-root", self.root, "test"] + list(args))

@@ -82,6 +82,26 @@ class BuildTest(unittest.TestCase):
         else:
             self.assertEqual(result.stdout.splitlines()[-1], "0 failure(s)")
 
+    def test_trace_agrees_with_the_fatbinaries_of_the_real_builds(self):
+        # check_contract.py trace runs build.sh with a shim in place of nvcc; what it reads
+        # from the recorded nvcc calls must be what the real nvcc put into the libraries.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(BACKEND_DIR)))
+        sys.path.insert(0, root)
+        import check_contract
+        result = subprocess.run([sys.executable, os.path.join(root, "check_contract.py"),
+                                 "--repo-root", root, "trace", "cuda/llm_ops", "--arch",
+                                 SINGLE_ARCH, "--format", "json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        fat_run, single_run = json.loads(result.stdout)["results"][0]["runs"]
+        for label, run in (("fat", fat_run), ("single", single_run)):
+            self.assertEqual(builds[label][0].returncode, 0, builds[label][0].stdout)
+            sass, ptx = check_contract.cuda_targets(check_contract.read_shared_object(builds[label][1]))
+            self.assertEqual((run["landed"], set(run["targets"]), set(run["ptx"])),
+                             (parity.LIBRARY_NAME, sass, ptx), label)
+        self.assertEqual(set(fat_run["targets"]), {str(a) for a in manifest()["build"]["architectures"]})
+
     def test_missing_output_dir_is_a_usage_error(self):
         result = subprocess.run([os.path.join(BACKEND_DIR, "build.sh")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
