@@ -1769,6 +1769,11 @@ def load(backend):
     if not isinstance(manifest, dict):
         backend.error("J003", "the manifest must be a JSON object, not %s" % describe(manifest), rel)
         return
+    take_manifest(backend, manifest)
+
+
+def take_manifest(backend, manifest):
+    """Fill the record with the fields a parsed manifest gives."""
     backend.manifest = manifest
     status = manifest.get("status")
     if status in STATUSES:
@@ -2986,6 +2991,7 @@ TRACE_TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "HIP_PATH", "ROCM_PATH")
 # All a traced script keeps of the caller's environment: the default
 # invocation sets no optional variable.
 TRACE_KEPT_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME")
+TRACE_TIMEOUT = 120.0  # seconds a run of a script may take, unless --timeout says otherwise
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
@@ -3548,6 +3554,7 @@ def inferred_build(script, facts, platform):
 
 
 def cmd_init(args):
+    import shutil
     repo = repository(args)
     target = os.path.abspath(args.dir)
     if not os.path.isdir(target):
@@ -3580,6 +3587,11 @@ def cmd_init(args):
         raise UsageError("init: cannot read %s: %s" % (script, problem))
     reader = ScriptReader(text)
     facts = ScriptFacts(reader.calls, reader.default_target(), unread_constructs(text))
+    rel_dir = posixpath.join(repo.backends_dir, platform, name)
+    backend = Backend(name, platform, target, rel_dir)
+    backend.build_script = script
+    if not args.no_trace and shutil.which("bash") is not None:
+        facts = init_trace(repo, backend, facts.default_target)
     output, archs = inferred_build(script, facts, platform)
     abi = 1
     for source in sources:
@@ -3598,6 +3610,12 @@ def cmd_init(args):
         build["default_arch"] = int(default) if platform == "cuda" and default.isdigit() else default
     manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": platform,
                 "status": "experimental", "abi_version": abi, "sources": sources, "build": build}
+    take_manifest(backend, manifest)
+    check_keys(repo, backend)
+    rejected = [d.message for d in backend.diagnostics if d.level == "error"]
+    if rejected:
+        raise UsageError("init: the manifest inferred from %s would not pass the check: %s; "
+                         "nothing was written" % (args.dir, "; ".join(rejected)))
     temporary = manifest_path + ".tmp"
     created = False
     try:
@@ -3620,6 +3638,34 @@ def cmd_init(args):
     run = run_check(repo, [platform + "/" + name])
     report_text(run, sys.stdout)
     return 1 if run.count("error") else 0
+
+
+def init_trace(repo, backend, default_target):
+    """The ScriptFacts of the backend's build script run under the compiler
+    shims, for init; a UsageError when the run does not show them."""
+    import io
+    script = backend.build_script
+    output = io.StringIO()
+    trace = trace_script(repo, backend, None, TRACE_TIMEOUT, output)
+    child = trace.child
+    failure = (child.error if child.error is not None else
+               "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
+               "it failed with exit status %d" % child.returncode if child.returncode else None)
+    if failure is not None:
+        # The script's last line of output, without the elapsed time before it.
+        said = [line.split("] ", 1)[-1] for line in output.getvalue().splitlines()[1:]]
+        said = [line for line in said if line.strip()]
+        raise UsageError("init: %s cannot be run with the compiler shims in place (%s%s); make it "
+                         "run as ./%s <output-dir>, or give --no-trace to read it without running "
+                         "it" % (script, failure, ": " + said[-1] if said else "", script))
+    if trace.uncaught:
+        raise UsageError("init: %s runs the compiler %s by its path, which the trace cannot "
+                         "intercept; call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give "
+                         "--no-trace to read the script without running it"
+                         % (script, ", ".join(trace.uncaught)))
+    facts, _ = traced_facts(trace)
+    facts.default_target = default_target
+    return facts
 
 
 def cmd_build(args):
@@ -3732,12 +3778,18 @@ def add_init_parser(sub, common, formatter):
     init = sub.add_parser("init", parents=[common], formatter_class=formatter,
                           help="write a manifest inferred from a backend directory",
                           description="Write DIR/<name>.backend.json inferred from the directory "
-                          "(sources, ABI version, build script), status experimental, then check it.",
+                          "(sources, ABI version, build script), status experimental, then check it. "
+                          "What the build script builds is learnt by running it as trace does, with "
+                          "compiler shims in place (--no-trace: by reading it). Nothing is written "
+                          "when a value cannot be told; the message says which and what to write.",
                           epilog="examples:\n"
                           "  python3 check_contract.py init backends/cuda/flash_attn\n"
                           "  python3 check_contract.py init --force backends/cpu/llm_ops\n")
     init.add_argument("dir", metavar="DIR", help="the backend directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
+    init.add_argument("--no-trace", action="store_true",
+                      help="read the build script without running it (by default, when bash "
+                      "is here, init runs it as trace does, with compiler shims in place)")
 
 
 def add_build_parser(sub, common, formatter):
@@ -3807,7 +3859,7 @@ def add_trace_parser(sub, common, formatter):
     trace.add_argument("--arch", metavar="A", default=None,
                        help="the target of the single-target run (default: build.default_arch, "
                        "else the first of build.architectures)")
-    trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=120.0,
+    trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=TRACE_TIMEOUT,
                        help="time limit per run of a script in seconds (default: 120)")
     trace.add_argument("--format", choices=("text", "json"), default="text",
                        help="json: results on stdout, script output on stderr")

@@ -2331,6 +2331,77 @@ class TraceAgreesWithRealBuildTest(unittest.TestCase):
         self.assertEqual(marches, ["x86-64"])
 
 
+class InitTraceTest(TreeTest):
+    LOOP_BUILD = Executable(
+        '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\nout=$(cd "$1" && pwd)\ncd "$(dirname "$0")"\n'
+        'archs=$(cat archs.txt)\nflags=()\n'
+        'for a in $archs; do flags+=(-gencode "arch=compute_$a,code=sm_$a"); done\n'
+        'nvcc -shared "${flags[@]}" -o "$out/libk.so" k.cu\n')
+
+    def init(self, *args):
+        return run_main(["--repo-root", self.root, "init", self.path("backends/cuda/k")] + list(args))
+
+    def backend(self, script, name="k"):
+        self.tree({"backends/cuda/%s/k.cu" % name: "#define K_ABI_VERSION 3\n",
+                   "backends/cuda/%s/archs.txt" % name: "80 90\n",
+                   "backends/cuda/%s/build.sh" % name: script})
+
+    def manifest(self):
+        with open(self.path("backends/cuda/k/k.backend.json")) as handle:
+            return json.load(handle)
+
+    def test_init_writes_what_the_traced_script_builds(self):
+        self.backend(self.LOOP_BUILD)
+        rc, out, err = self.init()
+        self.assertEqual(err, "")
+        self.assertTrue(out.startswith("wrote "), out)
+        self.assertEqual(self.manifest()["build"], {"script": "build.sh", "output": "libk.so",
+                                                    "architectures": [80, 90]})
+
+    def test_init_no_trace_reads_the_script_only(self):
+        self.backend(self.LOOP_BUILD)
+        rc, out, err = self.init("--no-trace")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertIn("init: cannot tell which architectures build.sh builds", err)
+        self.assertFalse(os.path.exists(self.path("backends/cuda/k/k.backend.json")))
+
+    def test_init_refuses_a_script_that_fails_under_the_shims(self):
+        self.backend(Executable('#!/usr/bin/env bash\nset -eu\narchs=$(cat archs.txt)\n'
+                                'nvcc -arch=sm_$archs -shared -o "$1/libk.so" k.cu\n'))
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, "check_contract.py: error: init: build.sh cannot be run with the "
+                         "compiler shims in place (it failed with exit status 1: cat: archs.txt: "
+                         "No such file or directory); make it run as ./build.sh <output-dir>, or "
+                         "give --no-trace to read it without running it\n")
+        self.assertFalse(os.path.exists(self.path("backends/cuda/k/k.backend.json")))
+
+    def test_init_refuses_a_compiler_the_shims_cannot_see(self):
+        self.backend(Executable('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
+                                'nvcc=%s/bin/nvcc\n[ -x "$nvcc" ] || nvcc=/usr/local/cuda/bin/nvcc\n'
+                                '"$nvcc" --version > /dev/null 2>&1 || true\n'
+                                'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'
+                                % self.path("fake-cuda")))
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, "check_contract.py: error: init: build.sh runs the compiler "
+                         "/usr/local/cuda/bin/nvcc by its path, which the trace cannot intercept; "
+                         "call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to "
+                         "read the script without running it\n")
+
+    def test_init_never_writes_a_manifest_its_check_rejects(self):
+        self.backend(Executable('#!/usr/bin/env bash\nmkdir -p "$1"\n'
+                                'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'), name="Fast-K")
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cuda/Fast-K")])
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, "check_contract.py: error: init: the manifest inferred from %s would "
+                         "not pass the check: \"name\" must be a string of lowercase letters, "
+                         "digits and _, not \"Fast-K\"; nothing was written\n"
+                         % self.path("backends/cuda/Fast-K"))
+        self.assertEqual(sorted(os.listdir(self.path("backends/cuda/Fast-K"))),
+                         ["archs.txt", "build.sh", "k.cu"])
+
+
 class TestTierTest(TreeTest):
     def run_tests(self, *args):
         return run_main(["--repo-root", self.root, "test"] + list(args))
