@@ -41,7 +41,8 @@ the report is one finding.
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
     1  errors found (or warnings, with --strict); a build, test, parity or trace run failed
-    2  usage error: no such repository root, unknown backend name, bad flag
+    2  usage error: no such repository root, unknown backend name, bad flag;
+       or standard output cannot be written (a full disk, a closed pipe)
 
 Diagnostic codes (stable; never reused):
     D  discovery     D001 kernel sources but no manifest, D002 manifest under a
@@ -102,7 +103,6 @@ import posixpath
 import re
 import stat
 import sys
-from itertools import repeat
 
 VERSION = "1.0.0"
 
@@ -117,13 +117,6 @@ MANIFEST_SUFFIX = ".backend.json"
 O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 SKIPPED_DIRS = (".git", "__pycache__")
 
-TOP_KEYS = ("$schema", "name", "platform", "description", "abi_version", "status",
-            "sources", "build", "models", "numerics", "reference", "excluded")
-REQUIRED_KEYS = ("name", "abi_version", "status", "sources", "build")
-BUILD_KEYS = ("script", "output", "architectures", "default_arch", "min_capability")
-REQUIRED_BUILD_KEYS = ("script", "output", "architectures")
-NUMERICS_KEYS = ("precision", "accumulation", "tolerance")
-REFERENCE_KEYS = ("entrypoint", "note")
 
 NAME_RE = re.compile(r"[a-z0-9_]+\Z")
 ARCH_FORMS = {
@@ -388,21 +381,14 @@ def describe(value):
     """A short JSON-ish rendering of a manifest value for a message."""
     try:
         text = json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError, RecursionError):  # an int too long to print, deep nesting
+        return {int: "an integer too long to print", list: "a list nested too deeply",
+                dict: "an object nested too deeply"}.get(type(value), type(value).__name__)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_finite(value):
-    return value == value and value not in (float("inf"), float("-inf"))
 
 
 READ_CHUNK = 1 << 16
@@ -506,8 +492,19 @@ def is_kernel_source(path):
     return path.endswith(KERNEL_SUFFIXES)
 
 
+NUL_PROBLEM = "contains a NUL character, which no file name can hold"
+SURROGATE_PROBLEM = "contains an unpaired surrogate, which no UTF-8 file name can hold"
+
+
 def normalize_relpath(path):
     """The normalized form of a backend-relative path, or a reason it is refused."""
+    if "\0" in path:
+        return None, NUL_PROBLEM
+    if not path.isascii():
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            return None, SURROGATE_PROBLEM
     if "/" not in path and path not in ("", ".", ".."):
         return path, None
     if not path:
@@ -542,7 +539,8 @@ def arch_number(arch):
     number = ARCH_NUMBERS.get(arch, False)
     if number is False:
         digits = DIGITS_RE.match(arch)
-        number = ARCH_NUMBERS[arch] = int(digits.group()) if digits else None
+        number = ARCH_NUMBERS[arch] = (int(digits.group()) if digits and len(digits.group()) <= MAX_DIGITS
+                                       else None)
     return number
 
 
@@ -1538,6 +1536,90 @@ class ScriptReader:
 
 
 # ---------------------------------------------------------------------------
+# The manifest's rules
+
+
+class Rule:
+    """What a manifest value must be: a test, and the words that say it.
+    `each` is the rule of every item of a list, or, as a dict, of every
+    value of an object (by key, None for any other key); the items are
+    reported one by one."""
+
+    __slots__ = ("expected", "test", "each")
+
+    def __init__(self, expected, test, each=None):
+        self.expected = expected
+        self.test = test
+        self.each = each
+
+
+def is_path(value):
+    return type(value) is str and value != "" and normalize_relpath(value)[1] not in (
+        NUL_PROBLEM, SURROGATE_PROBLEM)
+
+
+def is_architecture(value):
+    return (type(value) is str and value != "") or type(value) is int
+
+
+def is_architecture_list(value):
+    return (type(value) is list and value != [] and all(map(is_architecture, value))
+            and len({str(a) for a in value}) == len(value))
+
+
+def is_model_dir(model):
+    return (is_path(model) and model.endswith("/") and inside_repository(model)
+            and model.strip("/.") != "")
+
+
+def is_tolerance(value):
+    return type(value) in (int, float) and 0 <= value < float("inf")
+
+
+STRING = Rule("a string", lambda v: type(v) is str)
+NAME = Rule("a string of lowercase letters, digits and _", lambda v: type(v) is str and bool(NAME_RE.match(v)))
+PATH = Rule("a non-empty path (no NUL character, valid UTF-8)", is_path)
+POSITIVE = Rule("an integer >= 1", lambda v: type(v) is int and v >= 1)
+ARCHITECTURE = Rule("an architecture (string or integer)", is_architecture)
+
+# Every key of a manifest: (key, required, rule).  check_keys applies these
+# rules and words its messages from them, load() takes the values it uses
+# through them, and backends/backend.schema.json says the same for editors
+# (a test proves that the schema agrees).
+MANIFEST_KEYS = (
+    ("$schema", False, STRING),
+    ("name", True, NAME),
+    ("platform", False, STRING),
+    ("description", False, STRING),
+    ("abi_version", True, POSITIVE),
+    ("status", True, Rule("one of %s" % ", ".join(STATUSES), lambda v: type(v) is str and v in STATUSES)),
+    ("sources", True, Rule("a non-empty list of paths", lambda v: type(v) is list and v != [], PATH)),
+    ("build", True, Rule("an object with script, output and architectures", lambda v: type(v) is dict)),
+    ("build.script", True, PATH),
+    ("build.output", True, PATH),
+    ("build.architectures", True, Rule("a non-empty list of architectures, without duplicates",
+                                       is_architecture_list)),
+    ("build.default_arch", False, ARCHITECTURE),
+    ("build.min_capability", False, POSITIVE),
+    ("models", False, Rule("a list of repository-relative directories ending in /",
+                           lambda v: type(v) is list,
+                           Rule("a directory relative to the repository root, inside it, ending in /",
+                                is_model_dir))),
+    ("numerics", False, Rule("an object with precision, accumulation and tolerance",
+                             lambda v: type(v) is dict)),
+    ("numerics.precision", False, STRING),
+    ("numerics.accumulation", False, STRING),
+    ("numerics.tolerance", False, Rule("an object mapping op names to numbers", lambda v: type(v) is dict,
+                                       {"note": STRING, None: Rule("a finite number >= 0", is_tolerance)})),
+    ("reference", False, Rule("an object with entrypoint and note", lambda v: type(v) is dict)),
+    ("reference.entrypoint", False, PATH),
+    ("reference.note", False, Rule("a non-empty string", lambda v: type(v) is str and v != "")),
+    ("excluded", False, Rule("a list of glob patterns", lambda v: type(v) is list, PATH)),
+)
+TOP_KEYS = tuple(key for key, _, _ in MANIFEST_KEYS if "." not in key)
+
+
+# ---------------------------------------------------------------------------
 # Discovery
 
 
@@ -1713,7 +1795,16 @@ class ManifestDecoder(json.JSONDecoder):
 
     def __init__(self):
         self.duplicates = []
-        super().__init__(object_pairs_hook=self.pairs)
+        super().__init__(object_pairs_hook=self.pairs, parse_int=self.integer)
+
+    @staticmethod
+    def integer(digits):
+        """An integer of the manifest; one too long for any manifest value
+        is refused here, alike on every Python (3.11 and later refuse over
+        4,300 digits themselves, 3.9 reads any length)."""
+        if len(digits.lstrip("-")) > MAX_DIGITS:
+            raise ValueError("too many digits")
+        return int(digits)
 
     def pairs(self, items):
         seen = dict(items)
@@ -1752,9 +1843,8 @@ def load(backend):
     except ValueError as exc:
         line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
         if line is None:  # valid JSON, but a number with more digits than int() reads
-            backend.error("J001", "a number in %s has more than %d digits, too many to read; no "
-                          "manifest value needs that many" % (backend.name + MANIFEST_SUFFIX,
-                                                              sys.get_int_max_str_digits()), rel)
+            backend.error("J001", "a number in %s has too many digits to read; no manifest value "
+                          "needs that many" % (backend.name + MANIFEST_SUFFIX), rel)
             return
         message = getattr(exc, "msg", str(exc))
         backend.error("J001", "invalid JSON at line %s, column %s: %s" % (line, column, message),
@@ -1775,30 +1865,25 @@ def load(backend):
 def take_manifest(backend, manifest):
     """Fill the record with the fields a parsed manifest gives."""
     backend.manifest = manifest
-    status = manifest.get("status")
-    if status in STATUSES:
-        backend.status = status
-    abi = manifest.get("abi_version")
-    if type(abi) is int and abi >= 1:  # JSON gives int or bool; bool is no version
-        backend.abi_version = abi
+    rules = {key: rule for key, _, rule in MANIFEST_KEYS}
+    if rules["status"].test(manifest.get("status")):
+        backend.status = manifest["status"]
+    if rules["abi_version"].test(manifest.get("abi_version")):
+        backend.abi_version = manifest["abi_version"]
     sources = manifest.get("sources")
     if type(sources) is list:
-        backend.sources = [(source,) + normalize_relpath(source)
-                           for source in sources if type(source) is str and source]
+        backend.sources = [(source,) + normalize_relpath(source) for source in sources if is_path(source)]
     build = manifest.get("build")
-    if isinstance(build, dict):
-        script = build.get("script")
-        if isinstance(script, str):
-            backend.build_script, _ = normalize_relpath(script)
-        if isinstance(build.get("output"), str) and build["output"]:
+    if type(build) is dict:
+        if is_path(build.get("script")):
+            backend.build_script, _ = normalize_relpath(build["script"])
+        if is_path(build.get("output")):
             backend.output = build["output"]
         archs = build.get("architectures")
-        if type(archs) is list and archs and all(
-                (type(a) is str and a) or type(a) is int for a in archs):
+        if type(archs) is list and archs and all(map(is_architecture, archs)):
             backend.architectures = [str(a) for a in archs]
-        default = build.get("default_arch")
-        if (type(default) is str and default) or type(default) is int:
-            backend.default_arch = str(default)
+        if is_architecture(build.get("default_arch")):
+            backend.default_arch = str(build["default_arch"])
 
 
 # ---------------------------------------------------------------------------
@@ -1806,208 +1891,57 @@ def take_manifest(backend, manifest):
 # in table order; `planned` backends get only the manifest and ABI checks.
 
 
-INFINITY = float("inf")
-TOP_KEY_SET = frozenset(TOP_KEYS)
-BUILD_KEY_SET = frozenset(BUILD_KEYS)
-NUMERICS_KEY_SET = frozenset(NUMERICS_KEYS)
-REFERENCE_KEY_SET = frozenset(REFERENCE_KEYS)
-
-
-def all_strings(items, empty=False):
-    """Whether `items` is a list of strings (non-empty ones unless `empty`),
-    tested without a Python-level loop."""
-    return (type(items) is list and all(map(isinstance, items, repeat(str)))
-            and (empty or "" not in items))
-
-
-def manifest_keys_valid(backend):
-    """Whether check_keys would find nothing: the common case, tested
-    without building any message (check_keys says what is wrong otherwise)."""
-    m = backend.manifest
-    name = m.get("name")
-    if not (TOP_KEY_SET.issuperset(m) and type(name) is str and name == backend.name
-            and NAME_RE.match(name) and backend.abi_version is not None and backend.status is not None):
-        return False
-    if not (type(m.get("$schema", "")) is str and type(m.get("description", "")) is str
-            and m.get("platform", backend.platform) == backend.platform):
-        return False
-    sources = m.get("sources")
-    if not (sources and all_strings(sources)):
-        return False
-    build = m.get("build")
-    if not (type(build) is dict and BUILD_KEY_SET.issuperset(build)
-            and type(build.get("script")) is str and build["script"]
-            and type(build.get("output")) is str and build["output"]):
-        return False
-    archs = backend.architectures
-    if archs is None or "architectures" not in build or len(set(archs)) != len(archs):
-        return False
-    form = ARCH_FORMS.get(backend.platform)
-    if form and not all(map(form[0].match, archs)):
-        return False
-    if "default_arch" in build and backend.default_arch is None:
-        return False
-    if "min_capability" in build:
-        minimum = build["min_capability"]
-        if not (type(minimum) is int and minimum >= 1):
-            return False
-    if "models" in m:
-        models = m["models"]
-        if not (all_strings(models) and all(map(str.endswith, models, repeat("/")))
-                and "/" not in models):
-            return False
-    if "numerics" in m:
-        numerics = m["numerics"]
-        if not (type(numerics) is dict and NUMERICS_KEY_SET.issuperset(numerics)
-                and type(numerics.get("precision", "")) is str
-                and type(numerics.get("accumulation", "")) is str):
-            return False
-        if "tolerance" in numerics:
-            tolerance = numerics["tolerance"]
-            if type(tolerance) is not dict:
-                return False
-            for op, value in tolerance.items():
-                if op == "note":
-                    if type(value) is not str:
-                        return False
-                elif not ((type(value) is float or type(value) is int) and 0 <= value < INFINITY):
-                    return False  # bool, NaN, infinite or negative: check_keys says which
-    if "reference" in m:
-        reference = m["reference"]
-        if not (type(reference) is dict and REFERENCE_KEY_SET.issuperset(reference)
-                and all_strings(list(reference.values()))):
-            return False
-    if "excluded" in m and not all_strings(m["excluded"]):
-        return False
-    return True
-
-
 def check_keys(repo, backend):
-    """M001-M005: required keys, types and values of the manifest."""
-    if manifest_keys_valid(backend):
-        return
-    m = backend.manifest
+    """M001-M005: required keys, types and values of the manifest, as
+    MANIFEST_KEYS gives them."""
     rel = backend.rel(backend.name + MANIFEST_SUFFIX)
+    check_object(backend, rel, backend.manifest, "")
+    m = backend.manifest
+    name, platform = m.get("name"), m.get("platform")
+    if NAME.test(name) and name != backend.name:
+        backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
+                      % (name, backend.name), rel)
+    if STRING.test(platform) and platform != backend.platform:
+        backend.error("M005", 'platform "%s" differs from its directory "%s"'
+                      % (platform, backend.platform), rel)
+    build = m.get("build")
+    if type(build) is dict and backend.architectures is not None:
+        form = ARCH_FORMS.get(backend.platform)
+        for arch in backend.architectures if form else ():
+            if not form[0].match(arch):
+                backend.error("B011", "architecture %s is not %s" % (describe(arch), form[1]), rel)
 
-    def bad(key, expected, value):
-        backend.error("M002", '"%s" must be %s, not %s' % (key, expected, describe(value)), rel)
 
-    def unknown(keys, known, where):
-        for key in sorted(keys):
-            if key in known:
-                continue
+def check_object(backend, rel, value, where):
+    """Report what breaks the rules of the keys below `where` ("" for the
+    top level, "build." ...) in an object of the manifest."""
+    known = [key[len(where):] for key, _, _ in MANIFEST_KEYS
+             if key.startswith(where) and "." not in key[len(where):]]
+    for key in sorted(value):
+        if key not in known:
             hint = nearest(key, known)
             backend.warning("M003", 'unknown key "%s%s"%s' % (
                 where, key, '; did you mean "%s"?' % hint if hint else ""), rel)
-
-    for key in REQUIRED_KEYS:
-        if key not in m:
-            backend.error("M001", 'missing required key "%s"' % key, rel)
-    unknown(m, TOP_KEYS, "")
-    name = m.get("name")
-    if "name" in m:
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            bad("name", "a string of lowercase letters, digits and _", name)
-        elif name != backend.name:
-            backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
-                          % (name, backend.name), rel)
-    if "abi_version" in m and backend.abi_version is None:
-        bad("abi_version", "an integer >= 1", m["abi_version"])
-    if "status" in m and backend.status is None:
-        bad("status", "one of %s" % ", ".join(STATUSES), m["status"])
-    for key in ("$schema", "description"):
-        if key in m and not isinstance(m[key], str):
-            bad(key, "a string", m[key])
-    if "platform" in m:
-        if not isinstance(m["platform"], str):
-            bad("platform", "a string", m["platform"])
-        elif m["platform"] != backend.platform:
-            backend.error("M005", 'platform "%s" differs from its directory "%s"'
-                          % (m["platform"], backend.platform), rel)
-    sources = m.get("sources")
-    if "sources" in m and (not isinstance(sources, list) or not sources
-                           or not all(isinstance(s, str) and s for s in sources)):
-        bad("sources", "a non-empty list of paths", sources)
-    build = m.get("build")
-    if "build" in m:
-        if not isinstance(build, dict):
-            bad("build", "an object with script, output and architectures", build)
-        else:
-            check_build_keys(backend, build, bad, unknown, rel)
-    if "models" in m:
-        models = m["models"]
-        if not isinstance(models, list):
-            bad("models", "a list of repository-relative directories ending in /", models)
-        else:
-            for index, model in enumerate(models):
-                if not is_model_dir(model):
-                    bad("models[%d]" % index, "a directory relative to the repository root, "
-                        "inside it, ending in /", model)
-    if "numerics" in m:
-        check_numerics_keys(backend, m["numerics"], bad, unknown)
-    if "reference" in m:
-        reference = m["reference"]
-        if not isinstance(reference, dict):
-            bad("reference", "an object with entrypoint and note", reference)
-        else:
-            unknown(reference, REFERENCE_KEYS, "reference.")
-            for key in REFERENCE_KEYS:
-                if key in reference and not (isinstance(reference[key], str) and reference[key]):
-                    bad("reference." + key, "a non-empty string", reference[key])
-    if "excluded" in m:
-        excluded = m["excluded"]
-        if not isinstance(excluded, list) or not all(isinstance(x, str) and x for x in excluded):
-            bad("excluded", "a list of glob patterns", excluded)
-
-
-def check_build_keys(backend, build, bad, unknown, rel):
-    unknown(build, BUILD_KEYS, "build.")
-    for key in REQUIRED_BUILD_KEYS:
-        if key not in build:
-            backend.error("M001", 'missing required key "build.%s"' % key, rel)
-    for key in ("script", "output"):
-        if key in build and not (isinstance(build[key], str) and build[key]):
-            bad("build." + key, "a non-empty string", build[key])
-    archs = build.get("architectures")
-    if "architectures" in build:
-        if backend.architectures is None:
-            bad("build.architectures", "a non-empty list of architectures", archs)
-        elif len(set(backend.architectures)) != len(backend.architectures):
-            bad("build.architectures", "a list without duplicates", archs)
-        else:
-            form = ARCH_FORMS.get(backend.platform)
-            for arch in backend.architectures:
-                if form and not form[0].match(arch):
-                    backend.error("B011", 'architecture %s is not %s' % (describe(arch), form[1]), rel)
-    if "default_arch" in build and backend.default_arch is None:
-        bad("build.default_arch", "an architecture (string or integer)", build["default_arch"])
-    if "min_capability" in build:
-        value = build["min_capability"]
-        if not is_int(value) or value < 1:
-            bad("build.min_capability", "an integer >= 1", value)
-
-
-def check_numerics_keys(backend, numerics, bad, unknown):
-    if not isinstance(numerics, dict):
-        bad("numerics", "an object with precision, accumulation and tolerance", numerics)
-        return
-    unknown(numerics, NUMERICS_KEYS, "numerics.")
-    for key in ("precision", "accumulation"):
-        if key in numerics and not isinstance(numerics[key], str):
-            bad("numerics." + key, "a string", numerics[key])
-    if "tolerance" not in numerics:
-        return
-    tolerance = numerics["tolerance"]
-    if not isinstance(tolerance, dict):
-        bad("numerics.tolerance", "an object mapping op names to numbers", tolerance)
-        return
-    for op in sorted(tolerance):
-        value = tolerance[op]
-        if op == "note":
-            if not isinstance(value, str):
-                bad("numerics.tolerance.note", "a string", value)
-        elif not is_number(value) or not is_finite(value) or value < 0:
-            bad("numerics.tolerance." + op, "a finite number >= 0", value)
+    for key, required, rule in MANIFEST_KEYS:
+        name = key[len(where):]
+        if not key.startswith(where) or "." in name:
+            continue
+        if name not in value:
+            if required:
+                backend.error("M001", 'missing required key "%s"' % key, rel)
+            continue
+        item = value[name]
+        if not rule.test(item):
+            backend.error("M002", '"%s" must be %s, not %s' % (key, rule.expected, describe(item)), rel)
+        elif rule.each is not None:
+            for index, element in (sorted(item.items()) if type(item) is dict else enumerate(item)):
+                each = rule.each.get(index, rule.each[None]) if type(item) is dict else rule.each
+                if not each.test(element):
+                    place = "%s.%s" % (key, index) if type(item) is dict else "%s[%d]" % (key, index)
+                    backend.error("M002", '"%s" must be %s, not %s'
+                                  % (place, each.expected, describe(element)), rel)
+        elif type(item) is dict:
+            check_object(backend, rel, item, key + ".")
 
 
 def check_abi(repo, backend):
@@ -2347,11 +2281,6 @@ def check_status(repo, backend):
 def inside_repository(path):
     """Whether a repository-relative path stays inside the repository."""
     return not path.startswith("/") and ".." not in path.split("/")
-
-
-def is_model_dir(model):
-    return (isinstance(model, str) and model.endswith("/") and inside_repository(model)
-            and model.strip("/.") != "")
 
 
 def check_models(repo, backend):
@@ -3601,13 +3530,14 @@ def cmd_init(args):
             abi = found[0][1]
             break
     if platform == "cuda":
-        archs = [int(a) if a.isdigit() else a for a in archs]
+        archs = [int(a) if a.isdigit() and len(a) <= MAX_DIGITS else a for a in archs]
     build = {"script": script, "output": output, "architectures": archs}
     default = facts.default_target
     if default is None and len(archs) == 1:
         default = str(archs[0])
     if default is not None:
-        build["default_arch"] = int(default) if platform == "cuda" and default.isdigit() else default
+        build["default_arch"] = (int(default) if platform == "cuda" and default.isdigit()
+                                 and len(default) <= MAX_DIGITS else default)
     manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": platform,
                 "status": "experimental", "abi_version": abi, "sources": sources, "build": build}
     take_manifest(backend, manifest)
@@ -3890,25 +3820,75 @@ def with_default_command(argv):
     return argv[:index] + ["check"] + argv[index:], "check"
 
 
+class ReportError(Exception):
+    """Standard output cannot be written (a full disk, a closed pipe)."""
+
+
+class GuardedOutput:
+    """Standard output, whose write errors become ReportError, so that they
+    are told from the errors of the files the checks read."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            raise ReportError(exc.strerror or str(exc)) from None
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            raise ReportError(exc.strerror or str(exc)) from None
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def discard_output(stream):
+    """Send what is left of a stream that cannot be written to /dev/null,
+    so that nothing more fails when the interpreter flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):  # not a file (a test's StringIO)
+        pass
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     for stream in (sys.stdout, sys.stderr):  # a name the terminal cannot show is escaped
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    stdout = sys.stdout
+    sys.stdout = GuardedOutput(stdout)
     try:
         argv, command = with_default_command(argv)
         args = build_parser(command).parse_args(argv)
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()
+        return status
     except UsageError as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % exc)
         return 2
+    except ReportError as exc:
+        discard_output(stdout)
+        try:
+            sys.stderr.write("check_contract.py: error: cannot write to standard output: %s; the "
+                             "report is incomplete\n" % exc)
+        except OSError:  # stderr went with it
+            pass
+        return 2
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
-    except BrokenPipeError:
-        return 1
     except KeyboardInterrupt:
         sys.stderr.write("check_contract.py: interrupted\n")
         return 130
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":
