@@ -58,7 +58,7 @@ Exit codes:
   0  done (also: revert with nothing to revert)
   1  failed; the message says what to run next
   2  usage: a wrong option, a relative or unnormalised path, a bad module name
-  3  revert or gc-stale finished, but the files named (E505) are not back
+  3  revert or gc-stale finished, but the files named (E506) are not back
      byte-exact: the build rewrote them and nothing had backed them up
   130  interrupted (Ctrl-C), also while the tool starts
 
@@ -125,6 +125,9 @@ MTIME_KEY = "OVERLAY.mtime_ns"
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
+CMAKE_DEPEND_STATE = ("compiler_depend.make", "compiler_depend.internal", "compiler_depend.ts",
+                      "depend.make", "depend.internal")
+DEPFILE_LIMIT = 1 << 20  # bytes: a compiler depfile is far smaller
 PREDICT_TIMEOUT = 120  # seconds for one dry-run query of make or ninja
 NOT_EXACT = 3  # exit status: reverted, but some files are not back byte-exact
 FICLONE = 0x40049409  # Linux ioctl: share the extents of another file (reflink)
@@ -1201,7 +1204,7 @@ def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
                 except OSError:
                     continue
                 if stat.S_ISDIR(st.st_mode):
-                    found[item.path] = ["d", 0, 0]
+                    found[item.path] = ["d", 0, st.st_mtime_ns]
                     pending.append(item.path)
                 else:
                     kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
@@ -1215,16 +1218,36 @@ def scan_exclusions(state: State, entry: dict) -> List[str]:
             + [cache["path"] for cache in entry["caches"]])
 
 
+def prebuild_scan(state: State, entry: dict) -> dict:
+    """What the build directory held before the build ({} when unknown)."""
+    if not entry.get("scan") or not entry.get("build"):
+        return {}
+    try:
+        with open(state.state_path(entry["scan"]), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return {}
+
+
+def restore_build_dir_mtimes(state: State, entry: dict) -> None:
+    """Directories of the build directory get their mtimes back: a build
+    makes and removes files where nothing is tracked (CMake's Progress
+    folder), and removing its products touches their directories."""
+    cwd = (entry.get("build") or {}).get("cwd")
+    for path, info in sorted(prebuild_scan(state, entry).items(), reverse=True):
+        if (isinstance(info, list) and len(info) == 3 and info[0] == "d"
+                and type(info[2]) is int and info[2] and is_within(path, cwd)
+                and os.path.isdir(path) and not os.path.islink(path)
+                and os.lstat(path).st_mtime_ns != info[2]):
+            os.utime(path, ns=(info[2], info[2]), follow_symlinks=False)
+
+
 def untracked_products(state: State, entry: dict) -> List[dict]:
     """Files and directories the build created or changed that nothing tracks."""
     if entry.get("untracked") is not None:
         return entry["untracked"]
-    if not entry.get("scan") or not entry.get("build"):
-        return []
-    try:
-        with open(state.state_path(entry["scan"]), encoding="utf-8") as handle:
-            before = json.load(handle)
-    except (OSError, ValueError):
+    before = prebuild_scan(state, entry)
+    if not before:
         return []
     after, _ = scan_tree(entry["build"]["cwd"], scan_exclusions(state, entry))
     products = []
@@ -1307,17 +1330,28 @@ def ask_build_tool(argv: List[str], cwd: str) -> Optional[str]:
 def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List[str]]:
     """Every target make would remake if `sources` changed: `make -n --trace`
     with -W (what-if) for each source, by its absolute name and by its name
-    relative to the build directory; sub-makes are followed through their
-    'Entering directory' lines.  make -n still runs recipes that use $(MAKE)
-    or start with '+', as it always does."""
+    relative to the build directory.  make does not pass -W down to sub-makes,
+    so MAKE is redefined to carry it (as CMake's Makefiles need); their
+    targets are placed through the 'Entering directory' lines.  make -n still
+    runs recipes that use $(MAKE) or start with '+', as it always does."""
+    directory = cwd
+    for number, word in enumerate(argv[1:-1], 1):
+        if word == "-C":
+            directory = os.path.normpath(os.path.join(directory, argv[number + 1]))
+    # A header reaches make's rules only through the compiler's depfiles,
+    # which CMake's Makefiles read in a step that -n skips: the objects whose
+    # depfile names a source are changed as well.
+    readers = depfile_readers(directory, sources)
     what_if = []
-    for source in sources:
+    for source in sources + readers:
         what_if += ["-W", source, "-W", os.path.relpath(source, cwd)]
-    output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if, cwd)
+    sub_make = " ".join(shlex.quote(word) for word in [argv[0]] + what_if)
+    output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if
+                            + ["MAKE=" + sub_make], cwd)
     if output is None:
         return None
     directories = [cwd]
-    targets = []
+    targets = list(readers)
     for line in output.splitlines():
         entering = re.match(r"^\S+: Entering directory '(.*)'$", line)
         if entering:
@@ -1332,6 +1366,30 @@ def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List
             name = target.group(1) if target.group(1) is not None else target.group(2)
             targets.append(os.path.normpath(os.path.join(directories[-1], name)))
     return targets
+
+
+def depfile_readers(directory: str, sources: List[str]) -> List[str]:
+    """The targets of the compiler depfiles (*.d) under `directory` that list
+    one of `sources` as a dependency (names relative to `directory`)."""
+    found: List[str] = []
+    wanted = set(sources)
+    for folder, dirs, files in os.walk(directory):
+        dirs[:] = sorted(name for name in dirs if not name.startswith(".")
+                         and not os.path.isfile(os.path.join(folder, name, "pyvenv.cfg")))
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if not name.endswith(".d") or os.path.islink(path) or \
+                    os.path.getsize(path) > DEPFILE_LIMIT:
+                continue
+            with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+                text = handle.read().replace("\\\n", " ")
+            for line in text.splitlines():
+                targets, colon, deps = line.partition(": ")
+                if colon and any(os.path.normpath(os.path.join(directory, dep)) in wanted
+                                 for dep in deps.split()):
+                    found += [os.path.normpath(os.path.join(directory, target))
+                              for target in targets.split() if target]
+    return found
 
 
 def ninja_targets(argv: List[str], directory: str, sources: List[str]) -> Optional[List[str]]:
@@ -1399,6 +1457,18 @@ def product_files(cwd: str, excluded: List[str]) -> List[str]:
     return found
 
 
+def side_products(target: str) -> List[str]:
+    """A target and what writing it rewrites besides, that no rule names: the
+    depfile of a compiler run with -MD (x.d for x.o, x.o.d as CMake and
+    ninja's $out.d name it), and the dependency state CMake's Makefiles keep
+    beside the objects of a target (CMakeFiles/<target>.dir)."""
+    found = [target, os.path.splitext(target)[0] + ".d", target + ".d"]
+    directory = os.path.dirname(target)
+    if directory.endswith(".dir") and os.path.basename(os.path.dirname(directory)) == "CMakeFiles":
+        found += [os.path.join(directory, name) for name in CMAKE_DEPEND_STATE]
+    return found
+
+
 def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tuple[List[str], str]:
     """The existing regular files the build may rewrite, and how that was found."""
     tool = build_tool(build["cmd"], build["cwd"])
@@ -1417,10 +1487,7 @@ def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tu
     if predicted is None:
         predicted = product_files(build["cwd"], excluded)
     paths = []
-    # A compiler run with -MD writes a depfile beside the object that no make
-    # rule names: x.d for x.o (gcc), x.o.d (CMake, ninja's $out.d).
-    for path in [name for target in predicted for name in (
-            target, os.path.splitext(target)[0] + ".d", target + ".d")]:
+    for path in [name for target in predicted for name in side_products(target)]:
         if path not in paths and not any(is_within(path, other) for other in excluded) and \
                 os.path.isfile(path) and not os.path.islink(path):
             paths.append(path)
@@ -1737,6 +1804,8 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and parent not in entry["dirs"]:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
+    if build is not None and os.path.isdir(build["cwd"]):
+        entry["dirs"].setdefault(build["cwd"], os.stat(build["cwd"]).st_mtime_ns)
 
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
@@ -2105,6 +2174,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     for cache in entry["caches"]:
         restore_cache(state, entry, cache)
     remove_products(products, aside)
+    restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
             os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
@@ -2166,7 +2236,7 @@ def revert_all(state: State, manifest: dict, force: bool,
 
 
 def report_inexact(inexact: List[str]) -> None:
-    print("overlay_setup: E505 not byte-exact: the build rewrote %s with no backup; the next "
+    print("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup; the next "
           "build makes %s again (pass --protect PATH to keep such files next time)"
           % (", ".join(inexact), "it" if len(inexact) == 1 else "them"), file=sys.stderr)
 
