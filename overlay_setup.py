@@ -220,74 +220,73 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def durable_write(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` as a new file renamed into place, all fsynced.
-    The temporary name is this process's own: two first uses of one state
-    directory write the same registry record at once."""
-    install_file(path, None, data, mode, None, temp_kind="pid%d" % os.getpid())
-
-
-def install_file(target: str, source: Optional[str], data: Optional[bytes], mode: int,
-                 mtime_ns: Optional[Tuple[int, int]], link_ok: bool = False,
-                 temp_kind: str = "") -> None:
-    """Put `data` (or a copy of `source`) at `target` through a temp file and a
-    rename, so a symlink planted at `target` is replaced and never followed.
-    With `link_ok` a hard link to `source` is tried first: constant time for a
-    backup on the same filesystem, which stays until the entry is done."""
+    """Write a file of the state directory (or the registry) as a new file
+    renamed into place, all fsynced.  The temporary name is this process's
+    own: two first uses of one state directory write the same registry
+    record at once."""
     mutation_point()
-    write_point(target)
-    tmp = temp_beside(target, temp_kind)
-    if not (link_ok and _link(source, tmp)):
-        fd = _open_new(tmp, 0o600)
-        try:
-            if data is not None:
-                _write_all(fd, data)
-            else:
-                _copy_into(fd, source)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-    os.chmod(tmp, mode)
-    if mtime_ns is not None:
-        os.utime(tmp, ns=mtime_ns, follow_symlinks=False)
-    os.replace(tmp, target)
-    fsync_dir(os.path.dirname(target))
-
-
-def _link(source: str, tmp: str) -> bool:
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
+    write_point(path)
+    tmp = temp_beside(path, "pid%d" % os.getpid())
+    fd = _open_new(tmp, 0o600)
     try:
-        os.link(source, tmp, follow_symlinks=False)
-    except OSError:
-        return False
-    return True
+        _write_all(fd, data)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
 
 
-def _copy_into(fd: int, source: str) -> None:
-    """Copy a file's content into an open descriptor, in the kernel: as a
-    reflink where the filesystem shares extents, else with sendfile."""
-    with open(source, "rb") as src:
+def copy_sparse(source: str, fd: int) -> None:
+    """Copy a file's content into the empty file `fd`, in the kernel: as a
+    reflink where the filesystem shares extents, else data segment by data
+    segment (SEEK_DATA/SEEK_HOLE), so that holes stay holes and a sparse 1 GB
+    file costs its data, not 1 GB."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
         try:
-            fcntl.ioctl(fd, FICLONE, src.fileno())
+            fcntl.ioctl(fd, FICLONE, src)
             return
         except OSError:
             pass
-        size = os.fstat(src.fileno()).st_size
+        size = os.fstat(src).st_size
         offset = 0
         while offset < size:
-            sent = os.sendfile(fd, src.fileno(), offset, min(size - offset, 1 << 30))
-            if sent == 0:
-                break
-            offset += sent
+            try:
+                start = os.lseek(src, offset, os.SEEK_DATA)
+                end = os.lseek(src, start, os.SEEK_HOLE)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                if exc.errno != errno.EINVAL:  # EINVAL: no hole support, copy it all
+                    raise
+                start, end = offset, size
+            os.lseek(fd, start, os.SEEK_SET)
+            while start < end:
+                sent = os.sendfile(fd, src, start, min(end - start, 1 << 30))
+                if sent == 0:
+                    raise OSError(errno.EIO, "%s shrank while it was copied" % source, source)
+                start += sent
+            offset = end
+        os.ftruncate(fd, size)
+    finally:
+        os.close(src)
+
+
+BACKUP_MODE_MASK = ~(stat.S_ISUID | stat.S_ISGID | stat.S_IXOTH)
 
 
 def durable_copy(source: str, target: str) -> str:
-    """Copy a regular file with its mode and times and fsync it; returns its
-    sha256.  The kernel copies (sendfile) while a thread hashes, so a large
-    artifact costs about one copy.  The caller fsyncs the directory once."""
+    """Back up a regular file: a sparse copy with its times, without set-id
+    bits or execute-for-others (a backup of a setuid binary must not be one);
+    fsynced.  Returns its sha256: the kernel copies while a thread hashes, so
+    a large artifact costs about one copy.  The caller fsyncs the directory
+    once.  The journal keeps the owner, the whole mode and the extended
+    attributes for the restore."""
     mutation_point()
     write_point(target)
     st = os.stat(source, follow_symlinks=False)
@@ -304,14 +303,14 @@ def durable_copy(source: str, target: str) -> str:
     try:
         fd = _open_new(target, 0o600)
         try:
-            _copy_into(fd, source)
+            copy_sparse(source, fd)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & BACKUP_MODE_MASK)
+            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
             os.fsync(fd)
         finally:
             os.close(fd)
     finally:
         hasher.join()
-    os.chmod(target, stat.S_IMODE(st.st_mode))
-    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     if isinstance(digest[0], OSError):
         raise digest[0]
     return digest[0]
@@ -357,6 +356,175 @@ def makedirs_durable(path: str, mode: int = 0o755) -> None:
         if not os.path.isdir(path):
             raise
     fsync_dir(parent)
+
+
+# ---------------------------------------------------------------- the install's files, without following symlinks
+#
+# Everything revert writes into the install goes through these: the directory
+# of a file is reached from / one component at a time with O_NOFOLLOW, so a
+# directory that was replaced by a symlink after the apply (build/ -> victim/)
+# is refused, never written through; the file itself is replaced by a rename
+# within that directory.
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+KEPT_XATTRS = ("system.posix_acl_access", "security.capability")  # and every user.*
+
+
+def path_changed(path: str, component: str, now: str) -> OverlayError:
+    return OverlayError("E506", "%s is no longer what the journal recorded: %s is now %s; nothing "
+                        "was written through it: put the directory back (or move it away), then "
+                        "run revert again" % (path, component, now))
+
+
+def symlink_on_the_way(path: str) -> Optional[str]:
+    """The first directory above `path` that is a symlink (or no directory), or None."""
+    current = ""
+    for part in [part for part in os.path.dirname(path).split("/") if part]:
+        current += "/" + part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return current
+    return None
+
+
+def open_parent(path: str, create: bool = False) -> int:
+    """A descriptor of the directory holding `path`, reached without following
+    a symlink (E506 when a component is one, or no directory).  With
+    `create`, directories the build removed are made again; else a missing
+    one raises FileNotFoundError."""
+    fd = os.open("/", DIR_FLAGS)
+    walked = ""
+    try:
+        for part in [part for part in os.path.dirname(path).split("/") if part]:
+            walked += "/" + part
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                mutation_point()
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                os.fsync(fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                raise path_changed(path, walked, "a symlink" if stat.S_ISLNK(st.st_mode)
+                                   else "no directory")
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_xattrs(path: str) -> Dict[str, str]:
+    """The extended attributes a revert gives back (user.*, the POSIX ACL,
+    file capabilities), hex-encoded for the journal."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return {}
+        raise
+    return {name: os.getxattr(path, name, follow_symlinks=False).hex() for name in sorted(names)
+            if name.startswith("user.") or name in KEPT_XATTRS}
+
+
+def set_metadata(fd: int, meta: dict) -> None:
+    """Give an open file the recorded owner, then mode (chown clears set-id
+    bits), then extended attributes (chown clears a capability; an ACL
+    refines the mode), then times."""
+    if os.geteuid() == 0 and meta.get("uid") is not None:
+        os.fchown(fd, meta["uid"], meta["gid"])
+    os.fchmod(fd, meta["mode"])
+    wanted = meta.get("xattrs") or {}
+    if wanted or os.listxattr(fd):
+        for name in os.listxattr(fd):
+            if (name.startswith("user.") or name in KEPT_XATTRS) and name not in wanted:
+                os.removexattr(fd, name)
+        for name, value in sorted(wanted.items()):
+            os.setxattr(fd, name, bytes.fromhex(value))
+    if meta.get("mtime_ns") is not None:
+        os.utime(fd, ns=(meta["atime_ns"], meta["mtime_ns"]))
+
+
+def put_file(target: str, meta: dict, data: Optional[bytes] = None,
+             source: Optional[str] = None, link_ok: bool = False) -> None:
+    """Put a new version of `target` in place: made under a short temporary
+    name beside it (`data` written, or `source` copied sparse, or with
+    `link_ok` hard-linked from `source`: the same inode, in constant time),
+    given `meta` (mode, and when recorded owner, xattrs, times), fsynced and
+    renamed over `target`.  A symlink planted at `target` is replaced, one
+    on the way refused; a directory the build removed is made again."""
+    mutation_point()
+    write_point(target)
+    directory = open_parent(target, create=True)
+    try:
+        name = os.path.basename(target)
+        tmp = os.path.basename(temp_beside(target))
+        unlink_at(directory, tmp)
+        linked = False
+        if link_ok:
+            try:
+                os.link(source, tmp, dst_dir_fd=directory, follow_symlinks=False)
+                linked = True
+            except OSError:
+                pass
+        flags = os.O_RDONLY if linked else os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = os.open(tmp, flags | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+        try:
+            if data is not None:
+                _write_all(fd, data)
+            elif not linked:
+                copy_sparse(source, fd)
+            set_metadata(fd, meta)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            unlink_at(directory, tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def unlink_at(directory: int, name: str) -> bool:
+    """Remove a file or symlink from an open directory; False when absent."""
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_file(path: str) -> None:
+    """Remove the file or symlink at `path` (nothing when it is absent),
+    reaching it without following a symlink."""
+    try:
+        directory = open_parent(path)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            os.stat(os.path.basename(path), dir_fd=directory, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        mutation_point()
+        unlink_at(directory, os.path.basename(path))
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def file_sha256(path: str) -> Optional[str]:
@@ -695,16 +863,35 @@ class State:
             raise OverlayError("E202", "journal %s has no entry list; inspect it"
                                % self.manifest_path)
         for entry in entries:
+            for root in entry["roots"]:
+                target(root, "install root")
+            def inside_roots(path: str) -> None:
+                if not any(is_within(path, root) for root in entry["roots"]):
+                    raise OverlayError("E203", "journal %s names %s outside the install roots "
+                                       "its entry %s recorded (%s); the journal was altered, "
+                                       "nothing was changed" % (self.manifest_path, path,
+                                                                entry["id"],
+                                                                ", ".join(entry["roots"])))
             for record in entry_files(entry):
                 target(record.get("path"), "target")
+                inside_roots(record["path"])
                 if record.get("backup") is not None:
                     self.state_path(record["backup"])
+                xattrs = record.get("xattrs") or {}
+                if not (isinstance(xattrs, dict) and all(
+                        isinstance(value, str) and re.match(r"^([0-9a-f]{2})*$", value)
+                        for value in xattrs.values())):
+                    raise OverlayError("E202", "journal %s has mistyped extended attributes for "
+                                       "%s; it was edited or damaged, and nothing was changed"
+                                       % (self.manifest_path, record["path"]))
             for cache in entry.get("caches", []):
                 target(cache.get("path"), "cache")
+                inside_roots(cache["path"])
                 self.state_path(cache["backup"])
             build = entry.get("build")
             if build:
                 target(build.get("cwd"), "build directory")
+                inside_roots(build["cwd"])
                 for product in entry.get("untracked") or []:
                     target(product.get("path"), "build product")
                     if not is_within(product["path"], build["cwd"]):
@@ -724,8 +911,9 @@ JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
     "owner": {"pid": int, "host": str, "start_time": (str, type(None))},
     "process": {"pid": int, "host": str, "start_time": (str, type(None))},
     "entry": {"id": int, "state": str, "sources": list, "artifacts": list, "caches": list,
-              "dirs": (dict,), "build": (dict, type(None)), "scan": (str, type(None)),
-              "untracked": (list, type(None)), "protected": (list, type(None))},
+              "dirs": (dict,), "roots": list, "build": (dict, type(None)),
+              "scan": (str, type(None)), "untracked": (list, type(None)),
+              "protected": (list, type(None))},
     "file": {"path": str, "present": bool, "backup": (str, type(None)), "mode": (int, type(None)),
              "uid": (int, type(None)), "gid": (int, type(None)),
              "mtime_ns": (int, type(None)), "atime_ns": (int, type(None))},
@@ -1714,7 +1902,8 @@ def record_file(path: str, role: str) -> dict:
                            "file); pass the file itself" % (role, path))
     return {"path": path, "role": role, "present": True, "backup": None,
             "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns,
-            "atime_ns": st.st_atime_ns, "uid": st.st_uid, "gid": st.st_gid}
+            "atime_ns": st.st_atime_ns, "uid": st.st_uid, "gid": st.st_gid,
+            "links": st.st_nlink, "xattrs": read_xattrs(path)}
 
 
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
@@ -1752,6 +1941,24 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
                                "another build directory" % (build_cwd, cache))
     if len(set(caches)) != len(caches) or len(set(artifacts)) != len(artifacts):
         raise UsageError("E106", "an --artifact or --invalidate-cache is given twice; give each once")
+    for path in sources + artifacts + caches + ([build_cwd] if build_cwd else []):
+        link = symlink_on_the_way(path + "/" if path == build_cwd else path)
+        if link:  # revert reaches every path without following a symlink
+            raise OverlayError("E104", "%s lies under %s, which is a symlink; pass the real path "
+                               "%s" % (path, link, os.path.realpath(path)))
+    for cache in caches:
+        if os.path.ismount(cache):
+            raise OverlayError("E106", "--invalidate-cache %s is a mount point, which cannot be "
+                               "set aside; pass a directory inside it, or unmount it"
+                               % cache)
+    state_dev = os.stat(state.root).st_dev if os.path.isdir(state.root) else None
+    for source in sources:
+        st = os.lstat(source) if os.path.lexists(source) else None
+        if st and st.st_nlink > 1 and st.st_dev != state_dev:
+            raise OverlayError("E106", "source %s has %d hard links, and the state directory %s "
+                               "is on another filesystem, so revert could not give the links "
+                               "their file back; pass a --state on the same filesystem"
+                               % (source, st.st_nlink, state.root))
     if build_cwd is not None and not os.path.isdir(build_cwd):
         raise OverlayError("E107", "--build-cwd %s is not a directory; pass the directory the "
                            "build command runs in" % build_cwd)
@@ -1798,9 +2005,13 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
                                 "method": "rename" if same_fs or not present else "tar",
                                 "backup": "%s/c%d%s" % (directory, number,
                                                         "" if same_fs or not present else ".tar")})
+    tracked = changes_paths(changes) + artifacts + caches + [p for p, _ in protected]
+    # Every path a revert acts on lies under one of these (checked on load).
+    entry["roots"] = sorted({os.path.dirname(path) for path in tracked}
+                            | ({build["cwd"]} if build else set()))
     # Parent directories get their mtimes back too: temp files and renames touch them.
     entry["dirs"] = {}
-    for path in changes_paths(changes) + artifacts + caches + [p for p, _ in protected]:
+    for path in tracked:
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and parent not in entry["dirs"]:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
@@ -1812,7 +2023,14 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     makedirs_durable(backup_dir)
     for record in entry_files(entry):
         record["sha256"] = None
-        if record["present"]:
+        if record["present"] and record["links"] > 1 and record["role"] == "source":
+            # The patched file replaces the name; the original inode, shared
+            # with its other names, becomes the backup and comes back.
+            mutation_point()
+            os.link(record["path"], state.state_path(record["backup"]), follow_symlinks=False)
+            record["sha256"] = file_sha256(record["path"])
+            record["identity"] = file_identity(record["path"])
+        elif record["present"]:
             record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
             record["identity"] = file_identity(record["path"])
     for cache in entry["caches"]:
@@ -1834,9 +2052,9 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
             remove_path(cache["path"])
     for (source, patched), record in zip(changes, entry["sources"]):
         if patched is None:
-            remove_path(source)
+            remove_file(source)
         else:
-            install_file(source, None, patched, record.get("mode", 0o644), None)
+            put_file(source, {"mode": record.get("mode", 0o644)}, data=patched)
     if build is None:
         entry["state"] = "applied"
         state.save(manifest)
@@ -2041,11 +2259,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
 
 
 def source_drift(entry: dict) -> List[str]:
-    """Sources changed by someone else after the apply (neither original nor patched)."""
+    """Sources changed by someone else after the apply (neither original nor
+    patched).  A source that is gone (a build that removed its directory) is
+    no one's edit: restoring it loses nothing."""
     changed = []
     for record in entry["sources"]:
         current = file_sha256(record["path"])
-        if current not in (record.get("sha256"), record.get("patched_sha256")):
+        if current is not None and current not in (record.get("sha256"),
+                                                   record.get("patched_sha256")):
             changed.append(record["path"])
     return changed
 
@@ -2059,10 +2280,21 @@ def check_entry_restorable(state: State, entry: dict) -> None:
             raise OverlayError("E504", "%s is now a directory where the overlay %s a file; nothing "
                                "was reverted: move it away by hand, then run revert again"
                                % (path, "restores" if record["present"] else "removes"))
-        if record["present"] and not os.path.isfile(state.state_path(record["backup"])):
-            raise OverlayError("E503", "the backup of %s is missing from %s; nothing was changed: "
-                               "restore that file by hand, then remove entry %d from the journal"
-                               % (record["path"], state.root, entry["id"]))
+        if record["present"]:
+            backup = state.state_path(record["backup"])
+            if not os.path.lexists(backup):
+                raise OverlayError("E503", "the backup of %s is missing from %s; nothing was "
+                                   "changed: restore that file by hand, then remove entry %d from "
+                                   "the journal" % (record["path"], state.root, entry["id"]))
+            if not stat.S_ISREG(os.lstat(backup).st_mode):
+                raise OverlayError("E203", "the backup of %s, %s, is not a regular file (a "
+                                   "symlink, directory or special file); the state directory was "
+                                   "altered, nothing was changed" % (record["path"], backup))
+    for path in [record["path"] for record in entry["sources"] + entry["artifacts"]] + [
+            cache["path"] for cache in entry["caches"]]:
+        link = symlink_on_the_way(path)
+        if link:
+            raise path_changed(path, link, "a symlink" if os.path.islink(link) else "no directory")
     for cache in entry["caches"]:
         archive = state.state_path(cache["backup"])
         if cache["present"] and cache["method"] == "tar" and os.path.isfile(archive):
@@ -2071,18 +2303,24 @@ def check_entry_restorable(state: State, entry: dict) -> None:
 
 
 def restore_file(state: State, record: dict) -> None:
+    """Put one tracked file back as recorded: content, owner, mode, extended
+    attributes, times, and for a hard-linked source its inode.  A file not
+    touched since its backup is left alone."""
     path = record["path"]
     if not record["present"]:
-        remove_path(path)
+        remove_file(path)
         return
+    try:
+        if file_identity(path) == record.get("identity"):
+            return
+    except OSError:
+        pass
     backup = state.state_path(record["backup"])
-    same_fs = os.stat(backup).st_dev == os.stat(os.path.dirname(path)).st_dev
-    install_file(path, backup, None, record["mode"], (record["atime_ns"], record["mtime_ns"]),
-                 link_ok=same_fs)
-    if os.geteuid() == 0:
-        st = os.lstat(path)
-        if (st.st_uid, st.st_gid) != (record["uid"], record["gid"]):
-            os.chown(path, record["uid"], record["gid"], follow_symlinks=False)
+    try:
+        same_fs = os.stat(backup).st_dev == os.stat(os.path.dirname(path)).st_dev
+    except FileNotFoundError:  # the build removed the directory: put_file makes it again
+        same_fs = False
+    put_file(path, record, source=backup, link_ok=same_fs)
 
 
 def restore_cache(state: State, entry: dict, cache: dict) -> None:
@@ -2099,8 +2337,7 @@ def restore_cache(state: State, entry: dict, cache: dict) -> None:
         return
     if not os.path.isfile(backup):
         return
-    staging = os.path.join(os.path.dirname(path), ".%s.overlay-restore-%d"
-                           % (os.path.basename(path), entry["id"]))
+    staging = temp_beside(path, "restore-%d" % entry["id"])
     remove_path(staging)
     extract_snapshot(backup, staging)
     remove_path(path)
@@ -2168,11 +2405,22 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
               % (entry["id"], len([p for p in products if p["kind"] != "d"]), aside[0], aside[1],
                  ", ".join(os.path.relpath(p["path"], aside[0]) for p in products
                            if p["kind"] != "d")), file=sys.stderr)
+    failures = []
     for record in entry_files(entry):
-        restore_file(state, record)
-        remove_path(temp_beside(record["path"]))
+        try:
+            restore_file(state, record)
+            remove_file(temp_beside(record["path"]))
+        except OSError as exc:
+            failures.append("%s (%s)" % (record["path"], exc.strerror))
     for cache in entry["caches"]:
-        restore_cache(state, entry, cache)
+        try:
+            restore_cache(state, entry, cache)
+        except OSError as exc:
+            failures.append("%s (%s)" % (cache["path"], exc.strerror))
+    if failures:  # the entry stays in the journal: the next revert finishes it
+        raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
+                           "is left: fix the cause and run `overlay_setup.py revert` again"
+                           % ", ".join(failures))
     remove_products(products, aside)
     restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
@@ -2205,6 +2453,8 @@ def revert_all(state: State, manifest: dict, force: bool,
                keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Switch the Python overlay off and restore every native entry in reverse
     order; returns what was done and the files not back byte-exact."""
+    for entry in manifest["entries"]:
+        check_entry_restorable(state, entry)
     if not force:
         for entry in manifest["entries"]:
             changed = source_drift(entry)
@@ -2213,8 +2463,6 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "the original nor the patched content); nothing was reverted: "
                                    "run `overlay_setup.py revert --force` to restore the original "
                                    "anyway" % changed[0])
-    for entry in manifest["entries"]:
-        check_entry_restorable(state, entry)
     done: List[str] = []
     inexact: List[str] = []
     python = manifest["python"]

@@ -1823,6 +1823,229 @@ class StateDirectorySafetyTest(OverlayTestCase):
         self.assertEqual(read_text(os.path.join(self.proj, "k.c")), "int k;\n")
 
 
+def acl_granting(uid: int) -> bytes:
+    """A POSIX access ACL as the kernel stores it: owner rw, user `uid` rw,
+    group r, mask rw, others r."""
+    import struct
+    entries = ((0x01, 6, 0xffffffff), (0x02, 6, uid), (0x04, 4, 0xffffffff),
+               (0x10, 6, 0xffffffff), (0x20, 4, 0xffffffff))
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+class InstallFileSafetyTest(OverlayTestCase):
+    """What revert writes into the install: never through a symlink, never a
+    file left behind for good, every piece of metadata back."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"build/k.c": "int k;\n", "fast.c": "int k = 7;\n",
+                               "tool": "#!/bin/sh\n", "cache/entry": "cached\n"})
+        self.source = os.path.join(self.proj, "build/k.c")
+
+    def add(self, *extra: str, source: str = None) -> tuple:
+        return self.tool("add-native", "--source", source or self.source, "--patched",
+                         os.path.join(self.proj, "fast.c"), *extra)
+
+    def test_a_directory_replaced_by_a_symlink_after_apply_is_not_written_through(self) -> None:
+        victim = os.path.join(self.tmp, "victim")
+        write_tree(victim, {"k.c": "victim's own\n", "new.c": "victim's new\n"})
+        patch = os.path.join(self.tmp, "p.diff")
+        write_text_file(patch, "--- a/build/k.c\n+++ b/build/k.c\n@@ -1 +1 @@\n-int k;\n"
+                               "+int k = 7;\n--- /dev/null\n+++ b/build/new.c\n@@ -0,0 +1 @@\n"
+                               "+int n;\n")
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        os.rename(os.path.join(self.proj, "build"), os.path.join(self.proj, "build.moved"))
+        os.symlink(victim, os.path.join(self.proj, "build"))
+        before = tree_state(victim)
+        for force in ([], ["--force"]):
+            self.assertEqual(self.tool("revert", *force), (
+                1, "", "overlay_setup: E506 %s is no longer what the journal recorded: %s is now "
+                "a symlink; nothing was written through it: put the directory back (or move it "
+                "away), then run revert again\n" % (self.source, os.path.join(self.proj, "build"))))
+            self.assertEqual(tree_state(victim), before)
+        os.unlink(os.path.join(self.proj, "build"))
+        os.rename(os.path.join(self.proj, "build.moved"), os.path.join(self.proj, "build"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(read_text(self.source), "int k;\n")
+        self.assertFalse(os.path.exists(os.path.join(self.proj, "build/new.c")))
+
+    def test_a_path_under_a_symlink_is_refused_at_apply(self) -> None:
+        os.symlink(os.path.join(self.proj, "build"), os.path.join(self.tmp, "via"))
+        rc, out, err = self.add("--no-build", source=os.path.join(self.tmp, "via", "k.c"))
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E104 %s lies under %s, which is a symlink; pass the "
+                              "real path %s\n" % (os.path.join(self.tmp, "via", "k.c"),
+                                                  os.path.join(self.tmp, "via"), self.source))
+
+    @unittest.skipUnless(os.geteuid() == 0, "giving a file to another owner needs root")
+    def test_setuid_artifact_keeps_its_bits_and_its_backup_carries_none(self) -> None:
+        tool = os.path.join(self.proj, "tool")
+        os.chown(tool, 65534, 65534)
+        os.chmod(tool, 0o6755)
+        before = tree_state(self.proj)
+        self.assertOk(self.add("--artifact", tool, "--build-cmd", "rm tool && cp fast.c tool",
+                               "--build-cwd", self.proj))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        self.assertEqual(stat.S_IMODE(os.stat(backup).st_mode), 0o754)
+        self.assertOk(self.tool("revert"))
+        st = os.stat(tool)
+        self.assertEqual((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid), (0o6755, 65534, 65534))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_backup_that_is_no_regular_file_is_refused_as_altered_state(self) -> None:
+        other = os.path.join(self.tmp, "other")
+        write_text_file(other, "someone's\n")
+        os.chmod(other, 0o600)
+        self.assertOk(self.add("--artifact", os.path.join(self.proj, "tool"), "--no-build"))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        os.unlink(backup)
+        os.symlink(other, backup)
+        applied = tree_state(self.proj)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E203 the backup of %s, %s, is not a regular file (a symlink, "
+            "directory or special file); the state directory was altered, nothing was changed\n"
+            % (os.path.join(self.proj, "tool"), backup)))
+        self.assertEqual(stat.S_IMODE(os.stat(other).st_mode), 0o600)
+        self.assertEqual(tree_state(self.proj), applied)
+
+    def test_a_journal_path_outside_the_recorded_roots_is_refused(self) -> None:
+        precious = os.path.join(self.tmp, "elsewhere", "precious.c")
+        write_tree(self.tmp, {"elsewhere/precious.c": "keep\n"})
+        self.assertOk(self.add("--artifact", os.path.join(self.proj, "build/new.so"),
+                               "--no-build"))
+        path = os.path.join(self.state, "manifest.json")
+        manifest = read_json(path)
+        manifest["entries"][0]["artifacts"][0]["path"] = precious
+        write_json(path, manifest)
+        self.assertEqual(self.tool("revert", "--force"), (
+            1, "", "overlay_setup: E203 journal %s names %s outside the install roots its entry 1 "
+            "recorded (%s); the journal was altered, nothing was changed\n"
+            % (path, precious, os.path.join(self.proj, "build"))))
+        self.assertEqual(read_text(precious), "keep\n")
+
+    def test_an_artifact_the_build_left_alone_is_not_rewritten(self) -> None:
+        tool = os.path.join(self.proj, "tool")
+        inode = os.stat(tool).st_ino
+        self.assertOk(self.add("--artifact", tool, "--no-build"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(os.stat(tool).st_ino, inode)
+
+    def test_a_245_byte_file_name_round_trips(self) -> None:
+        source = os.path.join(self.proj, "k" * 243 + ".c")
+        write_text_file(source, "int k;\n")
+        before = tree_state(self.proj)
+        self.assertOk(self.add("--no-build", source=source))
+        self.assertEqual(read_text(source), "int k = 7;\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_directory_the_build_removed_is_made_again(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.add("--build-cmd", "rm -r build", "--build-cwd", self.proj))
+        self.assertFalse(os.path.exists(os.path.join(self.proj, "build")))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_caches_come_back_even_when_a_file_fails_and_the_failure_names_it(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        before = tree_state(self.proj)
+        self.assertOk(self.add("--invalidate-cache", cache, "--no-build",
+                               "--owner-pid", str(os.getpid())))
+        failed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": "1"})
+        self.assertEqual((failed.returncode, failed.stdout), (1, ""))
+        self.assertEqual(failed.stderr, "overlay_setup: E601 could not write %s (No space left on "
+                                        "device) while reverting; the journal keeps what is left: "
+                                        "fix the cause and run `overlay_setup.py revert` again\n"
+                         % self.source)
+        self.assertEqual(read_text(os.path.join(cache, "entry")), "cached\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_cache_that_is_a_mount_point_is_refused_before_anything_changes(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "tmpfs", cache],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if mounted.returncode != 0:
+            self.skipTest("cannot mount a tmpfs here: %s" % mounted.stdout.decode().strip())
+        self.addCleanup(subprocess.run, ["umount", cache])
+        before = tree_state(self.proj)
+        self.assertEqual(self.add("--invalidate-cache", cache, "--no-build"), (
+            1, "", "overlay_setup: E106 --invalidate-cache %s is a mount point, which cannot be "
+            "set aside; pass a directory inside it, or unmount it\n" % cache))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_hard_linked_source_comes_back_as_the_same_file(self) -> None:
+        other = os.path.join(self.proj, "k_other_name.c")
+        os.link(self.source, other)
+        inode = os.stat(self.source).st_ino
+        self.assertOk(self.add("--no-build"))
+        self.assertEqual((read_text(self.source), read_text(other)), ("int k = 7;\n", "int k;\n"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual([os.stat(path).st_ino for path in (self.source, other)], [inode, inode])
+        self.assertEqual(os.stat(self.source).st_nlink, 2)
+
+    @unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+    def test_a_hard_linked_source_with_the_state_on_another_filesystem_is_refused(self) -> None:
+        os.link(self.source, os.path.join(self.proj, "k_other_name.c"))
+        self.state = tempfile.mkdtemp(prefix="overlay-state-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, self.state, True)
+        os.rmdir(self.state)
+        self.assertEqual(self.add("--no-build"), (
+            1, "", "overlay_setup: E106 source %s has 2 hard links, and the state directory %s is "
+            "on another filesystem, so revert could not give the links their file back; pass a "
+            "--state on the same filesystem\n" % (self.source, self.state)))
+
+    def test_extended_attributes_acls_and_capabilities_come_back(self) -> None:
+        tool = os.path.join(self.proj, "tool")
+        wanted = {self.source: {"user.origin": b"vendor", "system.posix_acl_access":
+                                acl_granting(65534)},
+                  tool: {"user.checked": b"yes"}}
+        if os.geteuid() == 0:  # file capabilities need CAP_SETFCAP
+            import struct
+            wanted[tool]["security.capability"] = struct.pack("<IIIII", 0x02000001, 1 << 13,
+                                                              0, 0, 0)
+        try:
+            for path, attributes in wanted.items():
+                for name, value in attributes.items():
+                    os.setxattr(path, name, value)
+        except OSError as exc:
+            self.skipTest("this filesystem does not keep %s: %s" % (name, exc.strerror))
+        kept = {path: {name: os.getxattr(path, name) for name in attributes}
+                for path, attributes in wanted.items()}
+        modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in wanted}
+        self.assertOk(self.add("--artifact", tool, "--build-cmd", "rm tool && cp fast.c tool",
+                               "--build-cwd", self.proj))
+        self.assertEqual(os.listxattr(tool), [])
+        self.assertOk(self.tool("revert"))
+        self.assertEqual({path: {name: os.getxattr(path, name) for name in attributes}
+                          for path, attributes in wanted.items()}, kept)
+        self.assertEqual({path: sorted(os.listxattr(path)) for path in wanted},
+                         {path: sorted(attributes) for path, attributes in wanted.items()})
+        self.assertEqual({path: stat.S_IMODE(os.stat(path).st_mode) for path in wanted}, modes)
+
+    @unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+    def test_a_sparse_artifact_comes_back_sparse(self) -> None:
+        big = os.path.join(self.proj, "big.so")
+        with open(big, "wb") as handle:
+            handle.write(b"ELF header")
+            handle.truncate(1 << 30)
+        digest = overlay_setup.file_sha256(big)
+        self.state = tempfile.mkdtemp(prefix="overlay-state-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, self.state, True)
+        os.rmdir(self.state)  # the backup crosses filesystems both ways
+        self.assertOk(self.add("--artifact", big, "--build-cmd", "rm big.so && echo x > big.so",
+                               "--build-cwd", self.proj))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        self.assertLess(os.stat(backup).st_blocks * 512, 1 << 20)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual((os.stat(big).st_size, overlay_setup.file_sha256(big)), (1 << 30, digest))
+        self.assertLess(os.stat(big).st_blocks * 512, 1 << 20)
+
+
 if __name__ == "__main__":
     unittest.main()
 
