@@ -2290,7 +2290,7 @@ def check_entry_restorable(state: State, entry: dict) -> None:
                 raise OverlayError("E203", "the backup of %s, %s, is not a regular file (a "
                                    "symlink, directory or special file); the state directory was "
                                    "altered, nothing was changed" % (record["path"], backup))
-    for path in [record["path"] for record in entry["sources"] + entry["artifacts"]] + [
+    for path in [record["path"] for record in entry_files(entry)] + [
             cache["path"] for cache in entry["caches"]]:
         link = symlink_on_the_way(path)
         if link:
