@@ -41,7 +41,8 @@ the report is one finding.
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
     1  errors found (or warnings, with --strict); a build, test, parity or trace run failed
-    2  usage error: no such repository root, unknown backend name, bad flag;
+    2  usage error: no such repository root, no backends directory, a NAME
+       that is no backend (a platform alone, such as `metal`, is none), bad flag;
        or standard output cannot be written (a full disk, a closed pipe)
 
 Diagnostic codes (stable; never reused):
@@ -2359,24 +2360,40 @@ class Run:
 
 
 def select(backends, loose, names, repo):
-    """The backends (and discovery findings) named on the command line."""
+    """The backends (and discovery findings) named on the command line: a
+    name is `<platform>/<name>`, `<name>`, or the backend's directory
+    (`backends/cpu/x/`); anything else is a usage error that suggests the
+    nearest command or backend."""
     if not names:
         return backends, loose
-    known = {}
-    for key in [b.key for b in backends] + [d.backend for d in loose]:
-        known.setdefault(key, key)
-        known.setdefault(key.split("/", 1)[-1], key)
+    keys = sorted({b.key for b in backends} | {d.backend for d in loose if "/" in d.backend})
     chosen = set()
-    for name in names:
-        matches = {k for k in (b.key for b in backends) if name in (k, k.split("/", 1)[-1])}
-        matches |= {d.backend for d in loose if name in (d.backend, d.backend.split("/", 1)[-1])}
+    for given in names:
+        name = given.rstrip("/")
+        if name.startswith(repo.backends_dir + "/"):
+            name = name[len(repo.backends_dir) + 1:]
+        matches = {k for k in keys if name in (k, k.split("/", 1)[-1])}
         if not matches:
-            listed = ", ".join(sorted({b.key for b in backends})) or "none"
-            raise UsageError('no backend named "%s" under %s/ (known: %s)'
-                             % (name, repo.backends_dir, listed))
+            raise UsageError(unknown_name(given, name, keys, repo))
         chosen |= matches
     return ([b for b in backends if b.key in chosen],
             [d for d in loose if d.backend in chosen])
+
+
+def unknown_name(given, name, keys, repo):
+    """The message for a NAME that names no backend."""
+    message = 'no backend named "%s" under %s/ (known: %s)' % (
+        given, repo.backends_dir, ", ".join(keys) or "none")
+    if name in COMMANDS:
+        return message + '; "%s" is a command: give it before the options (check_contract.py %s ...)' % (
+            name, name)
+    if name in PLATFORMS or os.path.isdir(os.path.join(repo.backends_path, name)):
+        return message + '; "%s" is a platform directory: name its backends as %s/<name>' % (name, name)
+    command = nearest(name, list(COMMANDS))
+    if command:
+        return message + '; did you mean the command "%s"?' % command
+    hint = nearest(name, keys + sorted({k.split("/", 1)[-1] for k in keys}))
+    return message + ('; did you mean "%s"?' % hint if hint else "")
 
 
 def run_check(repo, names=()):
@@ -3538,8 +3555,11 @@ def cmd_init(args):
     if default is not None:
         build["default_arch"] = (int(default) if platform == "cuda" and default.isdigit()
                                  and len(default) <= MAX_DIGITS else default)
-    manifest = {"$schema": "../../backend.schema.json", "name": name, "platform": platform,
-                "status": "experimental", "abi_version": abi, "sources": sources, "build": build}
+    manifest = {"name": name, "platform": platform, "status": "experimental", "abi_version": abi,
+                "sources": sources, "build": build}
+    schema = os.path.join(repo.backends_path, "backend.schema.json")
+    if os.path.isfile(schema):  # a $schema naming no file would mislead editors
+        manifest = dict({"$schema": posixpath.relpath(schema, target).replace(os.sep, "/")}, **manifest)
     take_manifest(backend, manifest)
     check_keys(repo, backend)
     rejected = [d.message for d in backend.diagnostics if d.level == "error"]
@@ -3872,7 +3892,7 @@ def main(argv=None):
         sys.stdout.flush()
         return status
     except UsageError as exc:
-        sys.stderr.write("check_contract.py: error: %s\n" % exc)
+        sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
         return 2
     except ReportError as exc:
         discard_output(stdout)

@@ -1250,6 +1250,39 @@ class CommandLineTest(TreeTest):
         self.assertEqual(self.check("nope"), (2, "", 'check_contract.py: error: no backend named "nope" '
                                               "under backends/ (known: cpu/demo)\n"))
 
+    def test_a_platform_alone_is_no_backend(self):
+        files = demo_files()
+        files.update({"backends/metal/k/k.backend.json": demo_manifest(name="k", platform="metal"),
+                      "backends/metal/k/ops.c": ""})
+        self.tree(files)
+        for platform in ("metal", "cpu"):
+            with self.subTest(platform=platform):
+                self.assertEqual(self.check("check", platform), (
+                    2, "", 'check_contract.py: error: no backend named "%s" under backends/ (known: '
+                    'cpu/demo, metal/k); "%s" is a platform directory: name its backends as %s/<name>\n'
+                    % (platform, platform, platform)))
+        self.assertEqual(self.check("check", "tpu")[0], 2)
+
+    def test_a_backend_directory_with_a_trailing_slash_names_it(self):
+        self.tree(demo_files())
+        for name in ("cpu/demo/", "demo/", "backends/cpu/demo/", "backends/cpu/demo"):
+            with self.subTest(name=name):
+                rc, out, err = self.check(name)
+                self.assertEqual((rc, err), (0, ""))
+                self.assertIn("checked cpu/demo: status=validated", out)
+
+    def test_a_mistyped_command_is_suggested(self):
+        self.tree(demo_files())
+        for argv, hint in ((["chek"], 'did you mean the command "check"?'),
+                           (["lsit"], 'did you mean the command "list"?'),
+                           (["--json", "list"], '"list" is a command: give it before the options '
+                                                "(check_contract.py list ...)"),
+                           (["dmeo"], 'did you mean "demo"?')):
+            with self.subTest(argv=argv):
+                self.assertEqual(self.check(*argv), (
+                    2, "", 'check_contract.py: error: no backend named "%s" under backends/ (known: '
+                    "cpu/demo); %s\n" % (argv[-1], hint)))
+
     def test_names_limit_the_run(self):
         files = demo_files()
         files.update(fat_files())
@@ -1335,6 +1368,7 @@ class CommandLineTest(TreeTest):
         files = fat_files()
         del files["backends/cuda/fat/fat.backend.json"]
         files["backends/cuda/fat/tests/test_fat.py"] = ""
+        files["backends/backend.schema.json"] = "{}"
         self.tree(files)
         rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cuda/fat")])
         self.assertEqual((rc, err), (0, ""))
@@ -1345,6 +1379,15 @@ class CommandLineTest(TreeTest):
                 "$schema": "../../backend.schema.json", "name": "fat", "platform": "cuda",
                 "status": "experimental", "abi_version": 2, "sources": ["fat.cuh", "ops.cu"],
                 "build": {"script": "build.sh", "output": "libfat.so", "architectures": [80, 89, 90]}})
+
+    def test_init_names_a_schema_only_when_the_repository_has_one(self):
+        files = fat_files()
+        del files["backends/cuda/fat/fat.backend.json"]
+        self.tree(files)
+        rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cuda/fat")])
+        self.assertEqual((rc, err), (0, ""))
+        with open(self.path("backends/cuda/fat/fat.backend.json")) as handle:
+            self.assertNotIn("$schema", json.load(handle))
 
     def test_init_takes_default_arch_from_the_script(self):
         files = demo_files()
@@ -1793,6 +1836,47 @@ class NoTracebackTest(TreeTest):
         self.assertEqual((done.returncode, done.stderr),
                          (2, "check_contract.py: error: cannot write to standard output: Broken pipe; "
                              "the report is incomplete\n"))
+
+
+
+class WorkflowTest(TreeTest):
+    def plan_step(self):
+        """The shell of ci.yml's `plan` job step that lists the compile matrix."""
+        with open(os.path.join(HERE, ".github", "workflows", "ci.yml"), encoding="utf-8") as handle:
+            lines = handle.read().split("\n")
+        start = lines.index("      - id: list") + 2
+        self.assertEqual(lines[start - 1].strip(), "run: |")
+        block = []
+        for line in lines[start:]:
+            if line.strip() and not line.startswith(" " * 10):
+                break
+            block.append(line[10:])
+        return "\n".join(block)
+
+    def run_plan(self, files):
+        self.tree(files)
+        shutil.copy(CHECKER, self.path("check_contract.py"))
+        bin_dir = self.path("bin")
+        os.makedirs(bin_dir)
+        os.symlink(sys.executable, os.path.join(bin_dir, "python"))
+        output = self.path("github_output")
+        done = subprocess.run(["bash", "-e", "-c", self.plan_step()], cwd=self.root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                              env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
+                                       GITHUB_OUTPUT=output))
+        self.assertEqual(done.returncode, 0, done.stdout)
+        with open(output) as handle:
+            return done.stdout, handle.read().splitlines()
+
+    def test_empty_compile_matrix_is_noticed(self):
+        out, outputs = self.run_plan(demo_files(demo_manifest(status="planned")))
+        self.assertEqual(outputs, ['matrix={"include":[]}', "any=false"])
+        self.assertIn("::notice title=compile::no buildable backend", out)
+
+    def test_buildable_backend_makes_a_matrix(self):
+        out, outputs = self.run_plan(demo_files())
+        self.assertEqual(outputs[-1], "any=true")
+        self.assertEqual(json.loads(outputs[0][len("matrix="):])["include"][0]["name"], "demo")
 
 
 # -- Robustness and the schema ---------------------------------------------
