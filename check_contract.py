@@ -2929,8 +2929,8 @@ def parity_backend(repo, run, backend, args, stream):
 
 TRACE_COMPILERS = ("nvcc", "hipcc", "clang", "clang++", "gcc", "g++", "cc", "c++",
                    "amdclang", "amdclang++")
-TRACE_VERSIONED = ("gcc", "g++", "clang", "clang++", "amdclang", "amdclang++")
-TRACE_VERSIONS = tuple(str(n) for n in range(4, 31))  # gcc-12, clang++-18
+TRACE_VERSIONED = ("gcc", "g++", "clang", "clang++")
+TRACE_VERSIONS = tuple(str(n) for n in range(7, 23))  # gcc-12, clang++-18
 TRACE_WRAPPERS = ("ccache", "sccache")
 TRACE_COMPILER_VARIABLES = (("NVCC", "nvcc"), ("HIPCC", "hipcc"), ("CC", "cc"), ("CXX", "c++"))
 TRACE_TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "HIP_PATH", "ROCM_PATH")
@@ -3034,25 +3034,56 @@ def shell_quote(word):
     return "'" + word.replace("'", "'\\''") + "'"
 
 
-def write_shims(top):
-    """The fake toolkit under top, a shim for every compiler name in its
-    bin/; returns (toolkit, the directory the shims record calls in)."""
-    toolkit, log = os.path.join(top, "toolkit"), os.path.join(top, "calls")
-    bin_dir = os.path.join(toolkit, "bin")
-    os.makedirs(bin_dir)
-    os.mkdir(log)
-    shim = os.path.join(bin_dir, ".shim")
-    with open(shim, "w", encoding="utf-8") as handle:
-        handle.write(TRACE_SHIM % {"log": shell_quote(log)})
-    os.chmod(shim, 0o755)
-    names = list(TRACE_COMPILERS) + list(TRACE_WRAPPERS)
-    names += [n + "-" + v for n in TRACE_VERSIONED for v in TRACE_VERSIONS]
-    for name in names:
-        os.symlink(".shim", os.path.join(bin_dir, name))
-    os.mkdir(os.path.join(toolkit, "lib"))  # ROCm's clang is in llvm/bin and lib/llvm/bin
-    os.symlink(".", os.path.join(toolkit, "llvm"))
-    os.symlink("..", os.path.join(toolkit, "lib", "llvm"))
-    return toolkit, log
+class Shims:
+    """The compiler shims of one trace or init, in a temporary directory:
+    toolkit/bin holds a shim for every compiler name (those on PATH among
+    them, so that no installed compiler is reached by its name), calls/ the
+    calls of the run in progress, xtrace what its bash ran.  Each run gets a
+    fresh run/ directory: the repository's copy, <output-dir>, HOME, TMPDIR."""
+
+    def __init__(self):
+        import tempfile
+        self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
+        self.toolkit = os.path.join(self.top, "toolkit")
+        self.log = os.path.join(self.top, "calls")
+        self.xtrace = os.path.join(self.top, "xtrace")
+        self.bash_env = os.path.join(self.top, "bash_env")
+        self.run_dir = os.path.join(self.top, "run")
+        bin_dir = os.path.join(self.toolkit, "bin")
+        os.makedirs(bin_dir)
+        shim = os.path.join(bin_dir, ".shim")
+        with open(shim, "w", encoding="utf-8") as handle:
+            handle.write(TRACE_SHIM % {"log": shell_quote(self.log)})
+        os.chmod(shim, 0o755)
+        for name in sorted(shim_names()):
+            os.symlink(".shim", os.path.join(bin_dir, name))
+        os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
+        os.symlink(".", os.path.join(self.toolkit, "llvm"))
+        os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
+        with open(self.bash_env, "w", encoding="utf-8") as handle:
+            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(self.xtrace)})
+
+    def close(self):
+        import shutil
+        shutil.rmtree(self.top, ignore_errors=True)
+
+
+def shim_names():
+    """The compiler names to shim: the known ones, their usual versioned
+    forms, and every compiler name a directory on PATH holds (linkers apart:
+    a compiler the shims cannot intercept runs the real one)."""
+    names = set(TRACE_COMPILERS + TRACE_WRAPPERS)
+    names.update(n + "-" + v for n in TRACE_VERSIONED for v in TRACE_VERSIONS)
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        try:
+            entries = os.listdir(directory or ".")
+        except OSError:
+            continue
+        for entry in entries:
+            match = COMPILER_NAME_RE.match(entry)
+            if match and match.group(1) not in ("ld", "ld.lld"):  # a linker gcc itself runs
+                names.add(entry)
+    return names
 
 
 def repository_files(root):
@@ -3153,38 +3184,37 @@ def written_files(out):
     return written
 
 
-def trace_script(repo, backend, arch, timeout, stream):
+def trace_script(repo, backend, arch, timeout, stream, shims):
     """Run the backend's build script under the shims, `<script> <out>` or,
     with arch, `<script> <out> <arch>`, and return the Trace of that run."""
     import shutil
-    import tempfile
-    top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
+    top = shims.run_dir
+    copy, out, home, tmp = (os.path.join(top, n) for n in ("repo", "out", "home", "tmp"))
     try:
-        copy, out, home = (os.path.join(top, n) for n in ("repo", "out", "home"))
-        os.mkdir(copy)
-        os.mkdir(home)
+        for path in (shims.log, top, copy, home, tmp):
+            os.mkdir(path)
         copy_repository(repo.root, copy)
-        toolkit, log = write_shims(top)
-        xtrace, bash_env = os.path.join(top, "xtrace"), os.path.join(top, "bash_env")
-        with open(bash_env, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
-        bin_dir = os.path.join(toolkit, "bin")
+        bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
-        env.update(HOME=home, TMPDIR=top, BASH_ENV=bash_env)
+        env.update(HOME=home, TMPDIR=tmp, BASH_ENV=shims.bash_env)
         env.update((k, os.path.join(bin_dir, v)) for k, v in TRACE_COMPILER_VARIABLES)
-        env.update((k, toolkit) for k in TRACE_TOOLKIT_VARIABLES)
+        env.update((k, shims.toolkit) for k in TRACE_TOOLKIT_VARIABLES)
         script = backend.rel(backend.build_script)
         command = [os.path.join(copy, script), out] + ([arch] if arch is not None else [])
-        places = [(out, "<output-dir>"), (toolkit, "<toolkit>"), (copy, "."), (top, "<tmp>")]
+        places = [(out, "<output-dir>"), (shims.toolkit, "<toolkit>"), (copy, "."),
+                  (shims.top, "<tmp>")]
         shown = " ".join(["./" + script, "<output-dir>"] + command[2:])
         stream.write("==> trace %s: %s\n" % (backend.key, shown))
         stream.flush()
         child = run_streaming(command, copy, timeout, stream, env=env)
-        return Trace(shown, child, read_calls(log), read_uncaught(xtrace, toolkit),
-                     written_files(out), out, places)
+        return Trace(shown, child, read_calls(shims.log),
+                     read_uncaught(shims.xtrace, shims.toolkit), written_files(out), out, places)
     finally:
-        shutil.rmtree(top, ignore_errors=True)
+        for path in (top, shims.log):
+            shutil.rmtree(path, ignore_errors=True)
+        if os.path.exists(shims.xtrace):
+            os.unlink(shims.xtrace)
 
 
 def traced_facts(trace):
@@ -3232,7 +3262,7 @@ def traced_build(trace, calls, platform):
             "written": sorted(trace.written)}
 
 
-def trace_backend(repo, run, backend, args, stream):
+def trace_backend(repo, run, backend, args, stream, shims):
     """Trace one backend's build script: its default invocation, and its
     single-target invocation for --arch, build.default_arch or the first of
     build.architectures; compare what they did with the manifest."""
@@ -3250,7 +3280,7 @@ def trace_backend(repo, run, backend, args, stream):
     arch = args.arch or backend.default_arch or (backend.architectures or [None])[0]
     found, runs = [], []
     for target in (None, arch) if arch is not None else (None,):
-        trace = trace_script(repo, backend, target, args.timeout, stream)
+        trace = trace_script(repo, backend, target, args.timeout, stream, shims)
         facts, calls = traced_facts(trace)
         built = traced_build(trace, calls, platform)
         runs.append(built)
@@ -3596,7 +3626,11 @@ def init_trace(repo, backend, default_target):
     import io
     script = backend.build_script
     output = io.StringIO()
-    trace = trace_script(repo, backend, None, TRACE_TIMEOUT, output)
+    shims = Shims()
+    try:
+        trace = trace_script(repo, backend, None, TRACE_TIMEOUT, output, shims)
+    finally:
+        shims.close()
     child = trace.child
     failure = (child.error if child.error is not None else
                "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
@@ -3631,7 +3665,11 @@ def cmd_test(args):
 def cmd_trace(args):
     if args.arch is not None and not args.arch.strip():
         raise UsageError("--arch must name an architecture, e.g. --arch 90")
-    return run_tier(args, trace_backend)
+    shims = Shims()
+    try:
+        return run_tier(args, lambda *a: trace_backend(*a, shims=shims))
+    finally:
+        shims.close()
 
 
 def cmd_parity(args):

@@ -10,6 +10,7 @@ import copy
 import io
 import json
 import os
+import posixpath
 import random
 import re
 import shutil
@@ -2566,6 +2567,618 @@ class InitTraceTest(TreeTest):
                          % self.path("backends/cuda/Fast-K"))
         self.assertEqual(sorted(os.listdir(self.path("backends/cuda/Fast-K"))),
                          ["archs.txt", "build.sh", "k.cu"])
+
+
+# The corpus: build scripts written the way real repositories write them, CUDA, HIP and
+# CPU, mixing the constructs the script reader is asked to follow.  Each entry: name,
+# platform, the script, other files ({path from the backend directory: text}), the
+# construct the reader is not asked to follow (None: it must agree with the trace),
+# and the truth, recorded from `trace`: the library and the targets that the default
+# invocation's compiler calls build.  test_corpus_truth_is_what_trace_shows keeps
+# the truth honest.
+BUILD_SCRIPT_CORPUS = [
+    ('cu_home_pick', 'cuda', r'''#!/usr/bin/env bash
+# Build: ./build.sh <output-dir> [<sm>]
+set -euo pipefail
+out=$1
+arch=${2:-89}
+nvcc=${NVCC:-}
+if [ -z "$nvcc" ]; then
+    if [ -n "${CUDA_HOME:-}" ]; then nvcc=$CUDA_HOME/bin/nvcc; else nvcc=$(command -v nvcc); fi
+fi
+mkdir -p "$out"
+cd "$(dirname "$0")"
+"$nvcc" -O3 -std=c++17 -Xcompiler -fPIC -shared \
+    -gencode "arch=compute_${arch},code=[sm_${arch},compute_${arch}]" \
+    -o "$out/libcu_home_pick.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_home_pick.so', ['89'])),
+    ('cu_fat_array', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+if [ $# -lt 1 ]; then echo "usage: $0 <out> [<cc>]" >&2; exit 2; fi
+if [ $# -ge 2 ]; then
+  gencode=(-gencode "arch=compute_$2,code=sm_$2")
+else
+  gencode=(-gencode arch=compute_75,code=sm_75
+           -gencode arch=compute_86,code=sm_86
+           -gencode "arch=compute_90,code=[sm_90,compute_90]")
+fi
+mkdir -p "$1"
+out_dir=$(cd "$1" && pwd)
+cd "$(dirname "$0")"
+"${NVCC:-nvcc}" -O2 -shared -Xcompiler -fPIC "${gencode[@]}" -o "$out_dir/libcu_fat_array.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_fat_array.so', ['75', '86', '90'])),
+    ('cu_arch_flag', 'cuda', r'''#!/bin/bash
+set -e
+OUT="$1"
+LIB="$OUT/libcu_arch_flag.so"
+SRC_DIR="$( cd "$( dirname "${BASH_SOURCE[0]}" )" && pwd )"
+mkdir -p "$OUT"
+nvcc -arch=sm_80 -O3 --use_fast_math -Xcompiler -fPIC -shared "$SRC_DIR/k.cu" -o "$LIB"
+echo "built $LIB"
+''',
+     {}, None, ('<output-dir>/libcu_arch_flag.so', ['80'])),
+    ('cu_code_list', 'cuda', r'''#!/usr/bin/env bash
+set -eu
+mkdir -p "$1"
+here=$(dirname "$0")
+# one virtual architecture, machine code for two real ones
+nvcc -arch=compute_80 -code=sm_80,sm_86 -shared -Xcompiler -fPIC \
+     -o "$1/libcu_code_list.so" "$here/k.cu"
+''',
+     {}, None, ('<output-dir>/libcu_code_list.so', ['80', '86'])),
+    ('cu_arch_specific', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+out="${1:?usage: build.sh <output-dir>}"
+mkdir -p "$out"
+cd "$(dirname "$0")"
+nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared \
+  -gencode arch=compute_90,code=sm_90 \
+  -gencode=arch=compute_90a,code=sm_90a \
+  -o "${out}/libcu_arch_specific.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_arch_specific.so', ['90', '90a'])),
+    ('cu_backticks', 'cuda', r'''#!/bin/bash
+TOP=`pwd`
+OUT=$1
+HERE=`dirname $0`
+mkdir -p $OUT
+cd $HERE
+nvcc -O3 -shared -Xcompiler -fPIC -gencode arch=compute_86,code=sm_86 -o $OUT/libcu_backticks.so k.cu
+cd $TOP
+''',
+     {}, None, ('<output-dir>/libcu_backticks.so', ['86'])),
+    ('cu_patterns', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+src=k.cu
+lib=lib${src%.cu}_kernels.so
+name=${lib#lib}
+tag=sm-89
+mkdir -p "$1"
+cd "${0%/*}"
+nvcc -shared -Xcompiler -fPIC -arch=${tag/-/_} -o "$1/libcu_patterns.so" "$src"
+echo "${name%.so} done"
+''',
+     {}, None, ('<output-dir>/libcu_patterns.so', ['89'])),
+    ('cu_ccache', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+CCACHE_DISABLE=1 ccache nvcc -O3 -shared -Xcompiler -fPIC \
+    -gencode arch=compute_80,code=sm_80 -o "$1/libcu_ccache.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_ccache.so', ['80'])),
+    ('cu_default_assign', 'cuda', r'''#!/usr/bin/env bash
+set -eu
+: "${CUDA_ARCH:=86}"
+: "${OPT:=-O3}"
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc $OPT -shared -Xcompiler -fPIC -gencode arch=compute_${CUDA_ARCH},code=sm_${CUDA_ARCH} \
+  -o "$1/libcu_default_assign.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_default_assign.so', ['86'])),
+    ('cu_shift', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+out=$1
+shift
+arch=${1:-90}
+mkdir -p "$out"
+cd "$(dirname "$0")"
+nvcc -shared -Xcompiler -fPIC -gencode arch=compute_$arch,code=sm_$arch -o "$out/libcu_shift.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_shift.so', ['90'])),
+    ('cu_oneline_if', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+if [ $# -ge 2 ]; then sm=$2; else sm=80; fi
+mkdir -p "$1"; cd "$(dirname "$0")"
+nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_$sm -o "$1/libcu_oneline_if.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_oneline_if.so', ['80'])),
+    ('cu_heredoc', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+out=$1
+mkdir -p "$out"
+cd "$(dirname "$0")"
+cat > "$out/README.txt" <<EOF
+Built by build.sh. To rebuild by hand:
+  nvcc -arch=sm_70 -shared -o libold.so k.cu
+EOF
+cat > "$out/version.h" <<'EOF'
+#define BUILT_WITH "nvcc -o /tmp/other.so"
+EOF
+nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_89 -o "$out/libcu_heredoc.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_heredoc.so', ['89'])),
+    ('cu_sourced_env', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/arch.env"
+mkdir -p "$1"
+nvcc -O3 -shared -Xcompiler -fPIC -gencode arch=compute_${SM},code=sm_${SM} \
+  -o "$1/${LIBNAME}" "$here/k.cu"
+''',
+     {'arch.env': '# targets of this backend\nSM=86\nLIBNAME=libcu_sourced_env.so\n'}, None, ('<output-dir>/libcu_sourced_env.so', ['86'])),
+    ('cu_env_branch', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+if [ -n "${DEBUG:-}" ]; then
+    flags="-G -O0"
+    arch=75
+else
+    flags="-O3 -lineinfo"
+    arch=90
+fi
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc $flags -shared -Xcompiler -fPIC -arch=sm_$arch -o "$1/libcu_env_branch.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_env_branch.so', ['90'])),
+    ('cu_out_by_arg', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+if [ -n "${2:-}" ]; then
+  lib=libcu_out_by_arg_sm$2.so; gen="-gencode arch=compute_$2,code=sm_$2"
+else
+  lib=libcu_out_by_arg.so; gen="-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90"
+fi
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -shared -Xcompiler -fPIC $gen -o "$1/$lib" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_out_by_arg.so', ['80', '90'])),
+    ('cu_probe', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc --version > /dev/null
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+printf 'int main(void) { return 0; }\n' > "$tmp/probe.c"
+if cc -fopenmp "$tmp/probe.c" -o /dev/null 2>/dev/null; then omp=-Xcompiler=-fopenmp; else omp=; fi
+nvcc -O3 -shared -Xcompiler -fPIC $omp -arch=sm_86 -o "$1/libcu_probe.so" k.cu
+cc -x c -E - -o /dev/null < /dev/null
+''',
+     {}, None, ('<output-dir>/libcu_probe.so', ['86'])),
+    ('cu_run_wrapper', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+run() {
+    echo "+ $*"
+    "$@"
+}
+out=$1
+mkdir -p "$out"
+cd "$(dirname "$0")"
+run nvcc -O3 -shared -Xcompiler -fPIC -gencode arch=compute_89,code=sm_89 -o "$out/libcu_run_wrapper.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_run_wrapper.so', ['89'])),
+    ('cu_for_literal', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+gencode=""
+for sm in 80 86 89; do
+    gencode="$gencode -gencode arch=compute_$sm,code=sm_$sm"
+done
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -O3 -shared -Xcompiler -fPIC $gencode -o "$1/libcu_for_literal.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_for_literal.so', ['80', '86', '89'])),
+    ('cu_out_elsewhere', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+cd "$(dirname "$0")"
+mkdir -p build
+nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_80 -o build/libcu_out_elsewhere.so k.cu
+mkdir -p "$1"
+cp build/libcu_out_elsewhere.so "$1/"
+''',
+     {}, None, ('backends/cuda/cu_out_elsewhere/build/libcu_out_elsewhere.so', ['80'])),
+    ('cu_native', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -O3 -shared -Xcompiler -fPIC -arch=native -o "$1/libcu_native.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_native.so', [])),
+    ('cu_case_arg', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+case "${2:-all}" in
+    all) gencode=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90) ;;
+    *)   gencode=(-gencode "arch=compute_$2,code=sm_$2") ;;
+esac
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -shared -Xcompiler -fPIC "${gencode[@]}" -o "$1/libcu_case_arg.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_case_arg.so', ['80', '90'])),
+    ('cu_cuda_home_default', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC="$CUDA_HOME/bin/nvcc"
+mkdir -p "$1"
+cd "$(dirname "$0")"
+"$NVCC" -O3 -shared -Xcompiler -fPIC -I"$CUDA_HOME/include" -arch=sm_75 \
+    -o "$1/libcu_cuda_home_default.so" k.cu -L"$CUDA_HOME/lib64" -lcudart
+''',
+     {}, None, ('<output-dir>/libcu_cuda_home_default.so', ['75'])),
+    ('cu_abi_define', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+ABI=1
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -O3 -shared -Xcompiler -fPIC -DK_ABI_VERSION=$ABI -DNDEBUG -arch=sm_90 \
+    -o "$1/libcu_abi_define.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_abi_define.so', ['90'])),
+    ('cu_two_step', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+obj=$out/obj
+mkdir -p "$obj"
+cd "$(dirname "$0")"
+nvcc -c -O3 -Xcompiler -fPIC -gencode arch=compute_86,code=sm_86 -o "$obj/k.o" k.cu
+g++ -shared -o "$out/libcu_two_step.so" "$obj/k.o" -L/usr/local/cuda/lib64 -lcudart
+''',
+     {}, None, ('<output-dir>/libcu_two_step.so', ['86'])),
+    ('cu_ccbin', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+HOST_CXX=g++-12
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -ccbin "$HOST_CXX" -O3 -shared -Xcompiler -fPIC -arch=sm_89 -o "$1/libcu_ccbin.so" k.cu
+''',
+     {}, None, ('<output-dir>/libcu_ccbin.so', ['89'])),
+    ('cu_python_flags', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+flags=$(python3 -c "print(' '.join('-gencode=arch=compute_%d,code=sm_%d' % (a, a) for a in (80, 90)))")
+mkdir -p "$1"
+cd "$(dirname "$0")"
+nvcc -O3 -shared -Xcompiler -fPIC $flags -o "$1/libcu_python_flags.so" k.cu
+''',
+     {}, 'command substitution', ('<output-dir>/libcu_python_flags.so', ['80', '90'])),
+    ('cu_mapfile', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+cd "$(dirname "$0")"
+mapfile -t archs < archs.txt
+gencode=()
+for a in "${archs[@]}"; do gencode+=(-gencode "arch=compute_$a,code=sm_$a"); done
+mkdir -p "$1"
+nvcc -O3 -shared -Xcompiler -fPIC "${gencode[@]}" -o "$1/libcu_mapfile.so" k.cu
+''',
+     {'archs.txt': '80\n89\n'}, 'mapfile', ('<output-dir>/libcu_mapfile.so', ['80', '89'])),
+    ('cu_for_cat', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+here=$(dirname "$0")
+flags=""
+for a in $(cat "$here/archs.txt"); do flags="$flags -gencode arch=compute_$a,code=sm_$a"; done
+mkdir -p "$1"
+nvcc -shared -Xcompiler -fPIC $flags -o "$1/libcu_for_cat.so" "$here/k.cu"
+''',
+     {'archs.txt': '75 90\n'}, 'for loop', ('<output-dir>/libcu_for_cat.so', ['75', '90'])),
+    ('cu_common_outside', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../../common_cuda.sh"
+mkdir -p "$1"
+nvcc $COMMON_FLAGS -shared -o "$1/libcu_common_outside.so" "$here/k.cu"
+''',
+     {'../../common_cuda.sh': "COMMON_FLAGS='-O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80'\n"}, 'sourced file', ('<output-dir>/libcu_common_outside.so', ['80'])),
+    ('cu_eval', 'cuda', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+cmd="nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_86 -o $1/libcu_eval.so k.cu"
+eval "$cmd"
+''',
+     {}, 'eval', ('<output-dir>/libcu_eval.so', ['86'])),
+    ('hip_offload_list', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+hipcc -O3 -fPIC -shared --offload-arch=gfx90a,gfx942 -o "$1/libhip_offload_list.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_offload_list.so', ['gfx90a', 'gfx942'])),
+    ('hip_repeated', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+ROCM_PATH=${ROCM_PATH:-/opt/rocm}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+"$ROCM_PATH/bin/hipcc" -O3 -fPIC -shared \
+    --offload-arch=gfx908 \
+    --offload-arch=gfx90a:xnack+ \
+    -o "$1/libhip_repeated.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_repeated.so', ['gfx908', 'gfx90a:xnack+'])),
+    ('hip_mcpu', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+ROCM=${ROCM_PATH:-/opt/rocm}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+"$ROCM/llvm/bin/clang" -x hip --cuda-device-only -target amdgcn-amd-amdhsa -mcpu=gfx908 \
+    -O3 -o "$1/hip_mcpu.co" k.hip
+''',
+     {}, None, ('<output-dir>/hip_mcpu.co', ['gfx908'])),
+    ('hip_amdgpu_target', 'hip', r'''#!/usr/bin/env bash
+set -e
+OUT=$1
+[ -d "$OUT" ] || mkdir -p "$OUT"
+cd "$(dirname "$0")"
+hipcc -O2 -fPIC -shared --amdgpu-target=gfx906 -o "$OUT/libhip_amdgpu_target.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_amdgpu_target.so', ['gfx906'])),
+    ('hip_genco', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+hipcc --genco --targets gfx900,gfx906 k.hip -o "$1/hip_genco.hsaco"
+''',
+     {}, None, ('<output-dir>/hip_genco.hsaco', ['gfx900', 'gfx906'])),
+    ('hip_generic', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+HIPCC=${HIPCC:-hipcc}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+$HIPCC -O3 -fPIC -shared --offload-arch=gfx11-generic -o "$1/libhip_generic.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_generic.so', ['gfx11-generic'])),
+    ('hip_gpu_targets', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+GPU_TARGETS=${GPU_TARGETS:-gfx90a;gfx942}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+hipcc -O3 -fPIC -shared --offload-arch=${GPU_TARGETS//;/,} -o "$1/libhip_gpu_targets.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_gpu_targets.so', ['gfx90a', 'gfx942'])),
+    ('hip_while_read', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+cd "$(dirname "$0")"
+archs=()
+while read -r target; do
+    archs+=("--offload-arch=$target")
+done < targets.txt
+mkdir -p "$1"
+hipcc -O3 -fPIC -shared "${archs[@]}" -o "$1/libhip_while_read.so" k.hip
+''',
+     {'targets.txt': 'gfx90a\ngfx942\n'}, 'while loop', ('<output-dir>/libhip_while_read.so', ['gfx90a', 'gfx942'])),
+    ('hip_clang_versioned', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+CXX=${CXX:-clang++-18}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+"$CXX" -x hip --offload-arch=gfx942 -O3 -fPIC -shared -o "$1/libhip_clang_versioned.so" k.hip
+''',
+     {}, None, ('<output-dir>/libhip_clang_versioned.so', ['gfx942'])),
+    ('hip_amdclang_func', 'hip', r'''#!/usr/bin/env bash
+set -euo pipefail
+compile() {
+    local arch=$1 lib=$2
+    amdclang++ -x hip --offload-arch="$arch" -O3 -fPIC -shared -o "$lib" k.hip
+}
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+cd "$(dirname "$0")"
+compile gfx942 "$out/libhip_amdclang_func.so"
+''',
+     {}, None, ('<output-dir>/libhip_amdclang_func.so', ['gfx942'])),
+    ('cpu_march_default', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+march=${2:-x86-64}
+mkdir -p "$1"
+cd "$(dirname "$0")"
+cc -O2 -fPIC -shared -march="$march" -o "$1/libcpu_march_default.so" k.c -lm
+''',
+     {}, None, ('<output-dir>/libcpu_march_default.so', ['x86-64'])),
+    ('cpu_gcc12_default', 'cpu', r'''#!/usr/bin/env bash
+set -eu
+: "${MARCH:=x86-64-v2}"
+mkdir -p "$1"
+cd "$(dirname "$0")"
+gcc-12 -O3 -fPIC -shared -march=$MARCH -o "$1/libcpu_gcc12_default.so" k.c
+''',
+     {}, None, ('<output-dir>/libcpu_gcc12_default.so', ['x86-64-v2'])),
+    ('cpu_ccache_prefix', 'cpu', r'''#!/bin/sh
+set -e
+mkdir -p "$1"
+cd "$(dirname "$0")"
+CCACHE_DISABLE=1 cc -O2 -fPIC -shared -march=x86-64-v3 -o "$1/libcpu_ccache_prefix.so" k.c
+''',
+     {}, None, ('<output-dir>/libcpu_ccache_prefix.so', ['x86-64-v3'])),
+    ('cpu_make', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+cd "$(dirname "$0")"
+make --no-print-directory OUT="$out"
+''',
+     {'Makefile': 'OUT ?= .\nCFLAGS = -O2 -fPIC -march=x86-64\n\n$(OUT)/libcpu_make.so: k.c\n\t$(CC) $(CFLAGS) -shared -o $@ $<\n'}, 'make', ('<output-dir>/libcpu_make.so', ['x86-64'])),
+    ('cpu_for_sources', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")"
+mkdir -p "$out/obj"
+for f in k util; do
+    cc -O2 -fPIC -march=x86-64 -c $f.c -o "$out/obj/$f.o"
+done
+cc -shared -o "$out/libcpu_for_sources.so" "$out/obj/k.o" "$out/obj/util.o"
+''',
+     {'util.c': 'int util(void) { return 0; }\n'}, None, ('<output-dir>/libcpu_for_sources.so', ['x86-64'])),
+    ('cpu_function', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+build_lib() {
+    local out=$1 march=$2
+    ${CC:-cc} -O2 -fPIC -shared -march=$march -o "$out/libcpu_function.so" k.c
+}
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+cd "$(dirname "$0")"
+build_lib "$out" x86-64-v2
+''',
+     {}, None, ('<output-dir>/libcpu_function.so', ['x86-64-v2'])),
+    ('cpu_cc_var', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+CC=${CC:-cc}
+CFLAGS="-O2 -fPIC -march=x86-64"
+mkdir -p "$1"
+cd "$(dirname "$0")"
+$CC $CFLAGS -shared -o "$1/libcpu_cc_var.so" k.c
+''',
+     {}, None, ('<output-dir>/libcpu_cc_var.so', ['x86-64'])),
+    ('cpu_eval', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+eval "cc -O2 -fPIC -shared -march=x86-64 -o $1/libcpu_eval.so k.c"
+''',
+     {}, 'eval', ('<output-dir>/libcpu_eval.so', ['x86-64'])),
+    ('cpu_march_file', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+cd "$(dirname "$0")"
+march=$(cat march.txt)
+mkdir -p "$1"
+cc -O2 -fPIC -shared -march="$march" -o "$1/libcpu_march_file.so" k.c
+''',
+     {'march.txt': 'x86-64-v3\n'}, 'command substitution', ('<output-dir>/libcpu_march_file.so', ['x86-64-v3'])),
+    ('cpu_clang_versioned', 'cpu', r'''#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$1"
+cd "$(dirname "$0")"
+clang-18 -O2 -fPIC -shared -march=x86-64-v2 -o "$1/libcpu_clang_versioned.so" k.c
+''',
+     {}, None, ('<output-dir>/libcpu_clang_versioned.so', ['x86-64-v2'])),
+]
+
+
+CORPUS_SOURCES = {"cuda": "k.cu", "hip": "k.hip", "cpu": "k.c"}
+CORPUS_PLACEHOLDER_TARGETS = {"cuda": 80, "hip": "gfx90a", "cpu": "x86-64"}
+# How a warning names each construct the reader is not asked to follow.
+CORPUS_CONSTRUCTS = {
+    "command substitution": r"\$\(|command substitution|output of a command|command's output",
+    "mapfile": r"\bmapfile\b", "for loop": r"\bfor\b[^;]*\bloop", "while loop": r"\bwhile\b",
+    "sourced file": r"\bsource|\bsourced\b", "eval": r"\beval\b", "make": r"\bmake\b"}
+# Where the script reader still disagrees with the trace: name -> what it gets wrong.
+# A script that comes to agree may leave this list; no other may join it.
+CORPUS_DISAGREEMENTS = {
+    "cpu_cc_var": "B006: -march=x86-64 inside CFLAGS=\"...\" expanded unquoted is not read",
+    "cpu_eval": "B005: eval is not named as not followed",
+    "cpu_function": "B005: a function called with arguments is not followed",
+    "cpu_gcc12_default": "B006: : \"${MARCH:=x86-64-v2}\" is not taken as an assignment",
+    "cpu_make": "B005: the compiler call in the Makefile; make is not named as not followed",
+    "cpu_march_file": "B006 error where a value from $(cat ...) cannot be told",
+    "cu_case_arg": "B006: the case branch the default invocation takes is not followed",
+    "cu_common_outside": "B006 error where a file sourced from outside the backend cannot be read",
+    "cu_default_assign": "B006: : \"${CUDA_ARCH:=86}\" is not taken as an assignment",
+    "cu_eval": "B005: eval is not named as not followed",
+    "cu_for_cat": "B006 error where a for loop over $(cat ...) cannot be told",
+    "cu_for_literal": "B006: a for loop over a literal list is not unrolled",
+    "cu_heredoc": "B007: a here-document's body is read as a command",
+    "cu_home_pick": "B005: the issue's own example, nvcc picked in one-line if/then/else",
+    "cu_mapfile": "B006 error where an array from mapfile cannot be told",
+    "cu_oneline_if": "B006: one-line if/then/else on $# is not followed",
+    "cu_out_by_arg": "B006: the else branch of [ -n \"${2:-}\" ] is not taken",
+    "cu_patterns": "B006: ${v/a/b} is not expanded",
+    "cu_python_flags": "B006 error where flags from $(python3 ...) cannot be told",
+    "cu_run_wrapper": "B005: run() { \"$@\"; } is not followed",
+    "cu_shift": "B017: shift before ${1:-90} is not followed",
+    "cu_sourced_env": "B005: a file sourced from the backend directory is not read",
+    "hip_amdclang_func": "B005: a function with local variables is not followed",
+    "hip_gpu_targets": "B005: ${v//;/,} is not expanded",
+    "hip_while_read": "B006 error where a while-read loop cannot be told",
+}
+
+
+def corpus_backend(name, platform, script, extra, truth):
+    """The files of a backend built by a corpus script, with the manifest the
+    trace shows to be true."""
+    output, targets = truth
+    library = output[len("<output-dir>/"):] if output.startswith("<output-dir>/") else \
+        output.rsplit("/", 1)[-1]
+    archs = [int(t) if t.isdigit() else t for t in targets] or [CORPUS_PLACEHOLDER_TARGETS[platform]]
+    top = "backends/%s/%s/" % (platform, name)
+    files = {
+        top + name + ".backend.json": {
+            "name": name, "abi_version": 1, "status": "experimental",
+            "sources": ["k.h", CORPUS_SOURCES[platform]],
+            "build": {"script": "build.sh", "output": library, "architectures": archs}},
+        top + "k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                     "const char* k_error_string(int code);\n",
+        top + CORPUS_SOURCES[platform]: '#include "k.h"\n',
+        top + "build.sh": Executable(script)}
+    files.update((posixpath.normpath(top + path), text) for path, text in extra.items())
+    return files
+
+
+class CorpusTest(unittest.TestCase):
+    """Each corpus script is traced and read, with the manifest its trace shows to be true."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = {}
+        for name, platform, script, extra, construct, truth in BUILD_SCRIPT_CORPUS:
+            with tempfile.TemporaryDirectory(prefix="check-contract-corpus-") as root:
+                write_tree(root, corpus_backend(name, platform, script, extra, truth))
+                rc, out, err = run_main(["--repo-root", root, "trace", "--format", "json"])
+                (traced,) = json.loads(out)["results"]
+                rc, out, err = run_main(["--repo-root", root, "--format", "json"])
+                cls.results[name] = (traced, json.loads(out)["issues"])
+
+    def test_corpus_is_large_and_covers_every_platform(self):
+        self.assertGreaterEqual(len(BUILD_SCRIPT_CORPUS), 40)
+        self.assertEqual(len({entry[0] for entry in BUILD_SCRIPT_CORPUS}), len(BUILD_SCRIPT_CORPUS))
+        platforms = [entry[1] for entry in BUILD_SCRIPT_CORPUS]
+        self.assertGreaterEqual(min(platforms.count(p) for p in ("cuda", "hip", "cpu")), 10)
+
+    def test_corpus_truth_is_what_trace_shows(self):
+        for name, platform, script, extra, construct, truth in BUILD_SCRIPT_CORPUS:
+            traced, _ = self.results[name]
+            default_run = traced["runs"][0]
+            self.assertEqual(default_run["calls"] and (default_run["output"], default_run["targets"]),
+                             truth, name)
+            self.assertNotIn("R001", [i["code"] for i in traced["issues"]], name)
+
+    def test_static_reader_agrees_with_the_trace(self):
+        """With a true manifest, the reader reports what the trace reports; where a script
+        uses a construct the reader does not follow, it never reports an error the trace
+        does not, and a warning names the construct."""
+        found = {}
+        for name, platform, script, extra, construct, truth in BUILD_SCRIPT_CORPUS:
+            traced, static = self.results[name]
+            traced = [i for i in traced["issues"]
+                      if i["message"].startswith("running build.sh <output-dir> shows: ")]
+            static = [i for i in static if i["code"].startswith("B")]
+            if construct is None:
+                agrees = sorted(i["code"] for i in traced) == sorted(i["code"] for i in static)
+            else:
+                named = re.compile(CORPUS_CONSTRUCTS[construct], re.I)
+                agrees = {i["code"] for i in static if i["level"] == "error"} <= {
+                    i["code"] for i in traced if i["level"] == "error"} and any(
+                    i["level"] == "warning" and named.search(i["message"]) for i in static)
+            if not agrees:
+                found[name] = "reads %s; the trace shows %s" % (
+                    "; ".join("%s %s" % (i["code"], i["message"]) for i in static) or "no finding",
+                    ", ".join(i["code"] for i in traced) or "no finding")
+        new = {k: v for k, v in found.items() if k not in CORPUS_DISAGREEMENTS}
+        self.assertEqual(new, {}, "the script reader and the trace now disagree on:\n%s" % "\n".join(
+            "  %s: %s" % item for item in sorted(new.items())))
+        names = {entry[0] for entry in BUILD_SCRIPT_CORPUS}
+        self.assertLessEqual(set(CORPUS_DISAGREEMENTS), names)
 
 
 class TestTierTest(TreeTest):
