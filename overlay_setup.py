@@ -122,6 +122,11 @@ MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 MTIME_KEY = "OVERLAY.mtime_ns"
+OUTPUT_LINE_END_RE = re.compile(rb"\r\n|\r|\n")
+OUTPUT_LINE_LIMIT = 1 << 16  # a longer line of build output is shown in pieces
+OUTPUT_POLL = 0.2  # seconds between looks at whether the build process exited
+OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this long
+OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
@@ -2172,28 +2177,39 @@ def stream_build(command: str, cwd: str, timeout: Optional[float],
 
 def follow_build(process: subprocess.Popen, start: float,
                  timeout: Optional[float]) -> Tuple[Optional[int], float]:
+    """Show the build's output as it comes until it ends, the timeout passes,
+    or OUTPUT_GRACE after the build's own process exited (a helper it left
+    running, such as a compile server, may hold the output open for good)."""
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     pending = b""
     timed_out = False
+    exited = None
+    last_output = time.monotonic()
     while True:
-        remaining = None if timeout is None else timeout - (time.monotonic() - start)
-        if remaining is not None and remaining <= 0:
+        now = time.monotonic()
+        if timeout is not None and now - start >= timeout:
             timed_out = True
             break
-        if not selector.select(remaining):
+        if exited is None and process.poll() is not None:
+            exited = now
+        if exited is not None and now - exited >= OUTPUT_GRACE:
+            print("warning: the build exited, but a process it started still holds its output "
+                  "open; its output is no longer shown", file=sys.stderr)
+            break
+        wait = OUTPUT_POLL if timeout is None else min(OUTPUT_POLL, timeout - (now - start))
+        if not selector.select(wait):
+            if pending.rstrip(b"\r") and now - last_output >= OUTPUT_QUIET:
+                show_output_line(pending.rstrip(b"\r"), start)  # a line still being written
+                pending = b""
             continue
         block = os.read(process.stdout.fileno(), 65536)
         if not block:
             break
-        pending += block
-        *complete, pending = pending.split(b"\n")
-        for line in complete:
-            print("[%7.1fs] %s" % (time.monotonic() - start,
-                                   line.decode("utf-8", "replace")), flush=True)
-    if pending:
-        print("[%7.1fs] %s" % (time.monotonic() - start, pending.decode("utf-8", "replace")),
-              flush=True)
+        last_output = now
+        pending = show_output(pending + block, start)
+    if pending.rstrip(b"\r"):
+        show_output_line(pending.rstrip(b"\r"), start)
     selector.close()
     if timed_out:
         stop_process_group(process.pid, process)
@@ -2202,6 +2218,27 @@ def follow_build(process: subprocess.Popen, start: float,
         return None, time.monotonic() - start
     process.stdout.close()
     return process.wait(), time.monotonic() - start
+
+
+def show_output(buffer: bytes, start: float) -> bytes:
+    """Print the lines of `buffer` that are complete (ended by \\n, \\r\\n, or a
+    lone \\r as progress bars write) and return the rest, which is printed
+    too once it is OUTPUT_LINE_LIMIT long: the rest stays that short, so the
+    output costs time and memory in proportion to its size."""
+    held = b""
+    if buffer.endswith(b"\r"):  # perhaps the first half of \r\n
+        buffer, held = buffer[:-1], b"\r"
+    *lines, rest = OUTPUT_LINE_END_RE.split(buffer)
+    for line in lines:
+        show_output_line(line, start)
+    if len(rest) >= OUTPUT_LINE_LIMIT:
+        show_output_line(rest, start)
+        rest = b""
+    return rest + held
+
+
+def show_output_line(line: bytes, start: float) -> None:
+    print("[%7.1fs] %s" % (time.monotonic() - start, line.decode("utf-8", "replace")), flush=True)
 
 
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:

@@ -2170,3 +2170,62 @@ class BuildProcessTest(OverlayTestCase):
                 self.assertFalse(os.path.exists(self.late))
                 self.assertOk(call("--state", self.state, "revert"))
                 self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_a_helper_left_holding_the_output_is_not_waited_for(self) -> None:
+        # A compile server started by the build keeps the build's stdout open.
+        helper_pid = os.path.join(self.tmp, "helper.pid")
+        build = "sh -c 'echo $$ > %s; exec sleep 60' & echo built" % helper_pid
+
+        def stop_helper() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(read_text(helper_pid)), signal.SIGKILL)
+        self.addCleanup(stop_helper)
+        process = subprocess.Popen([sys.executable, TOOL] + self.add_args(build)
+                                   + ["--owner-pid", str(os.getpid())],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   universal_newlines=True)
+        try:
+            out, err = process.communicate(timeout=30)
+        finally:
+            process.kill()
+        self.assertEqual(process.returncode, 0, err)
+        self.assertRegex(out, r"\] built\n")
+        self.assertEqual(err, "warning: the build exited, but a process it started still holds "
+                              "its output open; its output is no longer shown\n")
+        self.assertTrue(overlay_setup.pid_exists(int(read_text(helper_pid))))
+        self.assertOk(call("--state", self.state, "revert"))
+
+    def test_output_without_newlines_is_shown_as_it_comes(self) -> None:
+        done = os.path.join(self.tmp, "build-done")
+        build = "printf 'step 1/2\\r'; sleep 2; printf 'step 2/2\\r'; touch %s" % done
+        process = subprocess.Popen([sys.executable, TOOL] + self.add_args(build)
+                                   + ["--owner-pid", str(os.getpid())],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.addCleanup(process.kill)
+        shown = b""
+        while b"] step 1/2" not in shown:
+            block = os.read(process.stdout.fileno(), 4096)
+            self.assertTrue(block, shown)
+            shown += block
+        self.assertFalse(os.path.exists(done), "shown only when the build ended")
+        out, err = process.communicate(timeout=30)
+        self.assertEqual(process.returncode, 0, err)
+        self.assertRegex((shown + out).decode(),
+                         r"\] step 1/2\n\[ *[0-9.]+s\] step 2/2\nbuild finished")
+        self.assertOk(call("--state", self.state, "revert"))
+
+    def test_output_without_newlines_is_held_in_bounded_memory(self) -> None:
+        # The peak memory of a run whose build prints 32 MiB without a line
+        # end, against one whose build prints a line: the same, within 16 MiB.
+        measure = ("import resource, subprocess, sys; "
+                   "subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
+                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        peaks = []
+        for build in ("echo one line", "head -c 33554432 /dev/zero | tr '\\0' x"):
+            shutil.rmtree(self.state, ignore_errors=True)
+            peak = subprocess.run([sys.executable, "-c", measure, sys.executable, TOOL]
+                                  + self.add_args(build) + ["--owner-pid", str(os.getpid())],
+                                  stdout=subprocess.PIPE, universal_newlines=True, check=True)
+            peaks.append(int(peak.stdout) * 1024)
+            self.assertOk(call("--state", self.state, "revert"))
+        self.assertLess(peaks[1] - peaks[0], 16 << 20, peaks)
