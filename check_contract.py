@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """check_contract.py - keep the native backends of a kernel repository honest.
 
-Every backend lives in <repo-root>/<backends-dir>/<platform>/<name>/ and is
+Every backend lives in <root>/<backends-dir>/<platform>/<name>/ and is
 described by <name>.backend.json.  The checker verifies that each manifest
 tells the truth about its directory: the sources it declares, the ABI version
 its headers define, what its build script builds and for which architectures.
@@ -13,15 +13,15 @@ copy of the repository with every compiler replaced by a shim that records
 its arguments, and checks the manifest against what the script really does.
 
 Usage:
-    check_contract.py [--repo-root DIR] [--backends-dir DIR] [check]
+    check_contract.py [--root DIR] [--backends-dir DIR] [check]
                       [--format text|json|github] [--json] [--strict] [NAME ...]
-    check_contract.py list [--buildable] [--format text|json|github-matrix]
+    check_contract.py list [--buildable] [--format text|json|github-matrix] [--json]
     check_contract.py init DIR [--force]
     check_contract.py build [NAME ...] [--out DIR] [--arch A] [--timeout S]
-                            [--format text|json]
-    check_contract.py test [NAME ...] [--timeout S] [--format text|json]
-    check_contract.py parity [NAME ...] [--timeout S] [--format text|json]
-    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json]
+                            [--format text|json] [--json]
+    check_contract.py test [NAME ...] [--timeout S] [--format text|json] [--json]
+    check_contract.py parity [NAME ...] [--timeout S] [--format text|json] [--json]
+    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json] [--json]
 
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
@@ -44,6 +44,9 @@ Exit codes:
     2  usage error: no such repository root, no backends directory, a NAME
        that is no backend (a platform alone, such as `metal`, is none), bad flag;
        or standard output cannot be written (a full disk, a closed pipe)
+  130  interrupted (Ctrl-C)
+A usage error is one line on stderr: `check_contract.py: error: <message>`.
+docs/check_contract.md says what each code below means and how to fix it.
 
 Diagnostic codes (stable; never reused):
     D  discovery     D001 kernel sources but no manifest, D002 manifest under a
@@ -185,7 +188,7 @@ SH_MAX_LINES = 4096
 
 HELP_EXAMPLES = """\
 examples:
-  python3 check_contract.py --repo-root .            check every backend (the CI call)
+  python3 check_contract.py --root .            check every backend (the CI call)
   python3 check_contract.py check --strict cpu/llm_ops
   python3 check_contract.py --format github          annotations for GitHub Actions
   python3 check_contract.py list --buildable --format github-matrix
@@ -3382,7 +3385,7 @@ def run_tier(args, run_one, choose=None):
 
 
 def repository(args):
-    """The Repository the command line names.  Without --repo-root the root
+    """The Repository the command line names.  Without --root the root
     is found the way git finds its work tree: the top of the git work tree
     holding the current directory, else the nearest directory from here up
     that holds the backends directory."""
@@ -3394,7 +3397,7 @@ def repository(args):
     root = args.repo_root
     if root is not None:
         if not os.path.isdir(root):
-            raise UsageError("--repo-root %s: no such directory; give the repository root" % root)
+            raise UsageError("--root %s: no such directory; give the repository root" % root)
         git = GitWorkTree.find(root)
     else:
         here = os.getcwd()
@@ -3407,12 +3410,12 @@ def repository(args):
                          "script's mode in the git index) is not checked\n" % root)
     if not os.path.isdir(repo.backends_path):
         if args.repo_root is not None:
-            how = "given by --repo-root"
+            how = "given by --root"
         elif git is not None:
             how = "the top of the git work tree"
         else:
             how = "the current directory; no directory from here up holds %s/" % relative
-        raise UsageError("no backends directory: %s is %s (the root is %s, %s); give --repo-root "
+        raise UsageError("no backends directory: %s is %s (the root is %s, %s); give --root "
                          "DIR (the directory that holds %s/) or --backends-dir DIR, or run from "
                          "inside the repository" % (
                              os.path.join(root, repo.backends_dir),
@@ -3450,9 +3453,7 @@ def nearest_holding(directory, name):
 def cmd_check(args):
     repo = repository(args)
     run = run_check(repo, args.names)
-    if args.json and args.format not in (None, "json"):
-        raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
-    fmt = "json" if args.json else args.format
+    fmt = args.format
     if fmt is None:
         fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"
     REPORTERS[fmt](run, sys.stdout)
@@ -3539,7 +3540,7 @@ def cmd_init(args):
     parent = os.path.dirname(os.path.dirname(target))
     if parent != backends_abs:
         raise UsageError("init %s: not a backend directory; give %s/<platform>/<name> under the "
-                         "repository root (--repo-root %s)"
+                         "repository root (--root %s)"
                          % (args.dir, repo.backends_dir, repo.root))
     name = os.path.basename(target)
     platform = os.path.basename(os.path.dirname(target))
@@ -3688,9 +3689,30 @@ def positive_seconds(text):
     return value
 
 
+class CommandLineError(UsageError):
+    """A command line argparse cannot read; main() adds where the usage is."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise UsageError(message)
+        raise CommandLineError(message)  # one line, not argparse's usage dump
+
+
+def add_format(parser, formats, help_text):
+    """--format, and --json as its alias (both tools take both)."""
+    parser.add_argument("--format", choices=formats, default=None, help=help_text)
+    parser.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def resolve_format(args):
+    if getattr(args, "json", False):
+        if args.format not in (None, "json"):
+            raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
+        args.format = "json"
+
+
+ROOT_HELP = ("repository root (default: the top of the git work tree here, else the nearest "
+             "directory from here up holding the backends directory)")
 
 
 def build_parser(only=None):
@@ -3698,9 +3720,10 @@ def build_parser(only=None):
     alone (a command line that names one needs no other, and building them
     all costs more than checking a few backends)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--repo-root", metavar="DIR", default=argparse.SUPPRESS,
-                        help="repository root (default: the top of the git work tree here, else "
-                        "the nearest directory from here up holding the backends directory)")
+    common.add_argument("--root", dest="repo_root", metavar="DIR", default=argparse.SUPPRESS,
+                        help=ROOT_HELP)
+    common.add_argument("--repo-root", dest="repo_root", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     common.add_argument("--backends-dir", metavar="DIR", default=argparse.SUPPRESS,
                         help="backends directory relative to the root (default: backends)")
     formatter = argparse.RawDescriptionHelpFormatter
@@ -3708,9 +3731,8 @@ def build_parser(only=None):
                     description="Check that each backend's manifest tells the truth about its "
                     "directory; build, test and compare backends.", epilog=HELP_EXAMPLES)
     parser.add_argument("--version", action="version", version="%(prog)s " + VERSION)
-    parser.add_argument("--repo-root", metavar="DIR", default=None,
-                        help="repository root (default: the top of the git work tree here, else "
-                        "the nearest directory from here up holding the backends directory)")
+    parser.add_argument("--root", dest="repo_root", metavar="DIR", default=None, help=ROOT_HELP)
+    parser.add_argument("--repo-root", dest="repo_root", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--backends-dir", metavar="DIR", default="backends",
                         help="backends directory relative to the root (default: backends)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -3730,12 +3752,11 @@ def add_check_parser(sub, common, formatter):
                            help="check the manifests against their directories (default)",
                            description="Check every backend's manifest against its directory.",
                            epilog="examples:\n"
-                           "  python3 check_contract.py --repo-root .\n"
+                           "  python3 check_contract.py --root .\n"
                            "  python3 check_contract.py check --format json cpu/llm_ops\n"
                            "  python3 check_contract.py check --strict --format github\n")
-    check.add_argument("--format", choices=("text", "json", "github"), default=None,
-                       help="output format (default: github when GITHUB_ACTIONS=true, else text)")
-    check.add_argument("--json", action="store_true", help="same as --format json")
+    add_format(check, ("text", "json", "github"),
+               "output format (default: github when GITHUB_ACTIONS=true, else text)")
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")
     check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all)")
 
@@ -3759,7 +3780,9 @@ def add_list_parser(sub, common, formatter):
                              "  python3 check_contract.py list --buildable --format github-matrix\n")
     listing.add_argument("--buildable", action="store_true",
                          help="only non-planned backends with no errors and an executable build script")
-    listing.add_argument("--format", choices=("text", "json", "github-matrix"), default="text")
+    add_format(listing, ("text", "json", "github-matrix"),
+               "output format: one line per backend, every field as JSON, or a GitHub Actions "
+               "job matrix (default: text)")
 
 
 def add_init_parser(sub, common, formatter):
@@ -3795,13 +3818,13 @@ def add_build_parser(sub, common, formatter):
     build.add_argument("names", nargs="*", metavar="NAME", help="backends to build (default: all)")
     build.add_argument("--out", metavar="DIR", default=None,
                        help="output root; each backend builds into DIR/<platform>/<name> "
-                       "(default: <repo-root>/build/backends)")
+                       "(default: <root>/build/backends)")
     build.add_argument("--arch", metavar="A", default=None,
                        help="build only this architecture (passed as the script's second argument)")
     build.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                        help="time limit per build in seconds (default: 1800)")
-    build.add_argument("--format", choices=("text", "json"), default="text",
-                       help="json: results on stdout, build output on stderr")
+    add_format(build, ("text", "json"),
+               "output format; json: results on stdout, build output on stderr (default: text)")
 
 
 def add_tier_parsers(sub, common, formatter, only):
@@ -3820,11 +3843,12 @@ def add_tier_parsers(sub, common, formatter, only):
             continue
         tier = sub.add_parser(name, parents=[common], formatter_class=formatter, help=what,
                               description=description, epilog="examples:\n" + example)
-        tier.add_argument("names", nargs="*", metavar="NAME", help="backends to run (default: all)")
+        tier.add_argument("names", nargs="*", metavar="NAME", help="backends to run (default: %s)"
+                          % ("the validated ones" if name == "parity" else "all"))
         tier.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                           help="time limit per backend in seconds (default: 1800)")
-        tier.add_argument("--format", choices=("text", "json"), default="text",
-                          help="json: results on stdout, child output on stderr")
+        add_format(tier, ("text", "json"),
+                   "output format; json: results on stdout, child output on stderr (default: text)")
 
 
 def add_trace_parser(sub, common, formatter):
@@ -3849,10 +3873,11 @@ def add_trace_parser(sub, common, formatter):
                        "else the first of build.architectures)")
     trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=TRACE_TIMEOUT,
                        help="time limit per run of a script in seconds (default: 120)")
-    trace.add_argument("--format", choices=("text", "json"), default="text",
-                       help="json: results on stdout, script output on stderr")
+    add_format(trace, ("text", "json"),
+               "output format; json: results on stdout, script output on stderr (default: text)")
 
 
+ROOT_OPTIONS = ("--root", "--repo-root", "--backends-dir")
 COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd_build,
             "test": cmd_test, "parity": cmd_parity, "trace": cmd_trace}
 
@@ -3863,11 +3888,11 @@ def with_default_command(argv):
     index = 0
     while index < len(argv):
         arg = argv[index]
-        if arg in ("--repo-root", "--backends-dir"):
+        if arg in ROOT_OPTIONS:
             if index + 1 == len(argv):
                 break  # no value: the parser says so
             index += 2
-        elif arg.startswith(("--repo-root=", "--backends-dir=")):
+        elif arg.startswith(tuple(option + "=" for option in ROOT_OPTIONS)):
             index += 1
         elif arg in COMMANDS:
             return argv, arg
@@ -3923,12 +3948,18 @@ def main(argv=None):
             stream.reconfigure(errors="backslashreplace")
     stdout = sys.stdout
     sys.stdout = GuardedOutput(stdout)
+    command = None
     try:
         argv, command = with_default_command(argv)
         args = build_parser(command).parse_args(argv)
+        resolve_format(args)
         status = COMMANDS[args.command](args)
         sys.stdout.flush()
         return status
+    except CommandLineError as exc:
+        sys.stderr.write("check_contract.py: error: %s; see check_contract.py %s--help\n"
+                         % (exc, command + " " if command else ""))
+        return 2
     except UsageError as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
         return 2
