@@ -22,7 +22,7 @@ Usage:
   overlay_setup.py [--state DIR] init [--owner-pid PID]
   overlay_setup.py [--state DIR] add-python MODULE FILE [--owner-pid PID]
   overlay_setup.py [--state DIR] rebind pkg.mod:attr other.mod:attr [--owner-pid PID]
-  overlay_setup.py [--state DIR] env [--json]
+  overlay_setup.py [--state DIR] env [--format text|json] [--json]
   overlay_setup.py [--state DIR] add-native --source PATH --patched FILE
         [--artifact PATH]... [--invalidate-cache DIR]...
         (--build-cmd CMD | --no-build) [--build-cwd DIR] [--timeout S] [--owner-pid PID]
@@ -32,7 +32,7 @@ Usage:
         [--build-cwd DIR] [--timeout S] [--owner-pid PID]
         [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] verify-native
-  overlay_setup.py [--state DIR] status [--json]
+  overlay_setup.py [--state DIR] status [--format text|json] [--json]
   overlay_setup.py [--state DIR] revert [--force] [--keep-untracked] [--all]
   overlay_setup.py gc-stale [--root DIR] [--dry-run]
 
@@ -57,18 +57,43 @@ Usage:
 Exit codes:
   0  done (also: revert with nothing to revert)
   1  failed; the message says what to run next
-  2  usage: a wrong option, a relative or unnormalised path, a bad module name
+  2  usage: a wrong option, a relative or unnormalised path, a bad module name,
+     a missing input file or directory
   3  revert or gc-stale finished, but the files named (E506) are not back
      byte-exact: the build rewrote them and nothing had backed them up
   130  interrupted (Ctrl-C), also while the tool starts
 
-Diagnostic codes (stable, never reused):
-  E1xx  arguments and preconditions (paths, files, modules, conflicts)
-  E2xx  the state directory and its journal (format, ownership, tampering, lock)
-  E3xx  patches (malformed, hunk does not apply, unsupported file kind)
-  E4xx  builds and verification (E404: the build changed no artifact)
+Messages are one line on stderr: `overlay_setup: CODE what is wrong; what to do`.
+Codes (stable, never reused; docs/overlay_setup.md says what each means and
+how to fix it):
+  E1xx  arguments and preconditions
+        E100 command line not understood, E101 path not absolute/normalised,
+        E102 input missing or unreadable, E103 already overlaid, E104 not a
+        regular file (symlink, directory), E105 bad module name, E106
+        overlapping paths, E107 missing directory, E108 owner pid not
+        running, E109 bad build option (--timeout, -p), E110 the build
+        products to back up are over the size budget
+  E2xx  the state directory and its journal
+        E201 newer journal format, E202 journal unreadable, damaged or
+        missing, E203 journal names a path outside its bounds, E204 state
+        directory not yours or writable by others, E205 another owner,
+        E206 state path is not an overlay state directory, E207 no overlay yet,
+        E208 no overlay here but applied ones elsewhere
+  E3xx  patches
+        E301 malformed, E302 hunk does not apply, E303 unsupported file
+        kind, E304 path leaves --root, E305 rename, copy or binary patch
+  E4xx  builds and verification
+        E401 build failed, E402 build timed out, E403 artifact not rebuilt
+        or missing, E404 the build changed no artifact, E405 nothing to verify
   E5xx  revert and recovery
-  E6xx  I/O errors (no space, permission) during a change; the state stays recoverable
+        E501 source changed after apply, E502 unsafe or unreadable cache
+        snapshot, E503 backup missing, E504 a directory stands where a file
+        is restored or removed, E505 a path changed since it was recorded
+        (a symlink in the way), E506 not byte-exact: the build rewrote a
+        file nothing backed up (exit status 3)
+  E6xx  I/O errors during a change
+        E601 could not write (no space, permission); the state stays
+        recoverable
 
 Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
@@ -1965,7 +1990,7 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
                                "their file back; pass a --state on the same filesystem"
                                % (source, st.st_nlink, state.root))
     if build_cwd is not None and not os.path.isdir(build_cwd):
-        raise OverlayError("E107", "--build-cwd %s is not a directory; pass the directory the "
+        raise UsageError("E107", "--build-cwd %s is not a directory; pass the directory the "
                            "build command runs in" % build_cwd)
 
 
@@ -2537,10 +2562,10 @@ def read_input(path: str, what: str, hint: str = "") -> bytes:
         with open(path, "rb") as handle:
             data = handle.read(INPUT_LIMIT + 1)
     except OSError as exc:
-        raise OverlayError("E102", "cannot read %s%s (%s)%s" % (what, path, exc.strerror, hint))
+        raise UsageError("E102", "cannot read %s%s (%s)%s" % (what, path, exc.strerror, hint))
     if len(data) > INPUT_LIMIT:
-        raise OverlayError("E102", "%s%s is larger than %d MiB (or endless)%s"
-                           % (what, path, INPUT_LIMIT >> 20, hint))
+        raise UsageError("E102", "%s%s is larger than %d MiB (or endless)%s"
+                         % (what, path, INPUT_LIMIT >> 20, hint))
     return data
 
 
@@ -2638,7 +2663,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     entries = [state.site] + [entry for entry in existing.split(os.pathsep)
                               if entry and entry != state.site]
     value = os.pathsep.join(entries)
-    if args.json:
+    if args.format == "json":
         print(json.dumps({"PYTHONPATH": value, "OVERLAY_STATE": state.root}, sort_keys=True))
     else:
         print("export PYTHONPATH=%s" % shell_quote(value))
@@ -2658,8 +2683,6 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is None and not args.no_build and not args.dry_run:
         raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build; "
                          "--dry-run lists the build systems found near the source")
-    if args.build_cmd is not None and args.no_build:
-        raise UsageError("E109", "--build-cmd and --no-build exclude each other; pass one")
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError("E109", "--timeout must be a positive, finite number of seconds (got %g)"
                          % args.timeout)
@@ -2778,7 +2801,7 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     artifacts, caches, build = native_options(args)
     patched = read_input(args.patched, "--patched ", "; pass the patched file")
     if not os.path.isfile(source):
-        raise OverlayError("E102", "--source %s does not exist; pass the installed file to patch "
+        raise UsageError("E102", "--source %s does not exist; pass the installed file to patch "
                            "(or use `apply` with a patch that creates it)" % source)
     state = open_state(args)
     if args.dry_run:
@@ -2820,7 +2843,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                                % (name, relative, " ".join(NATIVE_SUFFIXES)))
         target = os.path.join(root, relative)
         if not os.path.isdir(os.path.dirname(target)):
-            raise OverlayError("E102", "%s: the directory of %s does not exist under %s; create "
+            raise UsageError("E102", "%s: the directory of %s does not exist under %s; create "
                                "it first (the overlay does not create directories)"
                                % (name, relative, root))
         if not is_within(os.path.realpath(os.path.dirname(target)), os.path.realpath(root)):
@@ -2923,7 +2946,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = open_state(args)
     manifest = state.load() if state.exists() or state.orphaned_backups() else None
     others = others_applied(args, state)
-    if args.json:
+    if args.format == "json":
         print(json.dumps({"state": state.root, "manifest": manifest,
                           "owner": manifest and manifest["owner"] and dict(
                               manifest["owner"], liveness=owner_liveness(manifest["owner"])),
@@ -3084,7 +3107,8 @@ def find_state_dirs(root: str) -> List[str]:
 def cmd_gc_stale(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.root or os.getcwd())
     if not os.path.isdir(root):
-        raise OverlayError("E107", "--root %s is not a directory" % root)
+        raise UsageError("E107", "--root %s is not a directory; pass the directory to search"
+                         % root)
     failures = 0
     not_exact = False
     registered = []
@@ -3174,22 +3198,45 @@ COMMAND_EXAMPLES = {
 }
 
 
+class CommandLineError(UsageError):
+    """A command line argparse cannot read; main() adds where the usage is."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CommandLineError("E100", message)  # one line, not argparse's usage dump
+
+
+def add_format(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """--format, and --json as its alias (both tools take both)."""
+    parser.add_argument("--format", choices=("text", "json"), default=None, help=help_text)
+    parser.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def resolve_format(args: argparse.Namespace) -> None:
+    if getattr(args, "json", False):
+        if args.format not in (None, "json"):
+            raise UsageError("E100", "--json and --format %s ask for two formats; give one"
+                             % args.format)
+        args.format = "json"
+
+
 def build_parser() -> argparse.ArgumentParser:
     state_help = "state directory (default: $OVERLAY_STATE, else ./.overlay)"
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="overlay_setup.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Reversible, crash-safe in-place patches of native sources and Python "
                     "overlays in an installed package.", epilog=EPILOG)
-    parser.add_argument("--state", default=None, help=state_help)
+    parser.add_argument("--state", metavar="DIR", default=None, help=state_help)
     parser.add_argument("--version", action="version", version="%(prog)s " + VERSION)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.required = True
 
     def command(name: str, help_text: str, owner: bool = False) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text,
                                   epilog="example:\n  " + COMMAND_EXAMPLES[name],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.add_argument("--state", default=argparse.SUPPRESS, help=state_help)
+        sub.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help=state_help)
         if owner:
             sub.add_argument("--owner-pid", type=int, default=None, metavar="PID",
                              help="process owning the overlay (default: the parent process)")
@@ -3200,11 +3247,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a build output to back up and check (repeatable)")
         sub.add_argument("--invalidate-cache", action="append", default=[], metavar="DIR",
                          help="a build cache directory set aside for the build (repeatable)")
-        sub.add_argument("--build-cmd", metavar="CMD", help="the install's own build command")
-        sub.add_argument("--no-build", action="store_true", help="patch without building")
+        build = sub.add_mutually_exclusive_group()
+        build.add_argument("--build-cmd", metavar="CMD",
+                           help="the install's own build command, run through the shell (this or "
+                                "--no-build is required, except with --dry-run)")
+        build.add_argument("--no-build", action="store_true", help="patch without building")
         sub.add_argument("--build-cwd", metavar="DIR",
                          help="directory the build runs in (default: the current directory)")
-        sub.add_argument("--timeout", type=float, metavar="S", help="kill the build after S seconds")
+        sub.add_argument("--timeout", type=float, metavar="S",
+                         help="kill the build after S seconds (default: no limit)")
         sub.add_argument("--protect", action="append", default=[], metavar="PATH",
                          help="also back up this file, or every file in this directory, so "
                               "revert gives it back byte-exact (repeatable)")
@@ -3219,20 +3270,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("init", "create the state directory (idempotent)", owner=True)
     sub = command("add-python", "serve FILE as module MODULE to processes using `env`", owner=True)
-    sub.add_argument("module", metavar="MODULE")
-    sub.add_argument("file", metavar="FILE")
+    sub.add_argument("module", metavar="MODULE", help="dotted module name, e.g. pkg.ops")
+    sub.add_argument("file", metavar="FILE", help="the Python file to serve as MODULE")
     sub = command("rebind", "replace pkg.mod:attr by other.mod:attr on import", owner=True)
-    sub.add_argument("target", metavar="TARGET")
-    sub.add_argument("replacement", metavar="REPLACEMENT")
+    sub.add_argument("target", metavar="TARGET", help="pkg.mod:attr to replace")
+    sub.add_argument("replacement", metavar="REPLACEMENT", help="other.mod:attr to put in its place")
     sub = command("env", "print the environment that activates the Python overlay")
-    sub.add_argument("--json", action="store_true", help="print JSON instead of shell exports")
+    add_format(sub, "text: shell export lines; json: one object (default: text)")
     sub = command("add-native", "patch one compiled source in place and rebuild", owner=True)
     sub.add_argument("--source", required=True, metavar="PATH", help="installed file to patch")
     sub.add_argument("--patched", required=True, metavar="FILE", help="its patched content")
     native(sub)
     sub = command("apply", "apply a unified diff: natives in place, .py files as overlay",
                   owner=True)
-    sub.add_argument("patch", metavar="PATCH")
+    sub.add_argument("patch", metavar="PATCH", help="a unified diff (git diff or diff -u)")
     sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
                                                    "(default: the current directory)")
     sub.add_argument("-p", type=int, default=1, metavar="N",
@@ -3240,7 +3291,7 @@ def build_parser() -> argparse.ArgumentParser:
     native(sub)
     command("verify-native", "check that every tracked artifact was rebuilt")
     sub = command("status", "show what is applied")
-    sub.add_argument("--json", action="store_true", help="print the journal as JSON")
+    add_format(sub, "text: one line per item; json: the journal as JSON (default: text)")
     sub = command("revert", "take everything back out, byte-exact")
     sub.add_argument("--force", action="store_true",
                      help="restore sources even if someone changed them after the apply")
@@ -3251,6 +3302,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("gc-stale", "revert overlays whose owner is gone")
     sub.add_argument("--root", metavar="DIR", help="where to look (default: the current directory)")
     sub.add_argument("--dry-run", action="store_true", help="only report what would be reverted")
+    # One of --build-cmd and --no-build is required except with --dry-run,
+    # which argparse cannot express: the usage line says it instead.
+    for sub in commands.choices.values():
+        usage = sub.format_usage()[len("usage: "):].rstrip("\n")
+        sub.usage = usage.replace("[--build-cmd CMD | --no-build]", "(--build-cmd CMD | --no-build)")
     return parser
 
 
@@ -3268,8 +3324,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:
+        resolve_format(args)
+    except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
+    except CommandLineError as exc:
+        command = next((arg for arg in (sys.argv[1:] if argv is None else argv)
+                        if arg in COMMANDS), None)
+        print("overlay_setup: E100 %s; see overlay_setup.py %s--help"
+              % (exc.message, command + " " if command else ""), file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+        return exc.status
     try:
         if signal.getsignal(signal.SIGINT) is _interrupted_at_start_up:
             signal.signal(signal.SIGINT, signal.default_int_handler)

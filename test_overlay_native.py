@@ -410,11 +410,11 @@ class CProjectTest(OverlayTestCase):
     def test_unreadable_patched_file_and_missing_source_are_refused(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
                                    "--patched", "/nonexistent.c", "--no-build"), (
-            1, "", "overlay_setup: E102 cannot read --patched /nonexistent.c (No such file or "
+            2, "", "overlay_setup: E102 cannot read --patched /nonexistent.c (No such file or "
             "directory); pass the patched file\n"))
         self.assertEqual(self.tool("add-native", "--source", self.p("nope.c"),
                                    "--patched", self.patched, "--no-build"), (
-            1, "", "overlay_setup: E102 --source %s does not exist; pass the installed file to "
+            2, "", "overlay_setup: E102 --source %s does not exist; pass the installed file to "
             "patch (or use `apply` with a patch that creates it)\n" % self.p("nope.c")))
         self.assertFalse(os.path.exists(self.state))
 
@@ -623,12 +623,13 @@ class RefusalTest(OverlayTestCase):
 
     def test_missing_build_directory_is_refused(self) -> None:
         self.assertEqual(self.add("--build-cmd", "make", "--build-cwd", "/nonexistent"), (
-            1, "", "overlay_setup: E107 --build-cwd /nonexistent is not a directory; pass the "
+            2, "", "overlay_setup: E107 --build-cwd /nonexistent is not a directory; pass the "
             "directory the build command runs in\n"))
 
     def test_build_command_and_no_build_exclude_each_other(self) -> None:
         self.assertEqual(self.add("--build-cmd", "make", "--no-build"), (
-            2, "", "overlay_setup: E109 --build-cmd and --no-build exclude each other; pass one\n"))
+            2, "", "overlay_setup: E100 argument --no-build: not allowed with argument --build-cmd; "
+            "see overlay_setup.py add-native --help\n"))
 
     def test_module_already_overlaid_is_refused(self) -> None:
         self.assertOk(self.tool("add-python", "pkg.mod", self.fast))
@@ -665,7 +666,7 @@ class RefusalTest(OverlayTestCase):
         write_tree(self.tmp, {"new.diff": "--- /dev/null\n+++ b/sub/new.c\n@@ -0,0 +1 @@\n+int n;\n"})
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "new.diff"), "--root",
                                    self.proj, "--no-build"), (
-            1, "", "overlay_setup: E102 new.diff: the directory of sub/new.c does not exist under "
+            2, "", "overlay_setup: E102 new.diff: the directory of sub/new.c does not exist under "
             "%s; create it first (the overlay does not create directories)\n" % self.proj))
 
     def test_renaming_patch_is_refused(self) -> None:
@@ -2080,11 +2081,11 @@ class HostileArgumentTest(OverlayTestCase):
     def test_endless_patched_file_is_refused_after_a_bounded_read(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.source, "--patched",
                                    "/dev/zero", "--no-build"), (
-            1, "", "overlay_setup: E102 --patched /dev/zero is larger than 64 MiB (or endless); "
+            2, "", "overlay_setup: E102 --patched /dev/zero is larger than 64 MiB (or endless); "
             "pass the patched file\n"))
         patch_rc = self.tool("apply", "/dev/zero", "--root", self.proj, "--no-build")
         self.assertEqual(patch_rc, (
-            1, "", "overlay_setup: E102 patch /dev/zero is larger than 64 MiB (or endless); "
+            2, "", "overlay_setup: E102 patch /dev/zero is larger than 64 MiB (or endless); "
             "pass a unified diff\n"))
         self.assertFalse(os.path.exists(self.state))
 
