@@ -5,6 +5,8 @@ Fixture trees are built from {path: content} dicts in temporary directories;
 the checker runs in-process through main([...]).
 """
 
+import argparse
+import ast
 import contextlib
 import copy
 import io
@@ -14,6 +16,7 @@ import posixpath
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +25,7 @@ import unittest
 from unittest import mock
 
 import check_contract
+import overlay_setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKER = os.path.join(HERE, "check_contract.py")
@@ -212,7 +216,7 @@ class DiscoveryTest(TreeTest):
         self.tree({"README.md": "x\n"})
         self.assertEqual(self.check(), (2, "", "check_contract.py: error: no backends directory: "
                                               "%s/backends is not there (the root is %s, given by "
-                                              "--repo-root); give --repo-root DIR (the directory that "
+                                              "--root); give --root DIR (the directory that "
                                               "holds backends/) or --backends-dir DIR, or run from "
                                               "inside the repository\n" % (self.root, self.root)))
 
@@ -1296,8 +1300,8 @@ class CommandLineTest(TreeTest):
 
     def test_missing_repo_root_is_a_usage_error(self):
         missing = self.path("nowhere")
-        self.assertEqual(run_main(["--repo-root", missing]),
-                         (2, "", "check_contract.py: error: --repo-root %s: no such directory; give "
+        self.assertEqual(run_main(["--root", missing]),
+                         (2, "", "check_contract.py: error: --root %s: no such directory; give "
                                  "the repository root\n" % missing))
 
     def test_bad_flag_is_a_usage_error(self):
@@ -1554,8 +1558,8 @@ class RootTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.path("backends")])
         self.assertEqual((rc, out), (2, ""))
         self.assertEqual(err, "check_contract.py: error: no backends directory: %s/backends/backends "
-                              "is not there (the root is %s/backends, given by --repo-root); give "
-                              "--repo-root DIR (the directory that holds backends/) or --backends-dir "
+                              "is not there (the root is %s/backends, given by --root); give "
+                              "--root DIR (the directory that holds backends/) or --backends-dir "
                               "DIR, or run from inside the repository\n" % (self.root, self.root))
 
     def test_no_backends_directory_from_here_up_is_a_usage_error(self):
@@ -3287,32 +3291,41 @@ def copy_of_repository(dest):
     subprocess.run(git + ["commit", "-qm", "copy"], cwd=dest, check=True)
 
 
-def readme_shell(heading):
-    """The ```sh blocks of the README section under `heading` (up to the next
-    heading of the same or a higher level), and the output lines they promise:
-    a line `#   text` after a command says the command prints `text`."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+def shown_shell(document, heading=None):
+    """The ```sh blocks of `document` (a path relative to the repository), or
+    of its section under `heading` (up to the next heading of the same or a
+    higher level), and the output lines they promise: a line `#   text`
+    after a command says the command prints the line `text`."""
+    with open(os.path.join(HERE, document), encoding="utf-8") as f:
         lines = f.read().splitlines()
-    level = heading.split(" ", 1)[0]
-    start = lines.index(heading)
-    section, fenced = [], False
-    for line in lines[start + 1:]:
-        fenced ^= line.startswith("```")
-        if not fenced and re.match(r"#{1,%d} " % len(level), line):
-            break
-        section.append(line)
-    section = "\n".join(section)
-    script = "\n".join(re.findall(r"```sh\n(.*?)```", section, re.S))
+    if heading is not None:
+        level = heading.split(" ", 1)[0]
+        section, fenced = [], False
+        for line in lines[lines.index(heading) + 1:]:
+            fenced ^= line.startswith("```")
+            if not fenced and re.match(r"#{1,%d} " % len(level), line):
+                break
+            section.append(line)
+        lines = section
+    script = "\n".join(re.findall(r"```sh\n(.*?)```", "\n".join(lines) + "\n", re.S))
     return script, [line[4:] for line in script.splitlines() if line.startswith("#   ")]
+
+
+def normalise_shown(text):
+    """What a shown output line may differ in: elapsed times and the random
+    part of a mktemp name."""
+    text = re.sub(r"\[ *[0-9]+\.[0-9]s\]", "[elapsed]", text)
+    text = re.sub(r"\([0-9]+\.[0-9]s\)", "(elapsed)", text)
+    return re.sub(r"(/tmp/[A-Za-z0-9_-]+\.)[A-Za-z0-9]{6}\b", r"\1XXXXXX", text)
 
 
 @unittest.skipUnless(shutil.which("git") and shutil.which("cc") and shutil.which("make"),
                      "the walkthrough needs git, cc and make")
 class RepositoryTest(unittest.TestCase):
 
-    def run_readme(self, heading):
-        script, expected = readme_shell(heading)
-        self.assertGreater(len(expected), 5)
+    def run_shown(self, document, heading=None):
+        script, expected = shown_shell(document, heading)
+        self.assertGreater(len(expected), 3)
         with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
             # overlay_setup.py records applied overlays under $XDG_STATE_HOME
@@ -3321,22 +3334,29 @@ class RepositoryTest(unittest.TestCase):
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
             self.assertEqual(proc.returncode, 0, proc.stdout)
-            # Elapsed times ("[    0.0s] ...") depend on the machine's load.
-            elapsed = re.compile(r"\[ *[0-9]+\.[0-9]s\]")
-            lines = iter(elapsed.sub("[elapsed]", proc.stdout).splitlines())
-            for want in expected:
-                want = elapsed.sub("[elapsed]", want)
-                self.assertTrue(any(want in line for line in lines),
-                                "output lacks %r (in this order):\n%s" % (want, proc.stdout))
+            lines = iter(normalise_shown(proc.stdout).splitlines())
+            for want in map(normalise_shown, expected):
+                self.assertTrue(any(want == line for line in lines),
+                                "output lacks the line %r (in this order):\n%s" % (want, proc.stdout))
             status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True,
                                     stdout=subprocess.PIPE, universal_newlines=True).stdout
-            self.assertEqual(status, "", "the README's commands left the clone changed")
+            self.assertEqual(status, "", "the commands of %s left the clone changed" % document)
 
     def test_readme_walkthrough_runs_as_written(self):
-        self.run_readme("## Walkthrough")
+        self.run_shown("README.md", "## Walkthrough")
 
-    def test_readme_overlay_examples_run_as_written(self):
-        self.run_readme("### Examples")
+    def test_overlay_examples_run_as_written(self):
+        self.run_shown("docs/overlay_setup.md")
+
+    def test_check_contract_reference_commands_run_as_written(self):
+        self.run_shown("docs/check_contract.md")
+
+    def test_every_shell_block_of_the_readme_is_the_walkthrough(self):
+        # The tests above run every ```sh block: none may sit outside what they run.
+        self.assertEqual(shown_shell("README.md"), shown_shell("README.md", "## Walkthrough"))
+
+    def test_readme_fits_in_15_kb(self):
+        self.assertLessEqual(os.path.getsize(os.path.join(HERE, "README.md")), 15000)
 
     def test_pre_commit_hook_runs_the_checker_from_a_clean_clone(self):
         # pre-commit runs a `language: script` hook as <hook repo clone>/<entry> <args>
@@ -3362,6 +3382,224 @@ class RepositoryTest(unittest.TestCase):
             self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
                           "k.backend.json manifest",
                           proc.stdout)
+
+
+
+def subcommands(parser):
+    """{name: parser} of an argparse parser's subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+class ConventionsTest(unittest.TestCase):
+    """Both tools speak alike: flags, formats, usage errors, exit statuses."""
+
+    # (module, the prefix of its usage errors, the commands that print a report)
+    TOOLS = ((check_contract, "check_contract.py: error: ",
+              ("check", "list", "build", "test", "parity")),
+             (overlay_setup, "overlay_setup: E100 ", ("env", "status")))
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="conventions-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def call(self, tool, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        saved = dict(os.environ)
+        os.environ.pop("GITHUB_ACTIONS", None)
+        os.environ["OVERLAY_STATE"] = os.path.join(self.tmp, "state")
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = tool.main(["--root" if tool is check_contract else "--state",
+                                self.tmp if tool is check_contract else os.path.join(self.tmp, "state")]
+                               + list(argv))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return rc, out.getvalue(), err.getvalue()
+
+    def test_every_argument_has_help_with_its_default_and_every_command_an_example(self):
+        for tool, _, _ in self.TOOLS:
+            commands = subcommands(tool.build_parser())
+            self.assertGreaterEqual(len(commands), 6)
+            for name, parser in commands.items():
+                with self.subTest(tool=tool.__name__, command=name):
+                    self.assertRegex(parser.format_help(), r"\nexamples?:\n  ")
+                    for action in parser._actions:
+                        if isinstance(action, argparse._HelpAction):
+                            continue
+                        if action.help == argparse.SUPPRESS:
+                            self.assertEqual(action.option_strings, ["--repo-root"])
+                            continue
+                        self.assertTrue(action.help, action.option_strings or action.metavar)
+                        needs_default = (action.nargs in ("*", "?") or (
+                            action.option_strings and action.default not in (
+                                None, False, [], argparse.SUPPRESS)))
+                        if needs_default:
+                            self.assertIn("default", action.help, action.option_strings
+                                          or action.metavar)
+
+    def test_build_command_or_no_build_shows_as_required(self):
+        commands = subcommands(overlay_setup.build_parser())
+        for name in ("add-native", "apply"):
+            usage = " ".join(commands[name].format_usage().split())
+            self.assertIn("(--build-cmd CMD | --no-build)", usage)
+
+    def test_parity_says_what_it_runs_by_default(self):
+        help_text = " ".join(subcommands(check_contract.build_parser())["parity"].format_help().split())
+        self.assertIn("NAME backends to run (default: the validated ones)", help_text)
+
+    def test_the_root_flag_is_root_in_both_tools(self):
+        check_help = check_contract.build_parser().format_help()
+        self.assertIn("--root DIR", check_help)
+        self.assertNotIn("--repo-root", check_help)
+        commands = subcommands(overlay_setup.build_parser())
+        for name in ("apply", "gc-stale"):
+            self.assertIn("--root DIR", commands[name].format_help())
+        write_tree(self.tmp, demo_files())
+        by_root = run_main(["--root", self.tmp, "list"])
+        self.assertEqual(by_root[0], 0)
+        self.assertEqual(run_main(["--repo-root", self.tmp, "list"]), by_root)  # the old spelling
+        self.assertEqual(run_main(["list", "--repo-root=" + self.tmp]), by_root)
+
+    def test_format_json_and_its_json_alias_in_both_tools(self):
+        write_tree(self.tmp, demo_files())
+        self.assertEqual(self.call(overlay_setup, "init")[0], 0)
+        for tool, prefix, commands in self.TOOLS:
+            for name in commands:
+                with self.subTest(tool=tool.__name__, command=name):
+                    parser = subcommands(tool.build_parser())[name]
+                    self.assertIn("--format", parser.format_help())
+                    self.assertEqual(parser.parse_args(["--json"]).json, True)
+                    rc, out, err = self.call(tool, name, "--json", "--format", "text")
+                    self.assertEqual((rc, out, err), (
+                        2, "", prefix + "--json and --format text ask "
+                        "for two formats; give one\n"))
+            for name in [c for c in commands if c in ("check", "list", "env", "status")]:
+                with self.subTest(tool=tool.__name__, command=name):
+                    as_json = self.call(tool, name, "--format", "json")
+                    self.assertEqual(as_json[0], 0, as_json)
+                    json.loads(as_json[1])
+                    self.assertEqual(self.call(tool, name, "--json"), as_json)
+
+    def test_a_usage_error_is_one_line_naming_the_help_to_read(self):
+        for tool, prefix, _ in self.TOOLS:
+            prog = "check_contract.py" if tool is check_contract else "overlay_setup.py"
+            for name in subcommands(tool.build_parser()):
+                with self.subTest(tool=tool.__name__, command=name):
+                    rc, out, err = self.call(tool, name, "--no-such-flag")
+                    self.assertEqual((rc, out), (2, ""))
+                    self.assertEqual(err.count("\n"), 1, err)
+                    self.assertNotIn("usage:", err)
+                    self.assertTrue(err.startswith(prefix), err)
+                    self.assertTrue(err.endswith("; see %s %s --help\n" % (prog, name)), err)
+
+    def test_a_missing_input_exits_2_in_both_tools(self):
+        missing = os.path.join(self.tmp, "missing")
+        write_tree(self.tmp, demo_files())
+        rc, out, err = self.call(check_contract, "init", missing)
+        self.assertEqual((rc, out), (2, ""))
+        self.assertTrue(err.startswith("check_contract.py: error: init %s" % missing), err)
+        rc, out, err = self.call(overlay_setup, "add-python", "pkg.mod", missing)
+        self.assertEqual((rc, out), (2, ""))
+        self.assertTrue(err.startswith("overlay_setup: E102 cannot read %s" % missing), err)
+        rc, out, err = self.call(overlay_setup, "apply", missing + ".diff", "--no-build")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertTrue(err.startswith("overlay_setup: E102 cannot read patch %s.diff" % missing),
+                        err)
+
+    def interrupt(self, argv, cwd):
+        """Start a tool, SIGINT it once its child printed `started`: (rc, stderr)."""
+        proc = subprocess.Popen([sys.executable] + argv, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, universal_newlines=True)
+        try:
+            for line in proc.stdout:
+                if "started" in line:
+                    break
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return proc.returncode, err
+
+    def test_ctrl_c_exits_130_in_both_tools(self):
+        files = demo_files()
+        files["backends/cpu/demo/build.sh"] = Executable(
+            "#!/usr/bin/env bash\necho started\nsleep 30\n"
+            'cc -shared -fPIC -march=${2:-x86-64} -o "$1/libdemo.so" ops.c\n')
+        write_tree(self.tmp, files)
+        rc, err = self.interrupt([CHECKER, "--root", self.tmp, "build", "--out",
+                                  os.path.join(self.tmp, "out")], self.tmp)
+        self.assertEqual(rc, 130, err)
+        self.assertIn("check_contract.py: interrupted", err)
+        source = os.path.join(self.tmp, "kernel.c")
+        write_tree(self.tmp, {"kernel.c": "int k(void) { return 1; }\n",
+                              "fast.c": "int k(void) { return 2; }\n"})
+        rc, err = self.interrupt([os.path.join(HERE, "overlay_setup.py"), "--state",
+                                  os.path.join(self.tmp, "state"), "add-native", "--source",
+                                  source, "--patched", os.path.join(self.tmp, "fast.c"),
+                                  "--build-cmd", "echo started; sleep 30", "--build-cwd", self.tmp],
+                                 self.tmp)
+        self.assertEqual(rc, 130, err)
+        self.assertIn("overlay_setup: interrupted", err)
+        revert = subprocess.run([sys.executable, os.path.join(HERE, "overlay_setup.py"), "--state",
+                                 os.path.join(self.tmp, "state"), "revert"], cwd=self.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                universal_newlines=True)
+        self.assertEqual(revert.returncode, 0, revert.stdout)
+        with open(source) as handle:
+            self.assertEqual(handle.read(), "int k(void) { return 1; }\n")
+
+
+
+def emitted_codes(path, code_re):
+    """The codes a script can emit: those in its string literals, docstrings left out."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and ast.get_docstring(node, clean=False) is not None}
+    codes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings:
+            codes.update(re.findall(code_re, node.value))
+    return codes, set(re.findall(code_re, ast.get_docstring(tree)))
+
+
+class CodesTest(unittest.TestCase):
+    """Each tool's codes are listed, once each, in its docstring and in its
+    reference, and nowhere a code the tool cannot emit."""
+
+    def check_codes(self, tool, code_re):
+        emitted, in_docstring = emitted_codes(os.path.join(HERE, tool + ".py"), r"\b%s\b" % code_re)
+        with open(os.path.join(HERE, "docs", tool + ".md"), encoding="utf-8") as f:
+            rows = re.findall(r"^\| (%s) \|" % code_re, f.read(), re.M)
+        self.assertGreater(len(emitted), 25)
+        self.assertEqual(sorted(in_docstring), sorted(emitted), "the docstring of %s.py" % tool)
+        self.assertEqual(sorted(rows), sorted(emitted), "the table of docs/%s.md" % tool)
+
+    def test_check_contract_codes_agree(self):
+        self.check_codes("check_contract", "[DJMSABTORUP][0-9]{3}")
+
+    def test_overlay_setup_codes_agree(self):
+        self.check_codes("overlay_setup", "E[0-9]{3}")
+
+
+class PythonVersionTest(unittest.TestCase):
+    @unittest.skipUnless(shutil.which("vermin"), "vermin is not installed (pip install vermin)")
+    def test_both_scripts_need_nothing_newer_than_python_3_9_0(self):
+        # -t=3.9- : every line must run on 3.9 (3.9.0 included: a backport to a
+        # later 3.9.x release counts as 3.10+ or newer in vermin's tables).
+        proc = subprocess.run(["vermin", "-t=3.9-", "--no-tips", "--violations", CHECKER,
+                               os.path.join(HERE, "overlay_setup.py")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True)
+        self.assertEqual(proc.returncode, 0, proc.stdout)
 
 
 if __name__ == "__main__":
