@@ -401,7 +401,7 @@ KEPT_XATTRS = ("system.posix_acl_access", "security.capability")  # and every us
 
 
 def path_changed(path: str, component: str, now: str) -> OverlayError:
-    return OverlayError("E506", "%s is no longer what the journal recorded: %s is now %s; nothing "
+    return OverlayError("E505", "%s is no longer what the journal recorded: %s is now %s; nothing "
                         "was written through it: put the directory back (or move it away), then "
                         "run revert again" % (path, component, now))
 
@@ -422,7 +422,7 @@ def symlink_on_the_way(path: str) -> Optional[str]:
 
 def open_parent(path: str, create: bool = False) -> int:
     """A descriptor of the directory holding `path`, reached without following
-    a symlink (E506 when a component is one, or no directory).  With
+    a symlink (E505 when a component is one, or no directory).  With
     `create`, directories the build removed are made again; else a missing
     one raises FileNotFoundError."""
     fd = os.open("/", DIR_FLAGS)

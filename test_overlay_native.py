@@ -1862,7 +1862,7 @@ class InstallFileSafetyTest(OverlayTestCase):
         before = tree_state(victim)
         for force in ([], ["--force"]):
             self.assertEqual(self.tool("revert", *force), (
-                1, "", "overlay_setup: E506 %s is no longer what the journal recorded: %s is now "
+                1, "", "overlay_setup: E505 %s is no longer what the journal recorded: %s is now "
                 "a symlink; nothing was written through it: put the directory back (or move it "
                 "away), then run revert again\n" % (self.source, os.path.join(self.proj, "build"))))
             self.assertEqual(tree_state(victim), before)
