@@ -2027,6 +2027,106 @@ class RobustnessTest(TreeTest):
                       "byte at offset 128)\n", out)
 
 
+FUZZ_VALUES = (None, 0, -1, 1, 2, 90, 1.5, float("nan"), True, "", "x", "../x", "/etc/passwd", "a/./b",
+               "x\u0000.c", "x\udc80.c", "line\nbreak.c", "\x1b[2J", "ops.c", "build.sh", "*.c",
+               "gfx942", "sm_90", "90a", "x86-64", [], {}, ["ops.c", "ops.c"], [80, "80"], {"note": 1},
+               {"a": -1, "note": "x"}, "9" * 40, "é.cu", ["models/"], ["x/../../"])
+FUZZ_NAMES = ("k.cu", "k.c++", ".impl/k.cu", "a\nb.c", "x.inl", "tests/test_x.py", "sub/deep/k.hh",
+              "backend.json", "other.backend.json", "k.cuh", "\x7f.c", "\u2028.c", "build.sh")
+FUZZ_LINES = ("#if 0 || 1", "#if 0", "#if (((1)))", "#if 1 ? 0 : 1", "#if 1 << 99", "#if 0x" + "f" * 40,
+              "#if defined(X) && 0", "#if ((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((1",
+              "#elif 1", "#elifdef Y", "#else", "#endif", "#endif", "#undef DEMO_ABI_VERSION",
+              "#define DEMO_ABI_VERSION 2", "#define DEMO_ABI_VERSION 0x1", "#define DEMO_ABI_VERSION (1u)",
+              "#define DEMO_ABI_VERSION " + "7" * 30, "#define DLPACK_ABI_VERSION 9", '#include "ops.h"',
+              '#include "../../x.h"', '#include "ops.c"', "#if 1 / 0", "#if -1 % 0", "#if ! ~ - + 1",
+              "/* unterminated", "//", '"unterminated', "#if 1 \\", "uint32_t demo_abi_version(void);")
+FUZZ_SCRIPT_LINES = ('cc -o "$1/libdemo.so" ops.c', "nvcc -arch=sm_" + "9" * 30 + ' -o "$1/x.so"',
+                     'x=$x$x$x', "for a in 1 2; do", "done", "case $1 in", 'f() { cc -o "$1/y.so"; }',
+                     '"${CC:-cc}" -march="${2:-x86-64}" -o "$1/libdemo.so" ops.c', "\r", "exit 1",
+                     "cc -march=native -o /tmp/out.so", "eval \"$(cat x)\"", "make -C . OUT=$1")
+FUZZ_ARGV = ((), ("--format", "json"), ("--format", "github"), ("--strict",), ("list",),
+             ("list", "--buildable", "--format", "github-matrix"), ("list", "--format", "json"),
+             ("check", "cpu/demo"), ("check", "demo/"), ("check", "metal"), ("chek",), ("--json", "list"),
+             ("check", "a\nb"), ("--backends-dir", "."), ("--backends-dir", "backends/cpu"))
+
+
+def fuzz_case(rng):
+    """A tree of one or two backends, mutated at random, and the command line to check it."""
+    files = demo_files()
+    if rng.random() < 0.3:
+        files.update(fat_files())
+    manifest = demo_manifest()
+    for _ in range(rng.randrange(4)):
+        path = rng.choice(KEY_PATHS + [("colour",), ("build", "x")])
+        if rng.random() < 0.2:
+            target = manifest
+            for key in path[:-1]:
+                target = target.get(key) if isinstance(target.get(key), dict) else {}
+            target.pop(path[-1], None)
+        else:
+            manifest = with_value(manifest, path, rng.choice(FUZZ_VALUES))
+    text = json.dumps(manifest, indent=rng.choice((None, 2)))
+    if rng.random() < 0.05:
+        depth = rng.choice((500, 950, 1000, 3000))
+        text = text.replace("{", '{"%s": %s, ' % (rng.choice(KEY_PATHS)[0], "[" * depth + "]" * depth), 1)
+    choice = rng.random()
+    if choice < 0.1:
+        text = text[:rng.randrange(len(text) + 1)]
+    elif choice < 0.15:
+        text = "\ufeff" + text
+    elif choice < 0.2:
+        text = text.replace('"name"', '"name": "x", "name"', 1)
+    files["backends/cpu/demo/demo.backend.json"] = text
+    header = OPS_H.split("\n")
+    for _ in range(rng.randrange(6)):
+        header.insert(rng.randrange(len(header) + 1), rng.choice(FUZZ_LINES))
+    files["backends/cpu/demo/ops.h"] = "\n".join(header)
+    if rng.random() < 0.4:
+        script = str(CPU_BUILD).split("\n")
+        for _ in range(rng.randrange(1, 4)):
+            script.insert(rng.randrange(len(script) + 1), rng.choice(FUZZ_SCRIPT_LINES))
+        files["backends/cpu/demo/build.sh"] = Executable("\n".join(script))
+    for _ in range(rng.randrange(3)):
+        files["backends/cpu/demo/" + rng.choice(FUZZ_NAMES)] = rng.choice(("", "int x;\n", b"\xff\xfe"))
+    if rng.random() < 0.1:
+        files[rng.choice(("backends/cpu/stray.c", "backends/metal/m/m.cu", "backends/cuda/n/n.cu"))] = ""
+    links = []
+    if rng.random() < 0.15:
+        links.append((rng.choice(("/", "..", "../..", "../../..", "ops.h", "missing", "loop")),
+                      "backends/cpu/demo/" + rng.choice(("linked", "ops.c", "loop", "build.sh"))))
+    return files, links, list(rng.choice(FUZZ_ARGV))
+
+
+class FuzzTest(TreeTest):
+    def test_mutated_manifests_and_trees_never_crash_or_hang(self):
+        """Several thousand mutated trees, checked in-process with a fixed
+        seed: every run ends with exit status 0, 1 or 2, in under 10 s."""
+        rng = random.Random(20261130)
+        runs = 0
+        started = time.monotonic()
+        while runs < 2500 and time.monotonic() - started < 50:
+            files, links, argv = fuzz_case(rng)
+            root = os.path.join(self.root, "r%d" % runs)
+            write_tree(root, files)
+            for target, link in links:
+                path = os.path.join(root, link)
+                if os.path.lexists(path):
+                    os.unlink(path)
+                os.symlink(target, path)
+            start = time.monotonic()
+            try:
+                rc, out, err = run_main(["--repo-root", root] + argv)
+            except BaseException as exc:  # a traceback: name the case that caused it
+                self.fail("run %d (%r) raised %r" % (runs, argv, exc))
+            elapsed = time.monotonic() - start
+            self.assertIn(rc, (0, 1, 2), (runs, argv, out[-500:], err))
+            self.assertNotIn("Traceback", err, (runs, argv))
+            self.assertLess(elapsed, 10, (runs, argv))
+            shutil.rmtree(root)
+            runs += 1
+        self.assertGreaterEqual(runs, 2000, "the fuzzer ran only %d cases in its time" % runs)
+
+
 class SchemaTest(unittest.TestCase):
     def test_schema_uses_only_the_keywords_the_validator_knows(self):
         used = set()
