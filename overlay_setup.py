@@ -2299,7 +2299,8 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     if rewritten:
         print("warning: the build rewrote files that nothing backed up, so revert cannot give "
               "them back byte-exact (it removes them, the next build makes them again): %s; "
-              "pass --protect PATH for each next time" % ", ".join(rewritten), file=sys.stderr)
+              "next time pass %s" % (", ".join(rewritten), protect_flags(rewritten)),
+              file=sys.stderr)
     if status is None:
         raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
                            "patch stays applied: run `overlay_setup.py revert`" % seconds)
@@ -2545,10 +2546,15 @@ def revert_all(state: State, manifest: dict, force: bool,
     return done, inexact
 
 
+def protect_flags(paths: List[str]) -> str:
+    return " ".join("--protect %s" % shell_quote(path) for path in paths)
+
+
 def report_inexact(inexact: List[str]) -> None:
     print("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup; the next "
-          "build makes %s again (pass --protect PATH to keep such files next time)"
-          % (", ".join(inexact), "it" if len(inexact) == 1 else "them"), file=sys.stderr)
+          "build makes %s again (to keep %s next time, pass %s)"
+          % (", ".join(inexact), "it" if len(inexact) == 1 else "them",
+             "it" if len(inexact) == 1 else "them", protect_flags(inexact)), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands

@@ -158,6 +158,26 @@ class OverlayTestCase(unittest.TestCase):
         self.assertEqual(result[0], 0, result)
         return result
 
+    def kill_during_build(self, args: list) -> None:
+        """Run the tool and SIGKILL it as soon as its build is journaled as running."""
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
+                                 TOOL, "--state", self.state] + args, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        journal = os.path.join(self.state, "manifest.json")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and tool.poll() is None:
+            try:
+                entries = read_json(journal)["entries"]
+            except (OSError, ValueError):
+                entries = []
+            if entries and (entries[-1].get("build") or {}).get("process"):
+                break
+            time.sleep(0.005)
+        tool.kill()
+        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
+
 
 class CProjectTest(OverlayTestCase):
     """A real C project: several .c files, a Makefile, objects, a shared library."""
@@ -1183,26 +1203,6 @@ class RealBuildSystemTest(OverlayTestCase):
         write_tree(proj, files)
         return proj
 
-    def kill_during_build(self, args: list) -> None:
-        """Run the tool and SIGKILL it as soon as its build is journaled as running."""
-        env = dict(os.environ)
-        env.pop("OVERLAY_STATE", None)
-        tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
-                                 TOOL, "--state", self.state] + args, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        journal = os.path.join(self.state, "manifest.json")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and tool.poll() is None:
-            try:
-                entries = read_json(journal)["entries"]
-            except (OSError, ValueError):
-                entries = []
-            if entries and (entries[-1].get("build") or {}).get("process"):
-                break
-            time.sleep(0.005)
-        tool.kill()
-        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
-
     def round_trips(self, proj: str, source: str, patched_text: str, artifact: str,
                     build_cmd: str, build_cwd: str, no_work) -> None:
         patched = os.path.join(self.tmp, "patched" + os.path.splitext(source)[1])
@@ -1396,6 +1396,23 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert")[0], 0)
         self.assertEqual(read_text(self.p("b.c")), source)
 
+    def test_a_rewrite_nothing_backed_up_by_a_killed_run_is_named_by_gc_stale(self) -> None:
+        original = overlay_setup.file_sha256(self.p("libk.so"))
+        self.kill_during_build(["add-native", "--source", self.p("b.c"), "--patched", self.patched,
+                                "--artifact", self.p("libk.so"), "--build-cmd", "make -s",
+                                "--build-cwd", self.proj, "--no-protect"])
+        deadline = time.monotonic() + 30  # a silent build goes on without the tool
+        while overlay_setup.file_sha256(self.p("libk.so")) == original:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.02)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, overlay_setup.NOT_EXACT, err)
+        self.assertTrue(err.endswith(
+            "overlay_setup: E506 not byte-exact: the build rewrote {0}, {1} with no backup; the "
+            "next build makes them again (to keep them next time, pass --protect {0} --protect "
+            "{1})\n".format(self.p("b.d"), self.p("b.o"))), err)
+        self.assertEqual(overlay_setup.file_sha256(self.p("libk.so")), original)
+
     def test_protect_needs_an_existing_file_or_directory(self) -> None:
         os.symlink("b.o", self.p("link.o"))
         before = tree_state(self.proj)
@@ -1413,14 +1430,14 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(rc, 0)
         self.assertEqual(err, "warning: the build rewrote files that nothing backed up, so revert "
                               "cannot give them back byte-exact (it removes them, the next build "
-                              "makes them again): %s; pass --protect PATH for each next time\n"
-                         % self.p("b.d"))
+                              "makes them again): {0}; next time pass --protect {0}\n"
+                              .format(self.p("b.d")))
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, out), (overlay_setup.NOT_EXACT, "entry 1 restored: %s\nreverted %s\n"
                                      % (self.p("b.c"), self.state)))
-        self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote %s with no "
-                              "backup; the next build makes it again (pass --protect PATH to keep "
-                              "such files next time)\n" % self.p("b.d"))
+        self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
+                              "backup; the next build makes it again (to keep it next time, pass "
+                              "--protect {0})\n".format(self.p("b.d")))
         after = tree_state(self.proj)
         self.assertNotIn("b.d", after)
         after["b.d"] = before["b.d"]
