@@ -159,7 +159,8 @@ class OverlayTestCase(unittest.TestCase):
         return result
 
     def kill_during_build(self, args: list) -> None:
-        """Run the tool and SIGKILL it as soon as its build is journaled as running."""
+        """Run the tool and SIGKILL it once its build command runs (a process
+        of the build's group other than the shell that waits to start it)."""
         env = dict(os.environ)
         env.pop("OVERLAY_STATE", None)
         tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
@@ -172,7 +173,8 @@ class OverlayTestCase(unittest.TestCase):
                 entries = read_json(journal)["entries"]
             except (OSError, ValueError):
                 entries = []
-            if entries and (entries[-1].get("build") or {}).get("process"):
+            process = entries and (entries[-1].get("build") or {}).get("process")
+            if process and build_command_runs(process["pid"]):
                 break
             time.sleep(0.005)
         tool.kill()
@@ -1174,6 +1176,23 @@ EXTENSION_PROJECT = {
                  'setup(name="pkg", version="0", packages=["pkg"],\n'
                  '      ext_modules=[Extension("pkg._k", ["pkg/_k.c"])])\n'),
 }
+
+
+def build_command_runs(pgid: int) -> bool:
+    """Whether a process other than a shell runs in process group `pgid`."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, encoding="ascii", errors="replace") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        command = text[text.find("(") + 1:text.rfind(")")]
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z" and command != "sh":
+            return True
+    return False
 
 
 def age_tree(root: str) -> None:
