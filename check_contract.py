@@ -101,6 +101,7 @@ Diagnostic codes (stable; never reused):
 """
 
 import argparse
+import fnmatch
 import json
 import os
 import posixpath
@@ -148,43 +149,59 @@ IF_MAX_DEPTH = 64    # parentheses nested deeper leave an #if unevaluated
 MAX_DIGITS = 18      # a number with more digits is no ABI version, target or #if value
 ABI_SUFFIX = "_ABI_VERSION"
 ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
+DIGITS_RE = re.compile(r"[0-9]+")
 
 # Build scripts.
-SH_VAR_RE = re.compile(r"\$(?:\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9#@*?$!-]))")
-SH_ASSIGN_RE = re.compile(r"^(?:(?:export|local|readonly|declare(?:[ \t]+-[a-zA-Z]+)*)[ \t]+)?"
-                          r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
-SH_PARAM_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?(:?[-=?+])?(.*)\Z", re.S)
-SH_QUOTED_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'")
-SH_WORD_RE = re.compile(r"(?:\"(?:\\.|[^\"\\])*\"?|'[^']*'?|\$\{[^}]*\}?"
-                        r"|\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)?|\\.|[^\s\"'$\\]+|[$\\])+")
-SH_SPLIT_RE = re.compile(r"\"(?:\\.|[^\"\\])*\"|'[^']*'|\$\((?:[^()]|\([^()]*\))*\)|\\.|(&&|\|\||;;|[;|&])")
-SH_EXPAND_RE = re.compile(r"'[^']*'|\\.|\"|\$\(|" + SH_VAR_RE.pattern)
-COMPILER_OUTPUT_RE = re.compile(r"^(?:-o\n|--output-file[=\n]|-o(?!=))([^\n]+)$", re.M)
-# One variable and plain text after it, all quoted or all bare: "$out/lib.so".
-SH_SIMPLE_WORD_RE = re.compile(r"(\")?\$(?:\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|([A-Za-z_][A-Za-z0-9_]*|[0-9]))"
-                               r"([^\"$'\\`]*)(?(1)\")\Z")
-SH_ARRAY_WORD_RE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?\Z")
-# starting with a variable changes nothing.
-SH_PREFIX_WORDS = frozenset(("exec", "time", "command", "then", "else", "do", "{", "!"))
-SH_SPACE_RE = re.compile(r"\s")
-SH_ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-DIGITS_RE = re.compile(r"[0-9]+")
+SH_TOKEN_RE = re.compile(r"""
+    (?P<blank>(?:[ \t\r]|\\\n)+)
+  | (?P<comment>\#[^\n]*)
+  | (?P<newline>\n)
+  | (?P<op>;;&|;;|;&|&&|\|\||\|&|[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])|[;&|()])
+""", re.X)
+# The parts of a word up to the first quote, expansion or end of word.
+SH_PLAIN_RE = re.compile(r"[^ \t\r\n'\"\\$`;&|()<>]+")
+SH_DOUBLE_PLAIN_RE = re.compile(r"[^\"\\$`]+")
+SH_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+SH_FUNCTION_NAME_RE = re.compile(r"[A-Za-z_][\w.:-]*\Z")
+SH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]]*\])?(\+?)=", re.S)
+SH_PARAM_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?"
+                         r"(:?[-=?+]|%%|%|##|#|//|/|\^\^|\^|,,|,|:)?(.*)\Z", re.S)
+SH_FIELD_RE = re.compile("(?:\x03[^\x03]*\x03|\x04[^\x04]*\x04|[^ \t\n\x03\x04])+")
+SH_LABEL_RE = re.compile("[\x03\x04]([^\x03\x04]*)[\x03\x04]")
+SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "for", "while",
+                         "until", "do", "done", "{", "}", "function", "!", "select"))
+SH_REDIRECTS = re.compile(r"[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])\Z")
+# $(...) that only names the <output-dir> argument: out=$(cd "$1" && pwd)
+SH_SAME_DIR_RE = re.compile(r"\s*(?:cd\s+(?:-P\s+|--\s+)?(\S+)\s*(?:&&|;)\s*pwd(?:\s+-P)?"
+                            r"|realpath\s+(?:-\w+\s+)*(\S+)|readlink\s+-\w*[fem]\w*\s+(\S+))\s*\Z")
+# Set in any environment, so their value is the machine's, not the script's.
+SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHELL", "HOSTNAME",
+                                  "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
+                                  "BASH_SOURCE", "BASH_VERSION", "OSTYPE", "HOSTTYPE", "PPID"))
+SH_DECLARE_WORDS = frozenset(("export", "local", "declare", "typeset", "readonly"))
+SH_PREFIX_WORDS = frozenset(("exec", "time", "nohup", "builtin", "nice"))
+# Commands whose success says something about the machine, not the script.
+SH_QUERY_COMMANDS = frozenset(("grep", "egrep", "fgrep", "diff", "cmp", "pkg-config", "nvidia-smi",
+                               "rocminfo", "rocm_agent_enumerator", "lspci", "ldconfig", "ls",
+                               "stat", "find"))
+SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
+SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
+SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
+SH_MAX_DEPTH = 32        # nested function calls and sourced files
+SH_MAX_LOOPS = 256       # runs of a while loop's body
+
 # Marks in a value the script reader expands: NOT_REACHED stands for an
 # argument the default invocation does not pass ($2), OUT_DIR for its
-# <output-dir> argument ($1), UNKNOWN for what the reader cannot know (a
-# command's output), ONE_OF for a value that depends on a condition it cannot
-# decide.
+# <output-dir> argument ($1).  RUNTIME...RUNTIME encloses the text of a value
+# computed when the script runs (a command's output, $0, $HOME): not the
+# <output-dir>, but nothing the reader can know; UNDECIDED...UNDECIDED the text
+# of one it cannot decide (set differently by the branches of a condition it
+# cannot decide, or where it does not follow the script).
 NOT_REACHED = "\x01"
 OUT_DIR = "\x02"
-UNKNOWN = "\x03"
-ONE_OF = "\x04"
-MARKERS = (NOT_REACHED, OUT_DIR, UNKNOWN, ONE_OF)
-# A script is read, never run, but a few lines can still double a value
-# (v+=$v) until it fills the memory: a value or array longer than this is
-# taken as unresolved, and a logical line longer than this (or joined from
-# more physical lines than SH_MAX_LINES) is cut there.
-SH_MAX_CHARS = 1 << 16
-SH_MAX_LINES = 4096
+RUNTIME = "\x03"
+UNDECIDED = "\x04"
+MARKERS = (NOT_REACHED, OUT_DIR, RUNTIME, UNDECIDED)
 
 HELP_EXAMPLES = """\
 examples:
@@ -806,12 +823,14 @@ class CompilerCall:
     hip and march: the targets it builds (nvcc machine code, nvcc PTX only,
     AMD gfx targets, CPU -march values); open_targets: -arch=all, all-major
     or native, which are no fixed list; abi_defines: (PREFIX, value) of each
-    -D<PREFIX>_ABI_VERSION=value; unknown: what in its words the reader
-    cannot tell (a target or output that depends on such a value).
+    -D<PREFIX>_ABI_VERSION=value; unknown: its words the reader cannot tell
+    (a target flag whose value it cannot know, a word that may hold target
+    flags); condition: None when the default invocation surely makes this
+    call, else why it may not (a condition the reader cannot decide).
     """
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march",
-                 "open_targets", "abi_defines", "unknown")
+                 "open_targets", "abi_defines", "unknown", "condition")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
@@ -822,12 +841,21 @@ class CompilerCall:
         self.open_targets = []
         self.abi_defines = []
         self.unknown = []
+        self.condition = None
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
         (on any, for a platform the checker does not know)."""
         targets = {"cuda": self.sass, "hip": self.hip, "cpu": self.march}
         return targets.get(platform, self.sass + self.hip + self.march)
+
+
+def might_hold_targets(word):
+    """Whether a word the reader cannot expand may hold target flags: it is
+    nothing but such values (`$FLAGS`), or it names a target flag."""
+    text = SH_LABEL_RE.sub("", word)
+    return not text or any(flag in text for flag in ("arch", "code", "gfx", "sm_", "mcpu",
+                                                      "targets"))
 
 
 def is_compiler_name(word):
@@ -900,7 +928,7 @@ def compiler_call(words, line=None, cwd=None):
             elif value == "/dev/null":
                 call.probes += 1
             else:
-                if cwd is not None and not value.startswith(("/", OUT_DIR, UNKNOWN)):
+                if cwd is not None and not value.startswith(("/", OUT_DIR, RUNTIME)):
                     value = cwd + "/" + value
                 call.outputs.append(value)
             index += used
@@ -921,10 +949,12 @@ def compiler_call(words, line=None, cwd=None):
             elif arg.startswith("-mcpu=gfx"):
                 kind, value = "offload", arg[6:]
         index += used
+        if kind is None and not known(arg) and might_hold_targets(arg):
+            call.unknown.append(show_word(arg))
         if kind is None or value is None or NOT_REACHED in value:
             continue
-        if any(marker in value for marker in (UNKNOWN, ONE_OF)):
-            call.unknown.append("%s %s" % (arg if used == 2 else arg.split("=", 1)[0], value))
+        if not known(value):
+            call.unknown.append(show_word(arg if used == 1 else arg + " " + value))
         elif kind == "gencode":
             gencode(call, value)
         elif kind == "arch":
@@ -996,56 +1026,86 @@ class ScriptFacts:
 
 
 def show_word(word):
-    """A word as a message shows it: $1 for the output directory, $? for what is unknown."""
-    for marker, shown in ((OUT_DIR, "$1"), (NOT_REACHED, "$2"), (UNKNOWN, "$?"), (ONE_OF, "$?")):
-        word = word.replace(marker, shown)
-    return word
+    """A word as a message shows it: $1 for the output directory, the source
+    text of what the reader cannot know."""
+    word = SH_LABEL_RE.sub(r"\1", word)
+    return word.replace(OUT_DIR, "$1").replace(NOT_REACHED, "$2")
+
+
+def show_path(path):
+    """An output path as a message shows it, saying where a relative one is."""
+    if path.startswith(("/", OUT_DIR, RUNTIME, UNDECIDED)):
+        return show_word(path)
+    return "%s (relative to the directory the script is run from)" % show_word(path)
 
 
 def check_build_facts(backend, rel, facts, traced=False):
     """B004-B007, B009, B011, B013, B016, B017: compare what the build script
-    `rel` does (its ScriptFacts, read or traced) with the manifest.
-    Findings from a trace say so."""
+    `rel` does (its ScriptFacts, read or traced) with the manifest.  Where
+    the answer depends on what the reader cannot tell, B017 says so instead
+    of an error.  Findings from a trace (`traced`) say so."""
     said = "running %s shows: " % rel if traced else ""
     where = backend.rel(rel)
     unfollowed = ""
     if facts.unfollowed:
-        unfollowed = " (%s uses %s, which the checker does not follow)" % (
-            rel, ", ".join("%s at line %d" % (what, line) for line, what in facts.unfollowed))
-    outputs = [(output, call.line) for call in facts.calls for output in call.outputs]
+        unfollowed = "; the checker does not follow %s" % ", ".join(
+            "line %d (%s)" % (line, what) for line, what in facts.unfollowed)
+    outputs = [(output, call) for call in facts.calls for output in call.outputs]
     if not outputs:
-        backend.error("B005", "%sbuild script %s has no compiler command with -o; the script must "
-                      "write build.output into its <output-dir> argument%s"
-                      % (said, rel, unfollowed), where)
+        if facts.unfollowed:
+            backend.warning("B017", "%scannot tell which library %s writes: it has no compiler "
+                            "command with -o that the checker can see%s"
+                            % (said, rel, unfollowed), where)
+        else:
+            backend.error("B005", "%sbuild script %s has no compiler command with -o; the script "
+                          "must write build.output into its <output-dir> argument" % (said, rel),
+                          where)
         return
     prefix = facts.out_dir + "/"
-    written = {posixpath.normpath(o[len(prefix):]) for o, line in outputs if o.startswith(prefix)}
-    output, line = outputs[-1]
+    written = {posixpath.normpath(o[len(prefix):]) for o, _ in outputs if o.startswith(prefix)}
+    output, call = outputs[-1]
     if backend.output is not None and posixpath.normpath(backend.output) not in written:
-        if output.startswith(prefix):
+        if call.condition or UNDECIDED in output:
+            backend.warning("B017", "%scannot tell which library %s writes: -o %s at line %d %s"
+                            % (said, rel, show_word(output), call.line,
+                               "depends on " + call.condition if call.condition else
+                               "depends on a value the checker cannot decide"), where, call.line)
+        elif output.startswith(prefix):
             backend.error("B004", "%sbuild script %s writes %s but build.output is %s"
                           % (said, rel, describe(show_word(output[len(prefix):])),
-                             describe(backend.output)), where, line)
-        elif UNKNOWN in output or ONE_OF in output:
-            backend.warning("B017", "%scannot tell where %s writes its library: -o %s depends on a "
-                            "value the checker cannot know%s" % (said, rel, show_word(output), unfollowed),
-                            where, line)
+                             describe(backend.output)), where, call.line)
         else:
             backend.error("B013", "%sbuild script %s writes its library to %s, not under its "
                           "<output-dir> argument ($1): the build tier and CI look for %s in "
                           "<output-dir>; write -o \"$1/%s\""
-                          % (said, rel, show_word(output), backend.output, backend.output), where, line)
+                          % (said, rel, show_path(output), backend.output, backend.output),
+                          where, call.line)
     check_build_defines(backend, rel, facts, said, where)
-    if backend.architectures is None:
-        return
+    if backend.architectures is not None:
+        check_built_targets(backend, rel, facts, said, where, unfollowed)
+    default = backend.default_arch
+    if default is not None and facts.default_target is not None and facts.default_target != default:
+        backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
+                      "(${2:-%s})" % (said, default, rel, facts.default_target,
+                                      facts.default_target), where)
+
+
+def check_built_targets(backend, rel, facts, said, where, unfollowed):
+    """B006, B007, B011 and B017 for build.architectures."""
     platform = backend.platform
-    built, ptx, unknown = {}, set(), []
+    built, maybe, ptx, unknown = {}, set(), set(), []
     for call in facts.calls:
         for arch in call.targets(platform):
-            built.setdefault(arch, call.line)
+            if call.condition:
+                maybe.add(arch)
+            else:
+                built.setdefault(arch, call.line)
         ptx.update(call.ptx)
         unknown.extend(what + (" at line %d" % call.line if call.line else "")
                        for what in call.unknown)
+        if call.condition:
+            unknown.append("a compiler command at line %d that runs only on %s"
+                           % (call.line, call.condition))
         for flag in call.open_targets:
             backend.error("B011", "%s%s builds with %s, which is no fixed list of targets (it "
                           "depends on the compiler's version or the machine it runs on); list the "
@@ -1053,25 +1113,21 @@ def check_build_facts(backend, rel, facts, traced=False):
     for arch in backend.architectures:
         if arch in built:
             continue
-        if unknown:
-            backend.warning("B017", "%scannot tell whether %s builds %s: %s"
-                            % (said, rel, arch, "; ".join(unknown)), where)
+        if arch in maybe or unknown or facts.unfollowed:
+            backend.warning("B017", "%scannot tell whether %s builds %s: %s%s"
+                            % (said, rel, arch, "; ".join(unknown) or "no target flag names it",
+                               unfollowed), where)
         elif platform == "cuda" and arch in ptx:
             backend.error("B006", "%sbuild.architectures lists %s but %s builds only PTX for it "
                           "(compute_%s), which is compiled when the library is loaded, not machine "
                           "code; add code=sm_%s" % (said, arch, rel, arch, arch), where)
         else:
             backend.error("B006", "%sbuild.architectures lists %s but the default invocation of "
-                          "%s does not build it%s" % (said, arch, rel, unfollowed), where)
+                          "%s does not build it" % (said, arch, rel), where)
     for arch in sorted(built):
         if arch not in backend.architectures:
             backend.warning("B007", "%s%s also builds %s, which build.architectures does not list"
                             % (said, rel, arch), where, built[arch])
-    default = backend.default_arch
-    if default is not None and facts.default_target is not None and facts.default_target != default:
-        backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
-                      "(${2:-%s})" % (said, default, rel, facts.default_target,
-                                      facts.default_target), where)
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -1089,454 +1145,1167 @@ def check_build_defines(backend, rel, facts, said, where):
 
 # ---------------------------------------------------------------------------
 # Reading build scripts (as text; never executed)
+#
+# One pass per script: the text is split into tokens, the tokens into a tree
+# of shell commands, and the tree is followed the way the default invocation
+# `./build.sh <output-dir>` runs it (no <arch>, no optional environment
+# variable set).  A condition the default invocation decides picks its
+# branch; one it does not (a file test, a command's output) runs every
+# branch, and a variable they set differently is UNDECIDED afterwards.  What
+# the reader does not follow (eval, a loop it cannot bound, a file sourced
+# from elsewhere) is recorded, so that a check that needs it says it cannot
+# tell instead of giving a wrong answer.
 
 
-def strip_sh_comment(line):
-    """The line without a trailing `#` comment (quotes and `$#`, `${#x}` respected)."""
-    if "'" not in line and '"' not in line:
-        index = line.find("#")
-        while index > 0 and not (line[index - 1].isspace() or line[index - 1] in ";&|("):
-            index = line.find("#", index + 1)
-        return line if index < 0 else line[:index]
-    quote = None
-    prev = " "
-    for index, char in enumerate(line):
-        if quote:
-            if char == quote and (quote == "'" or prev != "\\"):
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char == "#" and (prev.isspace() or prev in ";&|("):
-            return line[:index]
-        prev = char
-    return line
+class ShellSyntax(Exception):
+    """Shell text the reader does not parse; args: (line, what)."""
 
 
-def blank_or_comment(raw):
-    """Whether a physical line holds nothing but blanks or a comment."""
-    bare = raw.lstrip()
-    return not bare or bare[0] == "#"
+class ScriptExit(Exception):
+    """The script exits here (exit, or every branch of a condition does)."""
 
 
-def logical_step(pending, start, number, raw):
-    """Add physical line `number` to the logical line being assembled
-    (`pending`, begun on line `start`): (pending, start, finished), where
-    finished is a completed (number of its first line, comment-free line) or
-    None.  Backslash continuations and multi-line `( ... )` arrays are joined."""
-    if "#" not in raw:
-        line = raw.rstrip()
-    elif raw.lstrip().startswith("#"):
-        line = ""
-    else:
-        line = strip_sh_comment(raw).rstrip()
-    if not pending:
-        if not line:
-            return "", 0, None
-        if "=(" not in line and not line.endswith("\\"):  # a line of its own
-            return "", 0, (number, line.lstrip())
-        start = number
-    cut = len(pending) > SH_MAX_CHARS or number - start >= SH_MAX_LINES
-    if cut:  # joining on would take time quadratic in the length
-        line = line[:-1] if line.endswith("\\") else line
-    elif line.endswith("\\"):
-        return pending + line[:-1] + " ", start, None
-    pending += line
-    if not cut and "=(" in pending and paren_depth(pending) > 0:
-        return pending + " ", start, None
-    pending = pending.strip()
-    return "", 0, ((start, pending) if pending else None)
+class FunctionReturn(Exception):
+    pass
 
 
-def paren_depth(text):
-    depth = text.count("(") - text.count(")")
-    if depth == 0 or ('"' not in text and "'" not in text):
-        return depth
-    bare = SH_QUOTED_RE.sub("", text)
-    return bare.count("(") - bare.count(")")
+class LoopBreak(Exception):
+    pass
 
 
-def split_words(text):
-    """Shell words, quotes kept, `$( )` and `${ }` kept whole."""
-    if "'" not in text and "\\" not in text and "$(" not in text:
-        # No quote or ${...} spans a blank when every blank-separated piece
-        # pairs its quotes and closes each ${ before any quote: then the
-        # blanks are the word breaks.
-        words = text.split()
-        for word in words:
-            if not closed_word(word):
-                break
+class LoopContinue(Exception):
+    pass
+
+
+
+
+def runtime(label):
+    """A value computed when the script runs, shown as `label`."""
+    return RUNTIME + SH_LABEL_RE.sub(r"\1", label)[:120] + RUNTIME
+
+
+def undecided(label):
+    """A value the reader cannot decide, shown as `label`."""
+    return UNDECIDED + SH_LABEL_RE.sub(r"\1", label)[:160] + UNDECIDED
+
+
+def known(value):
+    """Whether a value holds nothing the reader cannot know."""
+    return RUNTIME not in value and UNDECIDED not in value
+
+
+# -- tokens
+
+
+def scan_balanced(text, pos, close):
+    """The index after the `close` that ends a $(, ${ or ` opened before
+    `pos`, quotes and nested openings respected; len(text) when none does."""
+    depth = 1
+    length = len(text)
+    while pos < length:
+        char = text[pos]
+        if char == "\\":
+            pos += 2
+            continue
+        if close == "`":
+            if char == "`":
+                return pos + 1
+        elif char == "'" and close == ")":
+            end = text.find("'", pos + 1)
+            pos = length if end < 0 else end + 1
+            continue
+        elif char == '"':
+            pos = scan_double(text, pos + 1)
+            continue
+        elif char == "`":
+            pos = scan_balanced(text, pos + 1, "`")
+            continue
+        elif char == ("(" if close == ")" else "{"):
+            depth += 1
+        elif char == close:
+            depth -= 1
+            if depth == 0:
+                return pos + 1
+        pos += 1
+    return length
+
+
+def scan_double(text, pos):
+    """The index after the `"` that closes a double-quoted string begun before `pos`."""
+    length = len(text)
+    while pos < length:
+        plain = SH_DOUBLE_PLAIN_RE.match(text, pos)
+        if plain:
+            pos = plain.end()
+            continue
+        char = text[pos]
+        if char == '"':
+            return pos + 1
+        if char == "\\":
+            pos += 2
+        elif char == "`":
+            pos = scan_balanced(text, pos + 1, "`")
+        elif text.startswith("$(", pos):
+            pos = scan_balanced(text, pos + 2, ")")
+        elif text.startswith("${", pos):
+            pos = scan_balanced(text, pos + 2, "}")
         else:
-            return words
-    return SH_WORD_RE.findall(text)
+            pos += 1
+    return length
 
 
-def closed_word(word):
-    """Whether a blank-free piece pairs its double quotes and closes each
-    ${ before any quote (no single quote, backslash or $( is looked at)."""
-    if '"' in word and word.count('"') % 2:
-        return False
-    start = word.find("${")
-    while start >= 0:
-        end = word.find("}", start)
-        if end < 0 or '"' in word[start:end]:
-            return False
-        start = word.find("${", end)
-    return True
+def scan_word(text, pos):
+    """The index where the word starting at `pos` ends."""
+    length = len(text)
+    start = pos
+    while pos < length:
+        plain = SH_PLAIN_RE.match(text, pos)
+        if plain:
+            pos = plain.end()
+            continue
+        char = text[pos]
+        if char == "'":
+            end = text.find("'", pos + 1)
+            pos = length if end < 0 else end + 1
+        elif char == '"':
+            pos = scan_double(text, pos + 1)
+        elif char == "\\":
+            pos += 2
+        elif char == "`":
+            pos = scan_balanced(text, pos + 1, "`")
+        elif text.startswith("$(", pos):
+            pos = scan_balanced(text, pos + 2, ")")
+        elif text.startswith("${", pos):
+            pos = scan_balanced(text, pos + 2, "}")
+        elif text.startswith("$'", pos):
+            end = pos + 2
+            while end < length and text[end] != "'":
+                end += 2 if text[end] == "\\" else 1
+            pos = end + 1
+        elif char == "$":
+            pos += 1
+        elif char == "(" and pos > start and SH_ASSIGNMENT_RE.match(text, start, pos) and text[pos - 1] == "=":
+            pos = scan_array(text, pos + 1)  # name=( ... )
+        else:
+            break
+    return min(pos, length)
 
 
-def plain_word(word):
-    """Whether a piece is a word on its own wherever it ends a command:
-    closed, with no blank of any kind (isprintable() is false for every
-    character str.split() splits at, but the space) and no quote,
-    backslash, $( or separator that could join it to the words before it or
-    start another command."""
-    return (word.isprintable() and " " not in word
-            and not ("'" in word or "\\" in word or "$(" in word or ";" in word or "|" in word
-                     or "&" in word) and closed_word(word))
+def scan_array(text, pos):
+    """The index after the `)` that closes an array value begun before `pos`."""
+    length = len(text)
+    while pos < length:
+        token = SH_TOKEN_RE.match(text, pos)
+        if token and token.group("op") == ")":
+            return pos + 1
+        if token and token.lastgroup in ("blank", "comment", "newline"):
+            pos = token.end()
+            continue
+        end = scan_word(text, pos)
+        pos = end if end > pos else pos + 1
+    return length
 
 
-# Build scripts of many backends share most of their lines, and how a line
-# splits into commands and words does not depend on the variables; so each
-# distinct line is parsed once per run.  A compiler line often differs from
-# the other backends' only in its last word, the library it writes: so the
-# parse of a one-command line is also kept without that word (SH_HEADS, by
-# the line up to its last blank), and a line that is such a head and one
-# plain word more is parsed by adding the word.
-SH_LINE_CACHE = {}
-SH_HEADS = {}
+def tokenize(text):
+    """The script's tokens as (kind, text, line): kind "word", "op" or "newline".
+    Here-document bodies are skipped."""
+    tokens = []
+    pos, line, length = 0, 1, len(text)
+    heredocs = []  # (delimiter, strip tabs) waiting for the end of the line
+    while pos < length:
+        match = SH_TOKEN_RE.match(text, pos)
+        if match is None:
+            end = max(scan_word(text, pos), pos + 1)
+            word = text[pos:end]
+            if tokens and tokens[-1][0] == "op" and tokens[-1][1].lstrip("0123456789") in ("<<", "<<-"):
+                heredocs.append((re.sub(r"[\"'\\]", "", word), tokens[-1][1].endswith("-")))
+            tokens.append(("word", word, line))
+            line += word.count("\n")
+            pos = end
+            continue
+        kind = match.lastgroup
+        if kind == "newline":
+            tokens.append(("newline", "\n", line))
+            line += 1
+            pos = match.end()
+            for delimiter, strip in heredocs:
+                while pos < length:
+                    end = text.find("\n", pos)
+                    end = length if end < 0 else end
+                    body = text[pos:end]
+                    pos = end + 1
+                    line += 1
+                    if (body.lstrip("\t") if strip else body) == delimiter:
+                        break
+            heredocs = []
+            continue
+        elif kind == "op":
+            tokens.append(("op", match.group(), line))
+        else:
+            line += match.group().count("\n")
+        pos = match.end()
+    tokens.append(("newline", "\n", line))
+    return tokens
 
 
-def parse_sh_line(line):
-    """The commands of a logical line that can matter, each as
-    ("assign", name, append, value, array words or None) or ("run", words)."""
-    parsed = SH_LINE_CACHE.get(line)
-    if parsed is not None:
-        return parsed
-    head, _, last = line.rpartition(" ")
-    words = SH_HEADS.get(head)
-    if words is not None and plain_word(last):
-        return (("run", words + (last,)),)
-    parsed = []
-    if True:
-        for command in split_commands(line):
-            assign = SH_ASSIGN_RE.match(command)
-            if (assign and not SH_SPACE_RE.search(command, 0, assign.start(3))
-                    and (assign.group(3).startswith("(") or len(split_words(assign.group(3))) <= 1)):
-                value = assign.group(3).strip()
-                items = (split_words(value[1:-1])
-                         if value.startswith("(") and value.endswith(")") else None)
-                parsed.append(("assign", assign.group(1), assign.group(2) == "+", value,
-                               None if items is None else tuple(items)))
+# -- the tree of commands
+#
+# ("simple", line, words), ("if", line, [(condition, body), ...], else body or
+# None), ("case", line, word, [(patterns, body), ...]), ("for", line, name,
+# words or None, body), ("while", line, until, condition, body),
+# ("function", line, name, body), ("group", line, body, subshell),
+# ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
+# negated, commands); a body or condition is a list of these.
+
+
+class ScriptParser:
+    def __init__(self, text):
+        self.tokens = tokenize(text)
+        self.pos = 0
+
+    def peek(self):
+        return self.tokens[self.pos]
+
+    def next(self):
+        token = self.tokens[self.pos]
+        if self.pos < len(self.tokens) - 1:
+            self.pos += 1
+        return token
+
+    def at_end(self):
+        return self.pos >= len(self.tokens) - 1
+
+    def is_word(self, *words):
+        kind, text, _ = self.peek()
+        return kind == "word" and text in words
+
+    def expect_word(self, word):
+        kind, text, line = self.next()
+        if kind != "word" or text != word:
+            raise ShellSyntax(line, "%s where %s was expected" % (text.strip() or "the end", word))
+
+    def skip_newlines(self):
+        while self.peek()[0] == "newline" and not self.at_end():
+            self.next()
+
+    def parse(self):
+        body = self.parse_list(())
+        if not self.at_end():
+            raise ShellSyntax(self.peek()[2], "%s out of place" % self.peek()[1])
+        return body
+
+    def parse_list(self, stop):
+        """Commands up to a word in `stop` (then, fi, done...) or `)`, `;;`."""
+        body = []
+        while True:
+            self.skip_newlines()
+            kind, text, line = self.peek()
+            if self.at_end() or (kind == "word" and text in stop) or (
+                    kind == "op" and text in (")", ";;", ";&", ";;&")):
+                return body
+            body.append(self.parse_andor())
+            kind, text, _ = self.peek()
+            if kind == "op" and text in (";", "&"):
+                self.next()
+            elif kind != "newline" and not (kind == "word" and text in stop) and not (
+                    kind == "op" and text in (")", ";;", ";&", ";;&")):
+                raise ShellSyntax(line, "%s out of place" % text)
+
+    def parse_andor(self):
+        line = self.peek()[2]
+        first = self.parse_pipeline()
+        rest = []
+        while self.peek()[0] == "op" and self.peek()[1] in ("&&", "||"):
+            op = self.next()[1]
+            self.skip_newlines()
+            rest.append((op, self.parse_pipeline()))
+        return ("andor", line, first, rest) if rest else first
+
+    def parse_pipeline(self):
+        line = self.peek()[2]
+        negated = self.is_word("!")
+        if negated:
+            self.next()
+        commands = [self.parse_command()]
+        while self.peek()[0] == "op" and self.peek()[1] in ("|", "|&"):
+            self.next()
+            self.skip_newlines()
+            commands.append(self.parse_command())
+        if negated or len(commands) > 1:
+            return ("pipeline", line, negated, commands)
+        return commands[0]
+
+    def parse_command(self):
+        kind, text, line = self.peek()
+        if kind == "op" and text == "(":
+            self.next()
+            body = self.parse_list(())
+            self.expect_op(")")
+            return self.redirected(("group", line, body, True))
+        if kind != "word":
+            raise ShellSyntax(line, "%s out of place" % text.strip())
+        if text == "if":
+            return self.redirected(self.parse_if())
+        if text in ("while", "until"):
+            self.next()
+            condition = self.parse_list(("do",))
+            body = self.parse_do()
+            return self.redirected(("while", line, text == "until", condition, body))
+        if text in ("for", "select"):
+            return self.redirected(self.parse_for())
+        if text == "case":
+            return self.redirected(self.parse_case())
+        if text == "{":
+            self.next()
+            body = self.parse_list(("}",))
+            self.expect_word("}")
+            return self.redirected(("group", line, body, False))
+        if text == "function":
+            self.next()
+            name = self.next()[1]
+            if self.peek()[:2] == ("op", "("):
+                self.next()
+                self.expect_op(")")
+            self.skip_newlines()
+            return ("function", line, name, self.parse_command())
+        if text in SH_RESERVED:
+            raise ShellSyntax(line, "%s out of place" % text)
+        after = self.tokens[self.pos + 1] if self.pos + 1 < len(self.tokens) else None
+        if after is not None and after[:2] == ("op", "(") and SH_FUNCTION_NAME_RE.match(text):
+            self.next()
+            self.next()
+            self.expect_op(")")
+            self.skip_newlines()
+            return ("function", line, text, self.parse_command())
+        return self.parse_simple()
+
+    def expect_op(self, op):
+        kind, text, line = self.next()
+        if kind != "op" or text != op:
+            raise ShellSyntax(line, "%s where %s was expected" % (text.strip() or "the end", op))
+
+    def redirected(self, node):
+        """A compound command with its redirections (which change nothing read here)."""
+        while self.peek()[0] == "op" and SH_REDIRECTS.match(self.peek()[1]):
+            self.next()
+            self.next()
+        return node
+
+    def parse_simple(self):
+        line = self.peek()[2]
+        words = []
+        while True:
+            kind, text, _ = self.peek()
+            if kind == "word":
+                words.append(self.next()[1])
+            elif kind == "op" and SH_REDIRECTS.match(text):
+                self.next()
+                if self.peek()[0] == "word":
+                    self.next()
+            else:
+                return ("simple", line, words)
+
+    def parse_if(self):
+        line = self.next()[2]
+        clauses = []
+        while True:
+            condition = self.parse_list(("then",))
+            self.expect_word("then")
+            body = self.parse_list(("elif", "else", "fi"))
+            clauses.append((condition, body))
+            word = self.next()
+            if word[1] == "elif":
                 continue
-            words = split_words(command)
-            while words and (words[0] in SH_PREFIX_WORDS or SH_ENV_WORD_RE.match(words[0])):
-                words = words[1:]
-            if words:
-                parsed.append(("run", tuple(words)))
-    parsed = SH_LINE_CACHE[line] = tuple(parsed)
-    if (len(parsed) == 1 and parsed[0][0] == "run" and len(parsed[0][1]) > 1
-            and parsed[0][1][-1] == last and all(map(plain_word, line.split()))):
-        SH_HEADS[head] = parsed[0][1][:-1]
-    return parsed
+            otherwise = None
+            if word[1] == "else":
+                otherwise = self.parse_list(("fi",))
+                self.expect_word("fi")
+            elif word[1] != "fi":
+                raise ShellSyntax(word[2], "an if without its fi")
+            return ("if", line, clauses, otherwise)
+
+    def parse_do(self):
+        self.skip_newlines()
+        self.expect_word("do")
+        body = self.parse_list(("done",))
+        self.expect_word("done")
+        return body
+
+    def parse_for(self):
+        line = self.next()[2]
+        kind, name, _ = self.next()
+        if kind != "word" or not SH_NAME_RE.match(name):
+            raise ShellSyntax(line, "a for loop the checker does not read (for %s)" % name)
+        words = None
+        self.skip_newlines()
+        if self.is_word("in"):
+            self.next()
+            words = []
+            while self.peek()[0] == "word":
+                words.append(self.next()[1])
+        if self.peek()[0] == "op" and self.peek()[1] == ";":
+            self.next()
+        return ("for", line, name, words, self.parse_do())
+
+    def parse_case(self):
+        line = self.next()[2]
+        word = self.next()[1]
+        self.skip_newlines()
+        self.expect_word("in")
+        items = []
+        while True:
+            self.skip_newlines()
+            if self.is_word("esac"):
+                self.next()
+                return ("case", line, word, items)
+            if self.peek()[:2] == ("op", "("):
+                self.next()
+            patterns = []
+            while True:
+                kind, text, at = self.next()
+                if kind != "word":
+                    raise ShellSyntax(at, "a case pattern the checker does not read")
+                patterns.append(text)
+                kind, text, at = self.next()
+                if (kind, text) == ("op", ")"):
+                    break
+                if (kind, text) != ("op", "|"):
+                    raise ShellSyntax(at, "a case pattern the checker does not read")
+            body = self.parse_list(("esac",))
+            items.append((patterns, body))
+            if self.peek()[0] == "op" and self.peek()[1] in (";;", ";&", ";;&"):
+                self.next()
 
 
-def split_commands(line):
-    """The simple commands of a line, split at ;, &&, ||, | and & outside quotes."""
-    if ";" not in line and "|" not in line and "&" not in line:
-        return [line]
-    commands, start = [], 0
-    for match in SH_SPLIT_RE.finditer(line):
-        if match.group(1) is not None:
-            commands.append(line[start:match.start()])
-            start = match.end()
-    commands.append(line[start:])
-    return [c.strip() for c in commands if c.strip()]
-
-
-# Words that hold only variables and double quotes, as (text, variable,
-# text, ..., text); the same words recur in every backend's build script.
-SH_TEMPLATES = {}
-
-
-def word_template(word):
-    """The template of a word with variables, or () when the word needs the
-    full expansion (single quotes, backslashes, `$( )`, or a double quote
-    inside `${...}`)."""
-    simple = SH_SIMPLE_WORD_RE.match(word)
-    if simple:
-        return ("", simple.group(2) or simple.group(3), simple.group(4))
-    if "'" in word or "\\" in word or "$(" in word or ("{" in word and '"' in word[1:-1]):
-        return ()
-    # The double quotes change nothing but themselves: substitute the
-    # variables of each quoted or bare run.
-    template = [""]
-    for part in word.split('"'):
-        pieces = SH_VAR_RE.split(part)  # text, ${body}, $name, text, ...
-        template[-1] += pieces[0]
-        for index in range(1, len(pieces), 3):
-            braced = pieces[index]
-            template.append(pieces[index + 1] if braced is None else braced)
-            template.append(pieces[index + 2])
-    return tuple(template)
-
-
-# The states a build script's physical lines lead to: SH_STATES maps (state,
-# line number, physical line) to the state after that line; state 0 is the
-# start.  A state holds the variables and the logical line being assembled.
-# Arrays are replaced, never changed in place, so a shallow copy is a snapshot.
-SH_SNAPSHOTS = [({"1": OUT_DIR}, {}, (), (), "", 0)]
-SH_STATES = {}
-SH_EXPANSIONS = {}  # (state, word) -> the word expanded in that state
-SH_COMMAND_HEADS = {}  # (state, words but the last) -> their expansion
-SH_SEEN = set()     # physical lines read past the kept states
+# -- following the default invocation
 
 
 class ScriptReader:
-    """What a build script's default invocation (`./script <out-dir>`) builds.
+    """What a build script's default invocation (`./script <output-dir>`)
+    runs: its compiler calls (CompilerCall, in order), the target it takes
+    from `${2:-N}`, and what it does that the reader does not follow.
 
-    Variables are tracked line by line; `${N:-X}` and `${VAR:-X}` resolve to X;
-    `$1` is the output directory; `$2` without a default is unset, and a token
-    that depends on an unset value is not reached.  An assignment that cannot
-    be resolved does not replace a resolved value (the `<arch>` branch of an
-    `if [ $# -ge 2 ]` is not taken by the default invocation).
+    `directory` is the backend directory, where sourced files are read.
     """
 
-    def __init__(self, text):
-        self.vars = {"1": OUT_DIR}
+    def __init__(self, text, directory=None):
+        self.directory = directory
+        self.vars = {}
         self.arrays = {}
+        self.args = [OUT_DIR]    # the positional parameters $1, $2, ...
+        self.origin = 0          # how far they were shifted; None once set anew
+        self.cwd = None          # None: the directory the script is run from
+        self.dirs = []           # pushd's stack
+        self.functions = {}
+        self.frames = []         # per function call: {name: value before `local`}
+        self.calls = []
+        self.unfollowed = []     # (line, what)
         self.arg2_defaults = []
-        self.calls = []         # CompilerCall of each compiler command
-        self.state = None       # the state number the variables are in, when known
-        self.pending, self.start = "", 0  # the logical line being assembled
-        # What a line does depends only on the lines before it, so the state
-        # after each line is kept (SH_STATES) and scripts that begin like one
-        # already read skip to where they part.  Blank and comment lines
-        # between logical lines change nothing, and are passed over, so that
-        # a header comment naming the library does not part the scripts.
-        state = 0
-        lines = enumerate(text.split("\n"), 1)
-        for number, raw in lines:
-            after = SH_STATES.get((state, number, raw))
-            if after is None:
-                if blank_or_comment(raw) and not SH_SNAPSHOTS[state][5]:
-                    continue
-                self.read_rest(state, number, raw, lines)
-                break
-            state = after
-        else:
-            self.restore(state)
-        if self.pending.strip():  # the script ends inside a continued line
-            self.read_line(None, self.start, self.pending.strip())
-        self.state = None
-
-    def read_rest(self, state, number, raw, lines):
-        """Read from physical line `number`, the first one whose state is not
-        kept, to the end.  The state after a line is kept only while the
-        lines are ones read before: a line seen for the first time, such as
-        the one that names the library, would keep a state that no other
-        script reaches."""
-        self.restore(state)
-        while True:
-            self.read_physical(state, number, raw)
-            if raw not in SH_SEEN:
-                SH_SEEN.add(raw)
-                state = None
-            elif state is not None:
-                key = (state, number, raw)
-                state = SH_STATES[key] = self.snapshot()
-            for number, raw in lines:
-                if self.pending or not blank_or_comment(raw):
-                    break
-            else:
-                return
-
-    def read_physical(self, state, number, raw):
-        """Read physical line `number`, the variables being in `state`."""
-        self.pending, self.start, line = logical_step(self.pending, self.start, number, raw)
-        if line is not None:
-            self.read_line(state, line[0], line[1])
-
-    def read_line(self, state, number, line):
-        """Read a logical line, the variables being in `state`."""
-        for command in parse_sh_line(line):
-            self.state = state
-            state = None  # after an assignment, the variables are in no known state
-            if command[0] == "assign":
-                self.assign(*command[1:])
-            else:
-                self.command(number, command[1])
-
-    def snapshot(self):
-        """A number for the reader's state, kept in SH_SNAPSHOTS."""
-        SH_SNAPSHOTS.append((dict(self.vars), dict(self.arrays), tuple(self.arg2_defaults),
-                             tuple(self.calls),
-                             self.pending, self.start))
-        return len(SH_SNAPSHOTS) - 1
-
-    def restore(self, state):
-        vars, arrays, arg2_defaults, calls, pending, start = SH_SNAPSHOTS[state]
-        self.vars, self.arrays = dict(vars), dict(arrays)
-        self.arg2_defaults = list(arg2_defaults)
-        self.calls = list(calls)
-        self.pending, self.start = pending, start
-
-    # -- expansion
-    def lookup(self, name):
-        if name in self.arrays:
-            return " ".join(self.arrays[name])
-        return self.vars.get(name)
-
-    def expand_var(self, body):
-        """Value of the text inside `${...}` (or a bare name)."""
-        if body.isalnum() and body.isascii() and not body[0].isdigit():
-            value = self.lookup(body)  # a plain name: the common case
-            return NOT_REACHED if value is None else value
-        match = SH_PARAM_RE.match(body)
-        if not match or body.startswith("#"):
-            return NOT_REACHED
-        name, index, op, rest = match.groups()
-        if index is not None:
-            values = self.arrays.get(name)
-            if values is None:
-                value = self.vars.get(name)
-            else:
-                value = " ".join(values) if index in ("[@]", "[*]") else (values[0] if values else "")
-        else:
-            value = self.lookup(name)
-        if op in (":-", "-", ":=", "="):
-            if value is None or (op[0] == ":" and value == ""):
-                default = self.expand(rest)
-                if name == "2":
-                    self.arg2_defaults.append(default)
-                return default
-            return value
-        if op in (":?", "?"):
-            return NOT_REACHED if value is None else value
-        if op in (":+", "+"):
-            return self.expand(rest) if value else ""
-        if rest:
-            return NOT_REACHED
-        return NOT_REACHED if value is None else value
-
-    def expand(self, word):
-        """The word with variables substituted and quotes removed."""
-        if "$" not in word and "'" not in word and "\\" not in word:
-            return word.replace('"', "") if '"' in word else word
-        if self.state is None:
-            return self.substitute(word)
-        # A word expands alike wherever the variables are in the same state,
-        # unless it takes a default for $2, which default_target() records.
-        key = (self.state, word)
-        value = SH_EXPANSIONS.get(key)
-        if value is None:
-            defaults = len(self.arg2_defaults)
-            value = self.substitute(word)
-            if len(self.arg2_defaults) == defaults:
-                SH_EXPANSIONS[key] = value
-        return value
-
-    def substitute(self, word):
-        """expand() without the cache."""
-        template = SH_TEMPLATES.get(word)
-        if template is None:
-            template = SH_TEMPLATES[word] = word_template(word)
-        if template:
-            out = template[0]
-            for index in range(1, len(template), 2):
-                out += self.expand_var(template[index]) + template[index + 1]
-            return out
-        out = []
-        pos, in_double = 0, False
-        while True:
-            match = SH_EXPAND_RE.search(word, pos)
-            if match is None:
-                out.append(word[pos:])
-                return "".join(out)
-            out.append(word[pos:match.start()])
-            token = match.group()
-            pos = match.end()
-            if token == '"':
-                in_double = not in_double
-            elif token[0] == "'":
-                if in_double:
-                    out.append("'")
-                    pos = match.start() + 1
-                else:
-                    out.append(token[1:-1])
-            elif token[0] == "\\":
-                out.append(token[1:])
-            elif token == "$(":
-                end = self.matching(word, match.start() + 1)
-                out.append(OUT_DIR if self.mentions_out_dir(word[pos:end]) else NOT_REACHED)
-                pos = end + 1
-            else:
-                body = match.group(1) if match.group(1) is not None else match.group(2)
-                out.append(self.expand_var(body))
-
-    def mentions_out_dir(self, text):
-        for match in SH_VAR_RE.finditer(text):
-            body = match.group(1) if match.group(1) is not None else match.group(2)
-            if OUT_DIR in self.expand_var(body):
-                return True
-        return False
-
-    @staticmethod
-    def matching(word, open_index):
-        depth = 0
-        for index in range(open_index, len(word)):
-            if word[index] == "(":
-                depth += 1
-            elif word[index] == ")":
-                depth -= 1
-                if depth == 0:
-                    return index
-        return len(word)
-
-    def expand_words(self, words):
-        out = []
-        for word in words:
-            if "$" not in word and '"' not in word and "'" not in word and "\\" not in word:
-                out.append(word)
-                continue
-            array = SH_ARRAY_WORD_RE.match(word)
-            if array and array.group(1) in self.arrays:
-                out.extend(self.arrays[array.group(1)])
-            else:
-                out.append(self.expand(word))
-        return out
-
-    # -- commands
-    def command(self, number, words):
-        """A simple command (its words, after any prefix words)."""
-        call = compiler_call(self.expand_words(words), number)
-        if call is not None:
-            self.calls.append(call)
-
-    def assign(self, name, append, value, words):
-        """`name=value` or `name+=value`; `words` are those of an array value."""
-        if words is not None:
-            items = self.expand_words(words)
-            if any(NOT_REACHED in item for item in items) and (name in self.arrays or name in self.vars):
-                return
-            items = (self.arrays.get(name, []) + items) if append else items
-            if sum(map(len, items)) > SH_MAX_CHARS:
-                items = [NOT_REACHED]
-            self.arrays[name] = items
-            self.vars.pop(name, None)
+        self.condition = None    # why the commands being read may not run
+        self.line = None         # the line a sourced file's commands are reported at
+        self.steps = 0
+        self.depth = 0
+        try:
+            tree = ScriptParser(text).parse()
+        except ShellSyntax as problem:
+            self.unfollowed.append(problem.args)
             return
-        text = self.expand(value)
-        if NOT_REACHED in text and self.vars.get(name) is not None:
-            return
-        if append and self.vars.get(name) is not None:
-            text = self.vars[name] + text
-        self.vars[name] = text if len(text) <= SH_MAX_CHARS else NOT_REACHED
-        self.arrays.pop(name, None)
+        try:
+            self.run_list(tree)
+        except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
+            pass
 
-    # -- results
+    def facts(self):
+        return ScriptFacts(self.calls, self.default_target(), self.unfollowed)
+
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
-        values = {v for v in self.arg2_defaults if NOT_REACHED not in v}
+        values = {v for v in self.arg2_defaults if not any(m in v for m in MARKERS)}
         return values.pop() if len(values) == 1 else None
+
+    def unfollow(self, line, what):
+        self.unfollowed.append((self.line or line, what))
+
+    # -- state, for the branches of a condition the reader cannot decide
+    def snapshot(self):
+        return (dict(self.vars), dict(self.arrays), list(self.args), self.cwd)
+
+    def restore(self, state):
+        self.vars, self.arrays = dict(state[0]), dict(state[1])
+        self.args, self.cwd = list(state[2]), state[3]
+
+    def either(self, label, alternatives):
+        """Run each alternative from the same state, then merge what they
+        left: a variable they set differently is UNDECIDED.  Status None."""
+        start = self.snapshot()
+        ends = []
+        outer = self.condition
+        self.condition = outer or label
+        try:
+            for alternative in alternatives:
+                self.restore(start)
+                try:
+                    alternative()
+                except ScriptExit:
+                    continue
+                except (FunctionReturn, LoopBreak, LoopContinue):
+                    pass
+                ends.append(self.snapshot())
+        finally:
+            self.condition = outer
+        if not ends:
+            raise ScriptExit()
+        vars, arrays, args, cwd = ends[0]
+        for end in ends[1:]:
+            for name in set(vars) | set(end[0]):
+                if vars.get(name) != end[0].get(name):
+                    vars[name] = undecided("$%s (%s)" % (name, label))
+            for name in set(arrays) | set(end[1]):
+                if arrays.get(name) != end[1].get(name):
+                    arrays[name] = [undecided("${%s[@]} (%s)" % (name, label))]
+            if cwd != end[3]:
+                cwd = undecided("the directory (%s)" % label)
+        self.restore((vars, arrays, args, cwd))
+        return None
+
+    # -- commands; each returns its status: True, False or None (cannot tell)
+    def run_list(self, body):
+        status = True
+        for node in body:
+            status = self.run(node)
+        return status
+
+    def run(self, node):
+        kind, line = node[0], node[1]
+        if kind == "simple":
+            return self.run_simple(line, node[2])
+        if kind == "andor":
+            return self.run_andor(node)
+        if kind == "pipeline":
+            status = True
+            for command in node[3]:
+                status = self.run(command)
+            return (None if status is None else not status) if node[2] else status
+        if kind == "if":
+            return self.run_if(line, node[2], node[3])
+        if kind == "case":
+            return self.run_case(line, node[2], node[3])
+        if kind == "for":
+            return self.run_for(line, node[2], node[3], node[4])
+        if kind == "while":
+            return self.run_while(line, node[2], node[3], node[4])
+        if kind == "function":
+            self.functions[node[2]] = node[3]
+            return True
+        if node[3]:  # ( subshell ): what it sets stays inside
+            state = self.snapshot()
+            try:
+                return self.run_list(node[2])
+            except ScriptExit:
+                return None
+            finally:
+                self.restore(state)
+        return self.run_list(node[2])
+
+    def run_andor(self, node):
+        status = self.run(node[2])
+        for op, pipeline in node[3]:
+            runs = status if op == "&&" else (None if status is None else not status)
+            if runs:
+                status = self.run(pipeline)
+            elif runs is None:
+                status = self.either("%s at line %d" % (describe_node(node[2]), node[1]),
+                                     [lambda p=pipeline: self.run(p), lambda: None])
+        return status
+
+    def run_if(self, line, clauses, otherwise):
+        if not clauses:
+            return self.run_list(otherwise) if otherwise is not None else True
+        condition, body = clauses[0]
+        status = self.run_list(condition)
+        if status:
+            return self.run_list(body)
+        if status is False:
+            return self.run_if(line, clauses[1:], otherwise)
+        label = "if %s at line %d" % (describe_node(condition[-1] if condition else None), line)
+        return self.either(label, [lambda: self.run_list(body),
+                                   lambda: self.run_if(line, clauses[1:], otherwise)])
+
+    def run_case(self, line, word, items):
+        value = self.expand_one(word).replace(NOT_REACHED, "")
+        alternatives = []
+        for patterns, body in items:
+            pieces = [self.expand_one(p) for p in patterns]
+            if not known(value) or not all(known(p) for p in pieces):
+                alternatives.append(body)
+                continue
+            if any(fnmatch.fnmatchcase(value, p) for p in pieces):
+                if not alternatives:
+                    return self.run_list(body)
+                alternatives.append(body)
+                break
+        else:
+            if not alternatives:
+                return True
+            alternatives.append([])
+        label = "case %s at line %d" % (word, line)
+        return self.either(label, [lambda b=b: self.run_list(b) for b in alternatives])
+
+    def run_for(self, line, name, words, body):
+        values = list(self.args) if words is None else self.expand_words(words)
+        if all(known(v) for v in values):
+            for value in values:
+                self.assign(name, value, line)
+                try:
+                    self.run_list(body)
+                except LoopBreak:
+                    break
+                except LoopContinue:
+                    continue
+            return True
+        label = "for %s in %s at line %d" % (name, " ".join(words or ['"$@"']), line)
+
+        def once():
+            self.assign(name, undecided("$%s (%s)" % (name, label)), line)
+            self.run_list(body)
+        return self.either(label, [once, lambda: None])
+
+    def run_while(self, line, until, condition, body):
+        for _ in range(SH_MAX_LOOPS):
+            status = self.run_list(condition)
+            if status is not None and until:
+                status = not status
+            if status is False:
+                return True
+            if status is None:
+                label = "%s loop at line %d" % ("until" if until else "while", line)
+                return self.either(label, [lambda: self.run_list(body), lambda: None])
+            try:
+                self.run_list(body)
+            except LoopBreak:
+                return True
+            except LoopContinue:
+                pass
+        self.unfollow(line, "a while loop that runs more than %d times" % SH_MAX_LOOPS)
+        raise ScriptExit()
+
+    def run_simple(self, line, words):
+        self.steps += 1
+        if self.steps > SH_MAX_STEPS:
+            self.unfollow(line, "more than %d commands to follow" % SH_MAX_STEPS)
+            raise ScriptExit()
+        index = 0
+        while index < len(words) and SH_ASSIGNMENT_RE.match(words[index]):
+            index += 1
+        if index == len(words):
+            for word in words:
+                self.assign_word(word, line)
+            return True
+        if words[index] in SH_DECLARE_WORDS:
+            for word in words[index + 1:]:
+                if word.startswith("-"):
+                    continue
+                assignment = SH_ASSIGNMENT_RE.match(word)
+                name = assignment.group(1) if assignment else word
+                if words[index] == "local" and self.frames:
+                    self.frames[-1].setdefault(name, (self.vars.get(name), self.arrays.get(name)))
+                    if not assignment:
+                        self.vars.pop(name, None)
+                        self.arrays.pop(name, None)
+                if assignment:
+                    self.assign_word(word, line)
+            return True
+        argv = self.expand_words(words[index:])
+        return self.run_argv(line, argv)
+
+    def run_argv(self, line, argv):
+        while argv and argv[0] in SH_PREFIX_WORDS:
+            argv = argv[1:]
+        if not argv:
+            return True
+        command = argv[0]
+        if command in self.functions:
+            return self.call_function(line, command, argv[1:])
+        builtin = SH_BUILTINS.get(command)
+        if builtin is not None:
+            return builtin(self, line, argv)
+        call = compiler_call(argv, self.line or line, self.cwd)
+        if call is not None:
+            call.condition = self.condition
+            self.calls.append(call)
+            return True
+        if command in SH_BUILD_TOOLS:
+            self.unfollow(line, "%s, whose build rules it does not read" % command)
+        return None if command in SH_QUERY_COMMANDS or not known(command) else True
+
+    def call_function(self, line, name, args):
+        if self.depth >= SH_MAX_DEPTH:
+            self.unfollow(line, "functions nested deeper than %d calls" % SH_MAX_DEPTH)
+            return None
+        saved, origin = self.args, self.origin
+        self.args, self.origin = list(args), None
+        self.frames.append({})
+        self.depth += 1
+        try:
+            return self.run(self.functions[name])
+        except FunctionReturn:
+            return True
+        finally:
+            self.depth -= 1
+            for local, (value, array) in self.frames.pop().items():
+                self.vars.pop(local, None)
+                self.arrays.pop(local, None)
+                if value is not None:
+                    self.vars[local] = value
+                if array is not None:
+                    self.arrays[local] = array
+            self.args, self.origin = saved, origin
+
+    # -- builtins
+    def builtin_true(self, line, argv):
+        return argv[0] != "false"
+
+    def builtin_test(self, line, argv):
+        args = argv[1:]
+        if argv[0] in ("[", "[["):
+            if not args or args[-1] != ("]" if argv[0] == "[" else "]]"):
+                return None
+            args = args[:-1]
+        return test_expression([a.replace(NOT_REACHED, "") for a in args])
+
+    def builtin_lookup(self, line, argv):
+        names = [a for a in argv[1:] if not a.startswith("-")]
+        if argv[0] == "command" and "-v" not in argv and "-V" not in argv:
+            return self.run_argv(line, argv[1:])
+        return True if names and all(is_compiler_name(n) for n in names) else None
+
+    def builtin_shift(self, line, argv):
+        count = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 1
+        self.args = self.args[count:]
+        if self.origin is not None:
+            self.origin += count
+        return True
+
+    def builtin_set(self, line, argv):
+        if "--" in argv:
+            self.args, self.origin = argv[argv.index("--") + 1:], None
+        return True
+
+    def builtin_unset(self, line, argv):
+        for name in argv[1:]:
+            self.vars.pop(name, None)
+            self.arrays.pop(name, None)
+        return True
+
+    def builtin_cd(self, line, argv):
+        target = [a for a in argv[1:] if a not in ("-P", "-L", "--")]
+        if argv[0] == "popd":
+            self.cwd = self.dirs.pop() if self.dirs else undecided("the directory popd returns to")
+            return True
+        if argv[0] == "pushd":
+            self.dirs.append(self.cwd)
+        if not target or target[0] == "-":
+            self.cwd = undecided("the directory of cd %s" % " ".join(target))
+        elif target[0].startswith(("/",) + MARKERS) or self.cwd is None:
+            self.cwd = target[0]
+        else:
+            self.cwd = self.cwd + "/" + target[0]
+        return True
+
+    def builtin_exit(self, line, argv):
+        if argv[0] == "return" and self.frames:
+            raise FunctionReturn()
+        raise ScriptExit()
+
+    def builtin_loop(self, line, argv):
+        raise LoopBreak() if argv[0] == "break" else LoopContinue()
+
+    def builtin_source(self, line, argv):
+        if len(argv) < 2:
+            return None
+        path = argv[1]
+        tail = path.rpartition(RUNTIME)[2] if RUNTIME in path else path
+        tail = tail.lstrip("/")
+        rel, problem = normalize_relpath(tail)
+        text = None
+        if self.directory is not None and rel and not problem and UNDECIDED not in path and (
+                RUNTIME in path or not path.startswith(("/",) + MARKERS)):
+            text = read_text(self.directory + "/" + rel, regular=True)[0]
+        if text is None:
+            self.unfollow(line, "%s %s, which is no file in the backend directory"
+                          % (argv[0], show_word(path)))
+            return None
+        if self.depth >= SH_MAX_DEPTH:
+            self.unfollow(line, "files sourced deeper than %d" % SH_MAX_DEPTH)
+            return None
+        try:
+            tree = ScriptParser(text).parse()
+        except ShellSyntax as problem:
+            self.unfollow(line, "%s (line %d of %s)" % (problem.args[1], problem.args[0], rel))
+            return None
+        outer = self.line
+        self.line = self.line or line
+        self.depth += 1
+        try:
+            return self.run_list(tree)
+        finally:
+            self.depth -= 1
+            self.line = outer
+
+    def builtin_read(self, line, argv):
+        skip = False
+        for word in argv[1:]:
+            if skip:
+                skip = False
+            elif word.startswith("-"):
+                skip = word in ("-d", "-n", "-N", "-p", "-t", "-u", "-a")
+                if word == "-a":
+                    skip = False
+            elif SH_NAME_RE.match(word):
+                self.assign(word, runtime("$%s (read at line %d)" % (word, line)), line)
+        return None
+
+    def builtin_eval(self, line, argv):
+        self.unfollow(line, "eval")
+        return None
+
+    # -- variables
+    def assign_word(self, word, line):
+        """Perform `name=value`, `name+=value`, `name=(...)` or `name[i]=value`."""
+        match = SH_ASSIGNMENT_RE.match(word)
+        name, index, append = match.group(1), match.group(2), match.group(3)
+        value = word[match.end():]
+        if value.startswith("(") and value.endswith(")") and index is None:
+            items = self.expand_words(ScriptParser.array_words(value[1:-1]))
+            if append:
+                items = self.arrays.get(name, [self.vars[name]] if name in self.vars else []) + items
+            self.vars.pop(name, None)
+            self.arrays[name] = items if sum(map(len, items)) <= SH_MAX_CHARS else [
+                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))]
+            return
+        text = self.expand_one(value)
+        if index is not None:
+            position = self.expand_one(index[1:-1])
+            items = list(self.arrays.get(name, []))
+            if position.isdigit() and int(position) <= len(items):
+                items[int(position):int(position) + 1] = [text]
+                self.arrays[name] = items
+            else:
+                self.arrays[name] = items + [undecided("${%s[%s]}" % (name, position))]
+            return
+        if append:
+            text = self.vars.get(name, "") + text
+        self.assign(name, text, line)
+
+    def assign(self, name, value, line=None):
+        if len(value) > SH_MAX_CHARS:
+            value = undecided("$%s (longer than %d characters)" % (name, SH_MAX_CHARS))
+        self.arrays.pop(name, None)
+        self.vars[name] = value
+
+    def lookup(self, name):
+        """The value of a name, or None when the default invocation leaves it unset."""
+        if name in self.arrays:
+            items = self.arrays[name]
+            return items[0] if items else ""
+        if name in self.vars:
+            return self.vars[name]
+        if name.isdigit():
+            number = int(name)
+            if number == 0:
+                return runtime("$0")
+            return self.args[number - 1] if number <= len(self.args) else None
+        if name == "#":
+            return str(len(self.args))
+        if name in ("@", "*"):
+            return " ".join(self.args)
+        if name in SH_RUNTIME_VARIABLES or name in ("$", "!", "?", "-"):
+            return runtime("$" + name)
+        return None
+
+    # -- expansion
+    def expand_one(self, word):
+        """A word expanded to one string (an assignment's value, a case word)."""
+        return "".join(self.expand(word, split=False))
+
+    def expand_words(self, words):
+        fields = []
+        for word in words:
+            fields.extend(self.expand(word, split=True))
+        return fields
+
+    def expand(self, word, split):
+        """The fields a word expands to: variables, command substitutions and
+        quotes done; with `split`, unquoted expansions split at blanks."""
+        if not any(c in word for c in "$'\"\\`"):
+            return [word]
+        if split and (word == '"$@"' or (word.startswith('"${') and word.endswith('[@]}"'))):
+            value = self.parameter(word[3:-2], word, True) if word != '"$@"' else list(self.args)
+            if isinstance(value, list):
+                return value
+        fields = [""]
+        quoted = False  # whether the last field holds quoted text
+        pos, length = 0, len(word)
+        in_double = False
+        while pos < length:
+            char = word[pos]
+            if char == '"':
+                in_double = not in_double
+                quoted = True
+                pos += 1
+                continue
+            if char == "'" and not in_double:
+                end = word.find("'", pos + 1)
+                end = length if end < 0 else end
+                fields[-1] += word[pos + 1:end]
+                quoted = True
+                pos = end + 1
+                continue
+            if char == "\\":
+                following = word[pos + 1:pos + 2]
+                if following != "\n":
+                    if in_double and following not in '$`"\\':
+                        fields[-1] += "\\"
+                    fields[-1] += following
+                pos += 2
+                continue
+            if char == "`" or (char == "$" and word.startswith("$(", pos)):
+                start = pos + (1 if char == "`" else 2)
+                end = scan_balanced(word, start, "`" if char == "`" else ")")
+                value = self.substitute(word[pos:end], word[start:end - 1])
+                pos = end
+            elif char == "$" and word.startswith("${", pos):
+                end = scan_balanced(word, pos + 2, "}")
+                value = self.parameter(word[pos + 2:end - 1], word[pos:end], in_double)
+                pos = end
+            elif char == "$" and word.startswith("$'", pos) and not in_double:
+                end = pos + 2
+                while end < length and word[end] != "'":
+                    end += 2 if word[end] == "\\" else 1
+                fields[-1] += word[pos + 2:end]
+                quoted = True
+                pos = end + 1
+                continue
+            elif char == "$":
+                name = re.match(r"[A-Za-z_][A-Za-z0-9_]*|[0-9#@*?$!-]", word[pos + 1:])
+                if name is None:
+                    fields[-1] += "$"
+                    pos += 1
+                    continue
+                name = name.group()
+                pos += 1 + len(name)
+                value = self.parameter(name, "$" + name, in_double)
+            else:
+                end = pos + 1
+                while end < length and word[end] not in "$'\"\\`":
+                    end += 1
+                fields[-1] += word[pos:end]
+                pos = end
+                continue
+            if isinstance(value, list) and not split:
+                value = " ".join(value)
+            if isinstance(value, list):  # "$@", "${a[@]}": one field each
+                if value:
+                    fields[-1] += value[0]
+                    fields.extend(value[1:])
+                quoted = quoted or bool(value)
+            elif split and not in_double:
+                pieces = SH_FIELD_RE.findall(value)
+                if pieces:
+                    if value[:1].isspace() and (fields[-1] or quoted):
+                        fields.append("")
+                    fields[-1] += pieces[0]
+                    fields.extend(pieces[1:])
+                    if value[-1:].isspace():
+                        fields.append("")
+                        quoted = False
+            else:
+                fields[-1] += value
+                quoted = True if in_double else quoted
+        if split and fields[-1] == "" and not quoted:
+            fields.pop()
+        return fields
+
+    def substitute(self, source, command):
+        """$(...) or `...`: the value is the command's output, unknown here,
+        unless it names the <output-dir> argument (cd "$1" && pwd)."""
+        same = SH_SAME_DIR_RE.match(command)
+        if same:
+            target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
+            if target == OUT_DIR:
+                return OUT_DIR
+        return runtime(source)
+
+    def parameter(self, body, source, in_double):
+        """The value of ${body}; a list for ${a[@]} in double quotes."""
+        if body.startswith("#") and len(body) > 1:
+            if body.endswith(("[@]", "[*]")):
+                return str(len(self.arrays.get(body[1:-3], ())))
+            value = self.parameter(body[1:], source, False)
+            return str(len(value)) if known(value) else runtime(source)
+        if body.startswith("!"):
+            return undecided(source)
+        match = SH_PARAM_RE.match(body)
+        if match is None:
+            return undecided(source)
+        name, index, op, rest = match.groups()
+        if index is not None:
+            items = self.arrays.get(name)
+            if items is None:
+                items = [self.vars[name]] if name in self.vars else []
+            if index in ("[@]", "[*]"):
+                if in_double and index == "[@]" and op is None:
+                    return list(items)
+                value = " ".join(items) if items or name in self.arrays else None
+            else:
+                position = self.expand_one(index[1:-1])
+                value = items[int(position)] if position.isdigit() and int(position) < len(items) else None
+        elif name == "@" and in_double and op is None:
+            return list(self.args)
+        else:
+            value = self.lookup(name)
+        if op is None:
+            if rest:
+                return undecided(source)
+            if value is None:
+                return NOT_REACHED if name.isdigit() else ""
+            return value
+        if op in (":-", "-", ":=", "="):
+            unset = value is None or (op[0] == ":" and value in ("", NOT_REACHED))
+            if not unset:
+                return value
+            default = self.expand_one(rest)
+            if default and name.isdigit() and self.origin is not None and int(name) + self.origin == 2:
+                self.arg2_defaults.append(default)
+            if op.endswith("=") and SH_NAME_RE.match(name):
+                self.assign(name, default)
+            return default
+        if op in (":?", "?"):
+            if value is None or (op == ":?" and value == ""):
+                return undecided("%s (the script stops unless it is set)" % source)
+            return value
+        if op in (":+", "+"):
+            set_ = value is not None and (op == "+" or value != "")
+            return self.expand_one(rest) if set_ else ""
+        value = "" if value is None else value
+        if not known(value):
+            return runtime(source) if RUNTIME in value else undecided(source)
+        if op == ":":  # ${v:offset} or ${v:offset:length}
+            numbers = rest.split(":")
+            if not all(n.strip().isdigit() for n in numbers):
+                return undecided(source)
+            start = int(numbers[0])
+            return value[start:start + int(numbers[1])] if len(numbers) > 1 else value[start:]
+        pattern = self.expand_one(rest) if op not in ("//", "/") else rest
+        if op in ("%", "%%", "#", "##"):
+            return remove_pattern(value, pattern, op)
+        if op in ("/", "//"):
+            old, _, new = rest.partition("/")
+            return replace_pattern(value, self.expand_one(old), self.expand_one(new), op == "//")
+        if op in ("^^", "^"):
+            return value.upper() if op == "^^" else value[:1].upper() + value[1:]
+        return value.lower() if op == ",," else value[:1].lower() + value[1:]
+
+
+def array_words(text):
+    """The words of an array value's text (between its parentheses)."""
+    return [token[1] for token in tokenize(text) if token[0] == "word"]
+
+
+ScriptParser.array_words = staticmethod(array_words)
+
+
+def remove_pattern(value, pattern, op):
+    """${v%pat}, ${v%%pat}, ${v#pat}, ${v##pat}: shell glob patterns."""
+    if len(value) > 4096:
+        return undecided("${...%s%s}" % (op, pattern))
+    sizes = range(len(value) + 1)
+    if op in ("%%", "##"):
+        sizes = reversed(sizes)
+    for size in sizes:
+        if op.startswith("%"):
+            if fnmatch.fnmatchcase(value[len(value) - size:], pattern):
+                return value[:len(value) - size]
+        elif fnmatch.fnmatchcase(value[:size], pattern):
+            return value[size:]
+    return value
+
+
+def replace_pattern(value, old, new, every):
+    """${v/old/new} and ${v//old/new} for a literal `old` (a glob is given up)."""
+    if any(c in old for c in "*?["):
+        return undecided("${...%s%s/%s}" % ("//" if every else "/", old, new))
+    if not old:
+        return value
+    return value.replace(old, new) if every else value.replace(old, new, 1)
+
+
+def test_expression(args):
+    """The truth of `test`'s arguments in the default invocation; None
+    when it depends on the machine (a file test) or an unknown value."""
+    if not args:
+        return False
+    if args[0] == "!":
+        result = test_expression(args[1:])
+        return None if result is None else not result
+    for joiner in ("-o", "||", "-a", "&&"):
+        if joiner in args:
+            split = args.index(joiner)
+            left, right = test_expression(args[:split]), test_expression(args[split + 1:])
+            if joiner in ("-o", "||"):
+                return True if True in (left, right) else (None if None in (left, right) else False)
+            return False if False in (left, right) else (None if None in (left, right) else True)
+    if len(args) == 1:
+        return non_empty(args[0])
+    if len(args) == 2 and args[0] in ("-n", "-z"):
+        result = non_empty(args[1])
+        return result if args[0] == "-n" or result is None else not result
+    if len(args) == 3:
+        left, op, right = args
+        if op in ("=", "==", "!="):
+            if not (known(left) and known(right)) or OUT_DIR in left + right:
+                return None
+            return (left == right) == (op != "!=")
+        if op in ("-eq", "-ne", "-lt", "-le", "-gt", "-ge"):
+            try:
+                a, b = int(left), int(right)
+            except ValueError:
+                return None
+            return {"-eq": a == b, "-ne": a != b, "-lt": a < b, "-le": a <= b,
+                    "-gt": a > b, "-ge": a >= b}[op]
+    return None
+
+
+def non_empty(value):
+    """Whether a value is not empty; None when that depends on what the reader cannot know."""
+    if SH_LABEL_RE.sub("", value):
+        return True
+    return None if not known(value) else False
+
+
+def describe_node(node):
+    """A condition as a message shows it: its first simple command."""
+    while node is not None and node[0] != "simple":
+        node = node[2] if node[0] == "andor" else (node[3][0] if node[0] == "pipeline" else None)
+    return " ".join(node[2])[:60] if node is not None else "a condition"
+
+
+SH_BUILTINS = {
+    ":": ScriptReader.builtin_true, "true": ScriptReader.builtin_true,
+    "false": ScriptReader.builtin_true,
+    "[": ScriptReader.builtin_test, "[[": ScriptReader.builtin_test, "test": ScriptReader.builtin_test,
+    "command": ScriptReader.builtin_lookup, "which": ScriptReader.builtin_lookup,
+    "type": ScriptReader.builtin_lookup, "hash": ScriptReader.builtin_lookup,
+    "shift": ScriptReader.builtin_shift, "set": ScriptReader.builtin_set,
+    "unset": ScriptReader.builtin_unset, "cd": ScriptReader.builtin_cd,
+    "pushd": ScriptReader.builtin_cd, "popd": ScriptReader.builtin_cd,
+    "exit": ScriptReader.builtin_exit, "return": ScriptReader.builtin_exit,
+    "break": ScriptReader.builtin_loop, "continue": ScriptReader.builtin_loop,
+    ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
+    "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
+    "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
+    "eval": ScriptReader.builtin_eval,
+}
 
 
 # ---------------------------------------------------------------------------
@@ -2190,9 +2959,7 @@ def check_build_script(repo, backend):
                       rel_path)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
-    reader = ScriptReader(text)
-    facts = ScriptFacts(reader.calls, reader.default_target(), unread_constructs(text))
-    check_build_facts(backend, rel, facts)
+    check_build_facts(backend, rel, ScriptReader(text, backend.dir).facts())
 
 
 # Where the interpreter of a `#!` line is on every Linux and macOS system.
@@ -2226,19 +2993,6 @@ def check_build_output(backend):
                       % (describe(output), describe(posixpath.basename(output) or "libname.so")))
         return False
     return True
-
-
-def unread_constructs(text):
-    """The shell constructs the script reader does not follow that the script
-    uses, as (line, construct)."""
-    found = []
-    for name, pattern in (("a for or while loop", r"^[ \t]*(?:for|while|until)[ \t]"),
-                          ("a case statement", r"^[ \t]*case[ \t]"),
-                          ("a shell function", r"^[ \t]*(?:function[ \t]+\w+|\w+[ \t]*\(\)[ \t]*(?:\{|$))")):
-        match = re.search(pattern, text, re.M)
-        if match:
-            found.append((text.count("\n", 0, match.start()) + 1, name))
-    return found
 
 
 def check_build_targets(backend, build):
@@ -3162,7 +3916,7 @@ def read_uncaught(xtrace, toolkit):
             words = shlex.split(line.lstrip("+"))
         except ValueError:
             words = line.lstrip("+").split()
-        while words and (SH_ENV_WORD_RE.match(words[0]) or words[0] in (
+        while words and (ENV_WORD_RE.match(words[0]) or words[0] in (
                 "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
             words.pop(0)  # VAR=value and wrapper words before the compiler
         if not words or "/" not in words[0]:
@@ -3501,30 +4255,35 @@ TARGET_FLAGS = {"cuda": "-gencode, -arch or -code", "hip": "--offload-arch or -m
 def inferred_build(script, facts, platform):
     """(build.output, build.architectures) as the facts of `script` show them;
     a UsageError that names what cannot be told and what to write."""
-    outputs = [output for call in facts.calls for output in call.outputs]
+    unfollowed = "".join("; the checker does not follow line %d (%s)" % item
+                         for item in facts.unfollowed)
+    outputs = [(output, call) for call in facts.calls for output in call.outputs]
     if not outputs:
         raise UsageError("init: cannot tell from %s which library it writes: no compiler command "
-                         "with -o; write the library with -o \"$1/<library>\"" % script)
-    output = outputs[-1]
+                         "with -o%s; write the library with -o \"$1/<library>\", or write the "
+                         "manifest yourself" % (script, unfollowed))
+    output, call = outputs[-1]
     prefix = facts.out_dir + "/"
+    if call.condition or UNDECIDED in output:
+        raise UsageError("init: cannot tell from %s which library it writes: -o %s at line %d "
+                         "depends on %s; give build.output yourself"
+                         % (script, show_word(output), call.line,
+                            call.condition or "a value the checker cannot decide"))
     if not output.startswith(prefix) or any(m in output[len(prefix):] for m in MARKERS):
         raise UsageError("init: %s writes its library to %s, not to a file named in its "
                          "<output-dir> argument; write it with -o \"$1/<library>\""
-                         % (script, show_word(output)))
-    archs, unknown, open_targets = [], [], []
+                         % (script, show_path(output)))
+    archs, unknown = [], []
     for call in facts.calls:
+        if call.condition and call.targets(platform):
+            unknown.append("line %d runs only on %s" % (call.line, call.condition))
         archs.extend(a for a in call.targets(platform) if a not in archs)
-        unknown.extend(call.unknown)
-        open_targets.extend(call.open_targets)
-    if open_targets or unknown:
+        unknown.extend(call.open_targets + call.unknown)
+    if unknown or not archs:
         raise UsageError("init: cannot tell which architectures %s builds (%s); give each target "
-                         "in a flag of its own (%s) and run init again"
-                         % (script, ", ".join(show_word(w) for w in open_targets + unknown),
-                            TARGET_FLAGS.get(platform, "a target flag")))
-    if not archs:
-        raise UsageError("init: cannot tell which architectures %s builds: its compiler commands "
-                         "have no target flag (%s); add one for each target and run init again"
-                         % (script, TARGET_FLAGS.get(platform, "a target flag")))
+                         "in a flag of its own (%s) and run init again, or write the manifest "
+                         "yourself" % (script, "; ".join(unknown) or "no target flag",
+                                       TARGET_FLAGS.get(platform, "a target flag")))
     if platform == "cuda":
         archs.sort(key=lambda a: (arch_number(a) or 0, a))
     return posixpath.normpath(output[len(prefix):]), archs
@@ -3562,8 +4321,7 @@ def cmd_init(args):
     text, problem, _ = read_text(os.path.join(target, script))
     if text is None:
         raise UsageError("init: cannot read %s: %s" % (script, problem))
-    reader = ScriptReader(text)
-    facts = ScriptFacts(reader.calls, reader.default_target(), unread_constructs(text))
+    facts = ScriptReader(text, target).facts()
     rel_dir = posixpath.join(repo.backends_dir, platform, name)
     backend = Backend(name, platform, target, rel_dir)
     backend.build_script = script
