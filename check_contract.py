@@ -171,8 +171,8 @@ SH_LABEL_RE = re.compile("[\x03\x04]([^\x03\x04]*)[\x03\x04]")
 SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "for", "while",
                          "until", "do", "done", "{", "}", "function", "!", "select"))
 SH_REDIRECTS = re.compile(r"[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])\Z")
-# $(...) that only names the <output-dir> argument: out=$(cd "$1" && pwd)
-SH_SAME_DIR_RE = re.compile(r"\s*(?:cd\s+(?:-P\s+|--\s+)?(\S+)\s*(?:&&|;)\s*pwd(?:\s+-P)?"
+# $(...) that only names the <output-dir> argument: out=$(mkdir -p "$1" && cd "$1" && pwd)
+SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?(\S+)\s*(?:&&|;)\s*pwd(?:\s+-P)?"
                             r"|realpath\s+(?:-\w+\s+)*(\S+)|readlink\s+-\w*[fem]\w*\s+(\S+))\s*\Z")
 # Set in any environment, so their value is the machine's, not the script's.
 SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHELL", "HOSTNAME",
@@ -1763,7 +1763,7 @@ class ScriptReader:
                 except LoopContinue:
                     continue
             return True
-        label = "for %s in %s at line %d" % (name, " ".join(words or ['"$@"']), line)
+        label = "the for loop at line %d over %s" % (line, " ".join(map(show_word, values))[:80])
 
         def once():
             self.assign(name, undecided("$%s (%s)" % (name, label)), line)
@@ -1953,16 +1953,25 @@ class ScriptReader:
             self.line = outer
 
     def builtin_read(self, line, argv):
-        skip = False
-        for word in argv[1:]:
-            if skip:
-                skip = False
-            elif word.startswith("-"):
-                skip = word in ("-d", "-n", "-N", "-p", "-t", "-u", "-a")
-                if word == "-a":
-                    skip = False
-            elif SH_NAME_RE.match(word):
-                self.assign(word, runtime("$%s (read at line %d)" % (word, line)), line)
+        """read, getopts, mapfile: what they set comes from outside the script."""
+        command = argv[0]
+        takes_value = {"read": "dinNptu", "getopts": ""}.get(command, "dnOsuCc")
+        names = []
+        words = iter(argv[1:])
+        for word in words:
+            if word == "-a":
+                names.append(next(words, ""))
+            elif word.startswith("-") and word[1:] in tuple(takes_value):
+                next(words, None)
+            elif not word.startswith("-"):
+                names.append(word)
+        if command == "getopts":
+            names = names[1:2]
+        elif command in ("mapfile", "readarray"):
+            names = names[-1:] or ["MAPFILE"]
+        for name in names:
+            if SH_NAME_RE.match(name):
+                self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
 
     def builtin_eval(self, line, argv):

@@ -3237,33 +3237,7 @@ CORPUS_CONSTRUCTS = {
     "sourced file": r"\bsource|\bsourced\b", "eval": r"\beval\b", "make": r"\bmake\b"}
 # Where the script reader still disagrees with the trace: name -> what it gets wrong.
 # A script that comes to agree may leave this list; no other may join it.
-CORPUS_DISAGREEMENTS = {
-    "cpu_cc_var": "B006: -march=x86-64 inside CFLAGS=\"...\" expanded unquoted is not read",
-    "cpu_eval": "B005: eval is not named as not followed",
-    "cpu_function": "B005: a function called with arguments is not followed",
-    "cpu_gcc12_default": "B006: : \"${MARCH:=x86-64-v2}\" is not taken as an assignment",
-    "cpu_make": "B005: the compiler call in the Makefile; make is not named as not followed",
-    "cpu_march_file": "B006 error where a value from $(cat ...) cannot be told",
-    "cu_case_arg": "B006: the case branch the default invocation takes is not followed",
-    "cu_common_outside": "B006 error where a file sourced from outside the backend cannot be read",
-    "cu_default_assign": "B006: : \"${CUDA_ARCH:=86}\" is not taken as an assignment",
-    "cu_eval": "B005: eval is not named as not followed",
-    "cu_for_cat": "B006 error where a for loop over $(cat ...) cannot be told",
-    "cu_for_literal": "B006: a for loop over a literal list is not unrolled",
-    "cu_heredoc": "B007: a here-document's body is read as a command",
-    "cu_home_pick": "B005: the issue's own example, nvcc picked in one-line if/then/else",
-    "cu_mapfile": "B006 error where an array from mapfile cannot be told",
-    "cu_oneline_if": "B006: one-line if/then/else on $# is not followed",
-    "cu_out_by_arg": "B006: the else branch of [ -n \"${2:-}\" ] is not taken",
-    "cu_patterns": "B006: ${v/a/b} is not expanded",
-    "cu_python_flags": "B006 error where flags from $(python3 ...) cannot be told",
-    "cu_run_wrapper": "B005: run() { \"$@\"; } is not followed",
-    "cu_shift": "B017: shift before ${1:-90} is not followed",
-    "cu_sourced_env": "B005: a file sourced from the backend directory is not read",
-    "hip_amdclang_func": "B005: a function with local variables is not followed",
-    "hip_gpu_targets": "B005: ${v//;/,} is not expanded",
-    "hip_while_read": "B006 error where a while-read loop cannot be told",
-}
+CORPUS_DISAGREEMENTS = {}
 
 
 def corpus_backend(name, platform, script, extra, truth):
