@@ -3716,7 +3716,7 @@ class CodesTest(unittest.TestCase):
         self.assertEqual(sorted(rows), sorted(emitted), "the table of docs/%s.md" % tool)
 
     def test_check_contract_codes_agree(self):
-        self.check_codes("check_contract", "[DJMSABTORUP][0-9]{3}")
+        self.check_codes("check_contract", "[DJMSABTORUPX][0-9]{3}")
 
     def test_overlay_setup_codes_agree(self):
         self.check_codes("overlay_setup", "E[0-9]{3}")
