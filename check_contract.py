@@ -337,6 +337,7 @@ class GitWorkTree:
         self.top = top
         self._modes = None
         self._ignored = None
+        self._real_dirs = {}
 
     @classmethod
     def find(cls, directory):
@@ -352,10 +353,25 @@ class GitWorkTree:
         """The git path of a file (its directories' links resolved, the file
         itself not), or None outside the work tree."""
         directory, name = os.path.split(os.path.abspath(path))
-        rel = os.path.relpath(os.path.join(os.path.realpath(directory), name), self.top)
-        if rel == ".." or rel.startswith("../"):
+        real = os.path.join(self.real_directory(directory), name)
+        if real == self.top:
+            return ""
+        if not real.startswith(self.top.rstrip("/") + "/"):
             return None
-        return "" if rel == "." else rel.replace(os.sep, "/")
+        return real[len(self.top.rstrip("/")) + 1:].replace(os.sep, "/")
+
+    def real_directory(self, directory):
+        """os.path.realpath of an absolute directory, the answers for the
+        directories above it kept: one lstat per backend directory."""
+        real = self._real_dirs.get(directory)
+        if real is None:
+            parent, name = os.path.split(directory)
+            if not name or parent == directory or os.path.islink(directory):
+                real = os.path.realpath(directory)
+            else:
+                real = os.path.join(self.real_directory(parent), name)
+            self._real_dirs[directory] = real
+        return real
 
     def mode(self, path):
         """The index mode ("100755") of a file, or None if git does not track it."""
@@ -2401,6 +2417,19 @@ MANIFEST_KEYS = (
 TOP_KEYS = tuple(key for key, _, _ in MANIFEST_KEYS if "." not in key)
 
 
+def keys_by_object(table):
+    """The table by the object that holds each key:
+    {"": {"name": (required, rule), ...}, "build.": {"script": ...}, ...}."""
+    below = {}
+    for key, required, rule in table:
+        where, _, name = key.rpartition(".")
+        below.setdefault(where + "." if where else "", {})[name] = (required, rule)
+    return below
+
+
+KEYS_BELOW = keys_by_object(MANIFEST_KEYS)
+
+
 # ---------------------------------------------------------------------------
 # Discovery
 
@@ -2697,33 +2726,30 @@ def check_keys(repo, backend):
 def check_object(backend, rel, value, where):
     """Report what breaks the rules of the keys below `where` ("" for the
     top level, "build." ...) in an object of the manifest."""
-    known = [key[len(where):] for key, _, _ in MANIFEST_KEYS
-             if key.startswith(where) and "." not in key[len(where):]]
-    for key in sorted(value):
-        if key not in known:
-            hint = nearest(key, known)
+    rules = KEYS_BELOW[where]
+    for key in sorted(value) if not rules.keys() >= value.keys() else ():
+        if key not in rules:
+            hint = nearest(key, list(rules))
             backend.warning("M003", 'unknown key "%s%s"%s' % (
                 where, key, '; did you mean "%s"?' % hint if hint else ""), rel)
-    for key, required, rule in MANIFEST_KEYS:
-        name = key[len(where):]
-        if not key.startswith(where) or "." in name:
-            continue
+    for name, (required, rule) in rules.items():
         if name not in value:
             if required:
-                backend.error("M001", 'missing required key "%s"' % key, rel)
+                backend.error("M001", 'missing required key "%s%s"' % (where, name), rel)
             continue
         item = value[name]
         if not rule.test(item):
-            backend.error("M002", '"%s" must be %s, not %s' % (key, rule.expected, describe(item)), rel)
+            backend.error("M002", '"%s%s" must be %s, not %s'
+                          % (where, name, rule.expected, describe(item)), rel)
         elif rule.each is not None:
             for index, element in (sorted(item.items()) if type(item) is dict else enumerate(item)):
                 each = rule.each.get(index, rule.each[None]) if type(item) is dict else rule.each
                 if not each.test(element):
-                    place = "%s.%s" % (key, index) if type(item) is dict else "%s[%d]" % (key, index)
+                    place = ("%s%s.%s" if type(item) is dict else "%s%s[%d]") % (where, name, index)
                     backend.error("M002", '"%s" must be %s, not %s'
                                   % (place, each.expected, describe(element)), rel)
-        elif type(item) is dict:
-            check_object(backend, rel, item, key + ".")
+        elif type(item) is dict and where + name + "." in KEYS_BELOW:
+            check_object(backend, rel, item, where + name + ".")
 
 
 def check_abi(repo, backend):
