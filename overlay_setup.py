@@ -50,9 +50,14 @@ Usage:
   a per-user registry ($XDG_STATE_HOME/overlay_setup/applied, default
   ~/.local/state/...), written before the first change and removed after a full
   revert: `status` and `revert` without a state here name them, `revert --all`
-  reverts them all, `gc-stale` looks at them as well as under --root.  The owner (--owner-pid, default: the parent process) is
+  reverts them all, `gc-stale` looks at them as well as under --root.
+
+  The owner (--owner-pid, default: the leader of this process's session: the
+  login or terminal shell, or the program that started the commands) is
   recorded with its start time and host so that gc-stale tells a crashed run
-  from a live one, also after the pid was reused.
+  from a live one, also after the pid was reused.  The session outlives
+  `timeout`, make recipes and a fresh shell per command; `sudo` and `setsid`
+  start a session of their own, so the session of what started them is taken.
 
 Exit codes:
   0  done (also: revert with nothing to revert)
@@ -646,6 +651,46 @@ def pid_exists(pid: int) -> bool:
     return True
 
 
+def process_name(pid: int) -> str:
+    try:
+        with open("/proc/%d/comm" % pid, encoding="utf-8", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def parent_of(pid: int) -> int:
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            text = handle.read().decode("ascii", "replace")
+        return int(text[text.rfind(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+SESSION_WRAPPERS = ("sudo", "su", "setsid", "runuser")  # each starts a session of its own
+
+
+def default_owner() -> int:
+    """The leader of this session, looking through the wrappers that start
+    a session of their own; the parent process when there is no usable one
+    (no leader left, or the system's init, which never goes away)."""
+    pid = os.getpid()
+    for _ in range(8):
+        try:
+            leader = os.getsid(pid)
+        except OSError:
+            break
+        if leader != os.getpid() and process_name(leader) not in SESSION_WRAPPERS:
+            if leader > 1 and pid_exists(leader):
+                return leader
+            break
+        pid = parent_of(leader)
+        if pid <= 1:
+            break
+    return os.getppid()
+
+
 def make_owner(pid: int) -> dict:
     if pid <= 0 or not pid_exists(pid):
         raise UsageError("E108", "--owner-pid %d is not a running process; pass the pid of the "
@@ -1022,14 +1067,22 @@ def anything_applied(manifest: dict) -> bool:
 
 def claim_owner(manifest: dict, owner_pid: Optional[int]) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
-    owner = make_owner(owner_pid if owner_pid is not None else os.getppid())
+    owner = make_owner(owner_pid if owner_pid is not None else default_owner())
     current = manifest.get("owner")
     if anything_applied(manifest) and current and (
             current.get("pid"), current.get("start_time"), current.get("host")) != (
             owner["pid"], owner["start_time"], owner["host"]):
-        raise OverlayError("E205", "this overlay belongs to %s; run `overlay_setup.py revert` "
-                           "(or `gc-stale` if that owner is gone) first, or pass --owner-pid %s"
-                           % (describe_owner(current), current.get("pid")))
+        liveness = owner_liveness(current)
+        if liveness == "live":
+            hint = ("pass --owner-pid %s to add to it, or run `overlay_setup.py revert` first"
+                    % current["pid"])
+        elif liveness == "gone":
+            hint = "its owner is gone: run `overlay_setup.py revert` first"
+        else:
+            hint = ("run `overlay_setup.py revert` on %s, or here if that run is over"
+                    % current["host"])
+        raise OverlayError("E205", "this overlay belongs to %s; %s" % (describe_owner(current),
+                                                                       hint))
     manifest["owner"] = owner
 
 
@@ -1086,6 +1139,16 @@ def registered_states() -> List[str]:
     return sorted(set(found))
 
 
+def vanished_state(state: "State") -> "OverlayError":
+    """A registered state directory whose journal is gone: it was deleted
+    while something was applied."""
+    return OverlayError("E209", "state directory %s is registered with an overlay applied, but "
+                        "its journal is gone (deleted by a build's clean step, or by hand): the "
+                        "install may still be patched and its backups are lost; restore the "
+                        "patched files from version control or a reinstall, then delete %s"
+                        % (state.root, registry_record(state.root)))
+
+
 def applied_states(skip: Optional[str] = None) -> List[Tuple["State", Optional[dict]]]:
     """This user's registered state directories that hold something applied,
     with their journals (read without the lock: for reports and refusals)."""
@@ -1097,6 +1160,7 @@ def applied_states(skip: Optional[str] = None) -> List[Tuple["State", Optional[d
         try:
             state.check_safe()
             if not (state.exists() or state.orphaned_backups()):
+                found.append((state, None))  # vanished: named all the same
                 continue
             manifest = state.load()
         except OverlayError:  # damaged: named all the same, the commands on it say why
@@ -1936,8 +2000,48 @@ def record_file(path: str, role: str) -> dict:
             "links": st.st_nlink, "xattrs": read_xattrs(path)}
 
 
+def check_claims(state: State, sources: List[str], artifacts: List[str],
+                 caches: List[str]) -> None:
+    """A path that another applied state directory of this user holds (as a
+    source, an artifact or a cache) is refused: reverted in the wrong order,
+    one of the two would put the other's patch or build back."""
+    wanted = [("--source", path) for path in sources] + [
+        ("--artifact", path) for path in artifacts] + [
+        ("--invalidate-cache", path) for path in caches]
+    for other, manifest in applied_states(skip=state.root):
+        for entry in (manifest or {}).get("entries", []):
+            held = [record["path"] for record in entry["sources"] + entry["artifacts"]] + [
+                cache["path"] for cache in entry["caches"]]
+            for option, path in wanted:
+                for their in held:
+                    if is_within(path, their) or is_within(their, path):
+                        raise OverlayError("E110", "%s %s is already held by the overlay at %s "
+                                           "(entry %d, %s); nothing was changed: revert that "
+                                           "one first (`overlay_setup.py --state %s revert`), "
+                                           "or add this change to it with --state %s"
+                                           % (option, path, other.root, entry["id"], their,
+                                              other.root, other.root))
+
+
+def check_state_outside_build(state: State, build: Optional[dict]) -> None:
+    """Refused before the state directory is even created: one inside the
+    build directory dies with the build's clean step (`git clean -xdf`)."""
+    if build is None:
+        return
+    cwd = build["cwd"]
+    if is_within(state.root, cwd) or is_within(os.path.realpath(state.root),
+                                               os.path.realpath(cwd)):
+        raise OverlayError("E111", "the state directory %s lies inside the build directory %s, "
+                           "where a clean step of the build (`make clean`, `git clean -xdf`) "
+                           "would delete the journal and the backups; nothing was changed: pass "
+                           "--state DIR outside it, e.g. --state %s"
+                           % (state.root, cwd, os.path.join(os.path.dirname(cwd), ".overlay-"
+                                                            + os.path.basename(cwd))))
+
+
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
+    check_claims(state, sources, artifacts, caches)
     overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
@@ -2030,7 +2134,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
         same_fs = present and os.stat(cache).st_dev == backup_dev
-        entry["caches"].append({"path": cache, "present": present,
+        entry["caches"].append({"path": cache, "present": present, "digest": tree_digest(cache),
                                 "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
                                 "method": "rename" if same_fs or not present else "tar",
                                 "backup": "%s/c%d%s" % (directory, number,
@@ -2278,12 +2382,20 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
         state.save(manifest)
 
     status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
+    if not (state.exists() and os.path.isdir(state.backups)):
+        raise OverlayError("E406", "the build deleted the state directory %s (a clean step?): "
+                           "%s stay%s patched and the backups are lost; restore from version "
+                           "control or a reinstall, then delete %s" % (
+                               state.root, ", ".join(r["path"] for r in entry["sources"]),
+                               "s" if len(entry["sources"]) == 1 else "",
+                               registry_record(state.root)))
     build.pop("process", None)
     build["rc"], build["seconds"] = status, round(seconds, 3)
     for record in entry["artifacts"]:
         unchanged = record["present"] and os.path.isfile(record["path"]) and \
             file_identity(record["path"]) == record["identity"]
         record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
+    settle_after_build(manifest)
     entry["untracked"] = untracked_products(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
     noop = status == 0 and entry["artifacts"] and all(
@@ -2332,6 +2444,44 @@ def source_drift(entry: dict) -> List[str]:
                                                    record.get("patched_sha256")):
             changed.append(record["path"])
     return changed
+
+
+def tree_digest(path: str) -> Optional[str]:
+    """What a cache directory holds, by name, kind, size and mtime (cheap for
+    a large cache, and a rebuild changes it); None when it is absent."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return None
+    found, _ = scan_tree(path, [])
+    return hashlib.sha256(json.dumps(sorted(found.items())).encode(
+        "utf-8", "surrogateescape")).hexdigest()
+
+
+def settle_after_build(manifest: dict) -> None:
+    """Record what every artifact and cache of the state's built entries
+    holds after one of its builds or reverts (a later entry's build may
+    rewrite an earlier entry's; reverting it puts the earlier build's back)."""
+    for entry in manifest["entries"]:
+        if entry["build"] is None:
+            continue
+        for record in entry["artifacts"]:
+            record["after_build_sha256"] = content_sha256(record["path"])
+        for cache in entry["caches"]:
+            cache["after_build_digest"] = tree_digest(cache["path"])
+
+
+def rebuilt_since_apply(entries: List[dict]) -> List[str]:
+    """Artifacts and caches changed since the state's last build."""
+    changed = []
+    for entry in entries:
+        for record in entry["artifacts"]:
+            if "after_build_sha256" in record and content_sha256(record["path"]) not in (
+                    record["after_build_sha256"], record["sha256"]):  # or half reverted
+                changed.append(record["path"])
+        for cache in entry["caches"]:
+            if "after_build_digest" in cache and tree_digest(cache["path"]) not in (
+                    cache["after_build_digest"], cache.get("digest")):
+                changed.append(cache["path"])
+    return sorted(set(changed))
 
 
 def check_entry_restorable(state: State, entry: dict) -> None:
@@ -2490,6 +2640,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         if os.path.isdir(directory) and not os.path.islink(directory):
             os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
     manifest["entries"].remove(entry)
+    if len(manifest["entries"]) > 0:
+        settle_after_build(manifest)
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
     return inexact_products(found)
@@ -2526,6 +2678,13 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "the original nor the patched content); nothing was reverted: "
                                    "run `overlay_setup.py revert --force` to restore the original "
                                    "anyway" % changed[0])
+        changed = rebuilt_since_apply(manifest["entries"])
+        if changed:
+            raise OverlayError("E505", "%s was changed after the overlay's build (neither the "
+                               "original nor what that build made): another overlay or build "
+                               "wrote it, and restoring it now would undo that; nothing was "
+                               "reverted: revert the other one first, or run `overlay_setup.py "
+                               "revert --force` to restore the original anyway" % changed[0])
     done: List[str] = []
     inexact: List[str] = []
     python = manifest["python"]
@@ -2592,21 +2751,22 @@ class Locked:
 
     def __enter__(self) -> dict:
         if self.create:
-            self.state.check_safe()
-            register(self.state)
             self.state.create()
         self.state.lock(self.command)
         try:
             if self.create and not self.state.exists():
                 self.state.save(empty_manifest())
-            return self.state.load()
+            manifest = self.state.load()
+            if self.create:  # after the journal exists, before the install changes
+                register(self.state)
+            return manifest
         except BaseException:
             self.state.unlock()
             raise
 
     def __exit__(self, *exc_info) -> None:
         try:
-            if self.create and not anything_applied(self.state.load()):
+            if self.create and self.state.exists() and not anything_applied(self.state.load()):
                 unregister(self.state)
         except (OverlayError, OSError):
             pass  # registered it stays, which is the safe side
@@ -2810,6 +2970,7 @@ def cmd_add_native(args: argparse.Namespace) -> int:
         raise UsageError("E102", "--source %s does not exist; pass the installed file to patch "
                            "(or use `apply` with a patch that creates it)" % source)
     state = open_state(args)
+    check_state_outside_build(state, build)
     if args.dry_run:
         return dry_run(state, args, [(source, patched)], [], artifacts, caches, build)
     protected = protected_paths(state, [source], artifacts, caches, build, args.protect,
@@ -2874,6 +3035,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
     state = open_state(args)
+    check_state_outside_build(state, build if natives else None)
     if args.dry_run:
         return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
                        artifacts, caches, build if natives else None)
@@ -2959,12 +3121,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "applied_elsewhere": [other.root for other, _ in others]},
                          indent=1, sort_keys=True))
         return 0
+    if manifest is None and os.path.isfile(registry_record(state.root)):
+        raise vanished_state(state)
     if manifest is None:
         print("no overlay at %s" % state.root)
         if others:
             print("applied overlays of this user:")
             for other, other_manifest in others:
-                print("  %s: %s" % (other.root, summarise(other_manifest)))
+                print("  %s: %s" % (other.root, summarise(other, other_manifest)))
             print("next: `overlay_setup.py --state DIR status` for one of them, or "
                   "`overlay_setup.py revert --all`")
         return 0
@@ -3005,9 +3169,9 @@ def others_applied(args: argparse.Namespace, state: State) -> List[Tuple[State, 
     return applied_states()
 
 
-def summarise(manifest: Optional[dict]) -> str:
+def summarise(state: State, manifest: Optional[dict]) -> str:
     if manifest is None:
-        return "its journal cannot be read"
+        return "its journal %s" % ("cannot be read" if state.exists() else "is gone")
     python = manifest["python"]
     return "%d native entr%s, %d Python module(s), %d rebind(s); owner %s" % (
         len(manifest["entries"]), "y" if len(manifest["entries"]) == 1 else "ies",
@@ -3045,6 +3209,8 @@ def cmd_revert(args: argparse.Namespace) -> int:
         return revert_every_state(args)
     state = open_state(args)
     if not state.exists() and not state.orphaned_backups():
+        if os.path.isfile(registry_record(state.root)):
+            raise vanished_state(state)
         others = others_applied(args, state)
         if others:
             raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at "
@@ -3075,8 +3241,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
         try:
             state.check_safe()
             if not (state.exists() or state.orphaned_backups()):
-                unregister(state)
-                continue
+                raise vanished_state(state)
             done, inexact = revert_state(state, args.force, args.keep_untracked)
         except OverlayError as exc:
             failures += 1
@@ -3119,11 +3284,12 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
     not_exact = False
     registered = []
     for directory in registered_states():
-        state = State(directory)
-        if state.exists() or state.orphaned_backups():
+        if State(directory).exists() or State(directory).orphaned_backups():
             registered.append(directory)
-        elif not args.dry_run:  # killed before its journal: nothing was changed
-            unregister(state)
+        else:
+            failures += 1
+            print("overlay_setup: %s" % vanished_state(State(directory)).message,
+                  file=sys.stderr)
     for directory in sorted(set(find_state_dirs(root) + registered)):
         state = State(directory)
         try:
@@ -3245,7 +3411,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help=state_help)
         if owner:
             sub.add_argument("--owner-pid", type=int, default=None, metavar="PID",
-                             help="process owning the overlay (default: the parent process)")
+                             help="process owning the overlay (default: the leader of this "
+                                  "session, looking through sudo and setsid)")
         return sub
 
     def native(sub: argparse.ArgumentParser) -> None:

@@ -446,10 +446,30 @@ class CProjectTest(OverlayTestCase):
         rc, out, err = self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
                                  self.patched, "--no-build", "--owner-pid", str(os.getpid()))
         self.assertEqual(rc, 1)
+        owner = overlay_setup.default_owner()
         self.assertEqual(err, "overlay_setup: E205 this overlay belongs to pid %d on %s (live); "
-                              "run `overlay_setup.py revert` (or `gc-stale` if that owner is gone) "
-                              "first, or pass --owner-pid %d\n"
-                         % (os.getppid(), overlay_setup.host_name(), os.getppid()))
+                              "pass --owner-pid %d to add to it, or run `overlay_setup.py revert` "
+                              "first\n" % (owner, overlay_setup.host_name(), owner))
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                self.patched, "--no-build", "--owner-pid", str(owner)))
+        self.assertOk(self.tool("revert"))
+
+    def test_e205_for_a_gone_owner_offers_only_what_works(self) -> None:
+        short = subprocess.Popen(["sleep", "30"])
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
+                                "--patched", self.patched, "--no-build", "--owner-pid",
+                                str(short.pid)))
+        short.kill()
+        short.wait()
+        self.assertEqual(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                   self.patched, "--no-build"), (
+            1, "", "overlay_setup: E205 this overlay belongs to pid %d on %s (gone); its owner "
+            "is gone: run `overlay_setup.py revert` first\n"
+            % (short.pid, overlay_setup.host_name())))
+        self.assertOk(self.tool("revert"))
+        self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
+                                self.patched, "--no-build"))
+        self.assertOk(self.tool("revert"))
 
     def test_dead_owner_pid_is_a_usage_error(self) -> None:
         dead = subprocess.Popen(["true"])
@@ -588,19 +608,131 @@ class CProjectTest(OverlayTestCase):
                             self.patched, "--artifact", self.p("kernel_b.c"), "--no-build")
         self.assertEqual(refused[0], 1)
         self.assertEqual(registry_entries(), [], "a refused command leaves no registry record")
-        for point in (2, 3):
+        for point in range(1, 40):
             killed = run_tool(["--state", self.state, "add-native", "--source",
                                self.p("kernel_b.c"), "--patched", self.patched, "--no-build"],
                               env={"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
+            if killed.returncode == 0:
+                break
             self.assertEqual(killed.returncode, -9, killed)
-            self.assertEqual(registry_entries(), [self.state])
+            if tree_state(self.proj) != before:
+                self.assertEqual(registry_entries(), [self.state], "killed at %d" % point)
             elsewhere = os.path.join(self.tmp, "elsewhere")
             os.makedirs(elsewhere, exist_ok=True)
             result = call("gc-stale", "--root", elsewhere)
             self.assertEqual(result[0], 0, result)
             self.assertEqual(registry_entries(), [])
-            shutil.rmtree(self.state)
+            shutil.rmtree(self.state, True)
             self.assertEqual(tree_state(self.proj), before)
+        self.assertGreater(point, 3)
+        self.assertEqual(registry_entries(), [self.state])
+        self.assertEqual(call("gc-stale", "--root", self.proj)[0], 0)
+        self.assertEqual(tree_state(self.proj), before)
+
+    def add_kernel_a(self, state: str, *extra: str) -> tuple:
+        write_tree(self.tmp, {"kernel_a_fast.c": KERNELS["kernel_a.c"].replace("1.0", "1.5")})
+        return call("--state", state, "add-native", "--source", self.p("kernel_a.c"),
+                    "--patched", os.path.join(self.tmp, "kernel_a_fast.c"),
+                    "--build-cmd", "make", "--build-cwd", self.proj, *extra)
+
+    def test_a_path_held_by_another_applied_state_is_refused(self) -> None:
+        self.assertOk(self.add_kernel_b())
+        before = tree_state(self.proj)
+        other = os.path.join(self.tmp, "other-state")
+        self.assertEqual(self.add_kernel_a(other, "--artifact", self.lib), (
+            1, "", "overlay_setup: E110 --artifact %s is already held by the overlay at %s "
+            "(entry 1, %s); nothing was changed: revert that one first (`overlay_setup.py "
+            "--state %s revert`), or add this change to it with --state %s\n"
+            % (self.lib, self.state, self.lib, self.state, self.state)))
+        self.assertEqual(self.add_kernel_a(other, "--invalidate-cache", self.p("cache"))[2],
+                         "overlay_setup: E110 --invalidate-cache %s is already held by the "
+                         "overlay at %s (entry 1, %s); nothing was changed: revert that one "
+                         "first (`overlay_setup.py --state %s revert`), or add this change to it "
+                         "with --state %s\n" % (self.p("cache"), self.state, self.p("cache"),
+                                                 self.state, self.state))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(registry_entries(), [self.state])
+        self.assertOk(self.add_kernel_a(self.state, "--artifact", self.lib))
+        self.assertOk(self.tool("revert"))
+
+    def test_artifact_or_cache_changed_after_the_build_is_not_reverted_over(self) -> None:
+        before = tree_state(self.proj)
+        self.assertOk(self.add_kernel_b())
+        # Another overlay the registry does not know of (another $XDG_STATE_HOME)
+        # sets the same cache aside and rebuilds the same library.
+        os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "another-home")
+        other = os.path.join(self.tmp, "other-state")
+        self.assertOk(self.add_kernel_a(other, "--artifact", self.lib, "--artifact",
+                                        self.p("kernel_a.o"), "--invalidate-cache",
+                                        self.p("cache")))
+        os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "xdg-state")
+        patched = tree_state(self.proj)
+        message = ("overlay_setup: E505 %s was changed after the overlay's build (neither the "
+                   "original nor what that build made): another overlay or build wrote it, and "
+                   "restoring it now would undo that; nothing was reverted: revert the other one "
+                   "first, or run `overlay_setup.py revert --force` to restore the original "
+                   "anyway\n")
+        self.assertEqual(self.tool("revert"), (1, "", message % self.p("cache")))
+        self.assertEqual(tree_state(self.proj), patched)
+        self.assertOk(call("--state", other, "revert"))
+        with open(self.lib, "ab") as handle:
+            handle.write(b"\0")
+        self.assertEqual(self.tool("revert"), (1, "", message % self.lib))
+        self.assertOk(self.tool("revert", "--force"))
+        self.assertEqual(tree_state(self.proj), before)
+
+
+    def test_state_inside_the_build_directory_or_a_cache_is_refused_before_anything(self) -> None:
+        before = tree_state(self.proj)
+        inside = self.p(".overlay")
+        self.assertEqual(call("--state", inside, "add-native", "--source", self.p("kernel_b.c"),
+                              "--patched", self.patched, "--build-cmd", "make",
+                              "--build-cwd", self.proj), (
+            1, "", "overlay_setup: E111 the state directory %s lies inside the build directory "
+            "%s, where a clean step of the build (`make clean`, `git clean -xdf`) would delete "
+            "the journal and the backups; nothing was changed: pass --state DIR outside it, e.g. "
+            "--state %s\n" % (inside, self.proj, os.path.join(self.tmp, ".overlay-proj"))))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(call("--state", self.p("cache/state"), "add-native", "--source",
+                              self.p("kernel_b.c"), "--patched", self.patched,
+                              "--invalidate-cache", self.p("cache"), "--no-build")[2],
+                         "overlay_setup: E106 --invalidate-cache %s overlaps the state directory "
+                         "%s; keep them apart\n" % (self.p("cache"), self.p("cache/state")))
+        self.assertEqual(registry_entries(), [])
+
+    @unittest.skipUnless(shutil.which("git"), "needs git")
+    def test_a_build_that_cleans_the_state_away_is_reported_not_nothing_to_revert(self) -> None:
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", self.tmp]
+        os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="overlay-test-xdg-")
+        self.addCleanup(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
+        os.unlink(self.patched)
+        subprocess.run(git + ["init", "-q"], check=True)
+        subprocess.run(git + ["add", "proj"], check=True)
+        subprocess.run(git + ["commit", "-qm", "install"], check=True)
+        state = os.path.join(self.tmp, ".overlay")  # the default, in the repository
+        write_tree(self.tmp, {"outside/fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
+        rc, out, err = call("add-native", "--source", self.p("kernel_b.c"), "--patched",
+                            os.path.join(self.tmp, "outside/fast.c"), "--artifact", self.lib,
+                            "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
+                            "sleep 0.05; done; git clean -xdfq .. && make",
+                            "--build-cwd", self.proj)
+        record = overlay_setup.registry_record(state)
+        self.assertEqual((rc, err), (1, "overlay_setup: E406 the build deleted the state "
+                                        "directory %s (a clean step?): %s stays patched and the "
+                                        "backups are lost; restore from version control or a "
+                                        "reinstall, then delete %s\n"
+                                        % (state, self.p("kernel_b.c"), record)), out)
+        vanished = ("overlay_setup: E209 state directory %s is registered with an overlay "
+                    "applied, but its journal is gone (deleted by a build's clean step, or by "
+                    "hand): the install may still be patched and its backups are lost; restore "
+                    "the patched files from version control or a reinstall, then delete %s\n"
+                    % (state, record))
+        self.assertEqual(call("revert"), (1, "", vanished))
+        self.assertEqual(call("status"), (1, "", vanished))
+        self.assertEqual(call("gc-stale", "--root", self.proj)[0], 1)
+        subprocess.run(git + ["checkout", "-q", "proj"], check=True)
+        os.unlink(record)
+        self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n" % state, ""))
 
 
 class HelpTest(unittest.TestCase):
@@ -921,7 +1053,8 @@ class PythonOverlayTest(OverlayTestCase):
         first = self.tool("init")
         self.assertEqual(first, self.tool("init"))
         self.assertEqual(first, (0, "overlay state ready at %s (owner pid %d on %s (live))\n"
-                                 % (self.state, os.getppid(), overlay_setup.host_name()), ""))
+                                 % (self.state, overlay_setup.default_owner(),
+                                    overlay_setup.host_name()), ""))
         existing = os.environ.get("PYTHONPATH")
         expected = os.path.join(self.state, "site") + (os.pathsep + existing if existing else "")
         self.assertEqual(self.tool("env"), (0, "export PYTHONPATH=%s\nexport OVERLAY_STATE=%s\n"
@@ -1476,6 +1609,32 @@ class GcStaleTest(OverlayTestCase):
         if owner is None:
             return run_tool(args, own=True)
         return run_tool(args + ["--owner-pid", str(owner)])
+
+    def test_default_owner_is_the_session_so_timeout_and_a_shell_per_command_survive(self) -> None:
+        # An agent starting each command in a fresh shell under `timeout`:
+        # the shell and `timeout` exit at once, the agent (the session) lives on.
+        marker = os.path.join(self.tmp, "applied")
+        command = " ".join([shutil.which("timeout"), "60", sys.executable, TOOL, "--state",
+                            self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
+                            "--patched", os.path.join(self.proj, "fast.c"), "--no-build"])
+        agent = subprocess.Popen(["sh", "-c", 'sh -c "$0" && touch "$1"; exec sleep 60',
+                                  command, marker], start_new_session=True)
+        self.addCleanup(agent.wait)
+        self.addCleanup(subprocess.run, ["kill", "-9", "--", "-%d" % agent.pid],
+                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        owner = read_json(os.path.join(self.state, "manifest.json"))["owner"]
+        self.assertEqual(owner["pid"], agent.pid)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("live: %s (owner pid %d" % (self.state, agent.pid), out)
+        self.assertNotEqual(tree_state(self.proj), self.original)
+        os.killpg(agent.pid, 9)
+        agent.wait()
+        self.assertOk(call("gc-stale", "--root", self.tmp))
+        self.assertEqual(tree_state(self.proj), self.original)
 
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
         killed = run_tool(["--state", self.state, "add-native", "--source",
