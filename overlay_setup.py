@@ -2370,6 +2370,19 @@ def show_output_line(line: bytes, start: float) -> None:
     print("[%7.1fs] %s" % (time.monotonic() - start, line.decode("utf-8", "replace")), flush=True)
 
 
+def state_vanished(state: State) -> bool:
+    return not (state.exists() and os.path.isdir(state.backups))
+
+
+def build_deleted_state(state: State, entry: dict) -> OverlayError:
+    return OverlayError("E406", "the build deleted the state directory %s (a clean step?): %s "
+                        "stay%s patched and the backups are lost; restore from version control "
+                        "or a reinstall, then delete %s" % (
+                            state.root, ", ".join(r["path"] for r in entry["sources"]),
+                            "s" if len(entry["sources"]) == 1 else "",
+                            registry_record(state.root)))
+
+
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
@@ -2381,14 +2394,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
                             "host": host_name()}
         state.save(manifest)
 
-    status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
-    if not (state.exists() and os.path.isdir(state.backups)):
-        raise OverlayError("E406", "the build deleted the state directory %s (a clean step?): "
-                           "%s stay%s patched and the backups are lost; restore from version "
-                           "control or a reinstall, then delete %s" % (
-                               state.root, ", ".join(r["path"] for r in entry["sources"]),
-                               "s" if len(entry["sources"]) == 1 else "",
-                               registry_record(state.root)))
+    try:
+        status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
+    except OSError:
+        if state_vanished(state):  # while the build started
+            raise build_deleted_state(state, entry)
+        raise
+    if state_vanished(state):
+        raise build_deleted_state(state, entry)
     build.pop("process", None)
     build["rc"], build["seconds"] = status, round(seconds, 3)
     for record in entry["artifacts"]:
