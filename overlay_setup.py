@@ -2015,7 +2015,7 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
             for option, path in wanted:
                 for their in held:
                     if is_within(path, their) or is_within(their, path):
-                        raise OverlayError("E110", "%s %s is already held by the overlay at %s "
+                        raise OverlayError("E120", "%s %s is already held by the overlay at %s "
                                            "(entry %d, %s); nothing was changed: revert that "
                                            "one first (`overlay_setup.py --state %s revert`), "
                                            "or add this change to it with --state %s"
@@ -2031,7 +2031,7 @@ def check_state_outside_build(state: State, build: Optional[dict]) -> None:
     cwd = build["cwd"]
     if is_within(state.root, cwd) or is_within(os.path.realpath(state.root),
                                                os.path.realpath(cwd)):
-        raise OverlayError("E111", "the state directory %s lies inside the build directory %s, "
+        raise OverlayError("E121", "the state directory %s lies inside the build directory %s, "
                            "where a clean step of the build (`make clean`, `git clean -xdf`) "
                            "would delete the journal and the backups; nothing was changed: pass "
                            "--state DIR outside it, e.g. --state %s"
@@ -2693,7 +2693,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "anyway" % changed[0])
         changed = rebuilt_since_apply(manifest["entries"])
         if changed:
-            raise OverlayError("E505", "%s was changed after the overlay's build (neither the "
+            raise OverlayError("E506", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
                                "wrote it, and restoring it now would undo that; nothing was "
                                "reverted: revert the other one first, or run `overlay_setup.py "

@@ -640,19 +640,21 @@ class CProjectTest(OverlayTestCase):
         before = tree_state(self.proj)
         other = os.path.join(self.tmp, "other-state")
         self.assertEqual(self.add_kernel_a(other, "--artifact", self.lib), (
-            1, "", "overlay_setup: E110 --artifact %s is already held by the overlay at %s "
+            1, "", "overlay_setup: E120 --artifact %s is already held by the overlay at %s "
             "(entry 1, %s); nothing was changed: revert that one first (`overlay_setup.py "
             "--state %s revert`), or add this change to it with --state %s\n"
             % (self.lib, self.state, self.lib, self.state, self.state)))
         self.assertEqual(self.add_kernel_a(other, "--invalidate-cache", self.p("cache"))[2],
-                         "overlay_setup: E110 --invalidate-cache %s is already held by the "
+                         "overlay_setup: E120 --invalidate-cache %s is already held by the "
                          "overlay at %s (entry 1, %s); nothing was changed: revert that one "
                          "first (`overlay_setup.py --state %s revert`), or add this change to it "
                          "with --state %s\n" % (self.p("cache"), self.state, self.p("cache"),
                                                  self.state, self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(registry_entries(), [self.state])
-        self.assertOk(self.add_kernel_a(self.state, "--artifact", self.lib))
+        self.assertOk(self.add_kernel_a(self.state, "--artifact", self.lib, "--artifact",
+                                        self.p("kernel_a.o"), "--invalidate-cache",
+                                        self.p("cache")))
         self.assertOk(self.tool("revert"))
 
     def test_artifact_or_cache_changed_after_the_build_is_not_reverted_over(self) -> None:
@@ -667,7 +669,7 @@ class CProjectTest(OverlayTestCase):
                                         self.p("cache")))
         os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "xdg-state")
         patched = tree_state(self.proj)
-        message = ("overlay_setup: E505 %s was changed after the overlay's build (neither the "
+        message = ("overlay_setup: E506 %s was changed after the overlay's build (neither the "
                    "original nor what that build made): another overlay or build wrote it, and "
                    "restoring it now would undo that; nothing was reverted: revert the other one "
                    "first, or run `overlay_setup.py revert --force` to restore the original "
@@ -688,7 +690,7 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(call("--state", inside, "add-native", "--source", self.p("kernel_b.c"),
                               "--patched", self.patched, "--build-cmd", "make",
                               "--build-cwd", self.proj), (
-            1, "", "overlay_setup: E111 the state directory %s lies inside the build directory "
+            1, "", "overlay_setup: E121 the state directory %s lies inside the build directory "
             "%s, where a clean step of the build (`make clean`, `git clean -xdf`) would delete "
             "the journal and the backups; nothing was changed: pass --state DIR outside it, e.g. "
             "--state %s\n" % (inside, self.proj, os.path.join(self.tmp, ".overlay-proj"))))
