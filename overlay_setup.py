@@ -2693,7 +2693,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "anyway" % changed[0])
         changed = rebuilt_since_apply(manifest["entries"])
         if changed:
-            raise OverlayError("E506", "%s was changed after the overlay's build (neither the "
+            raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
                                "wrote it, and restoring it now would undo that; nothing was "
                                "reverted: revert the other one first, or run `overlay_setup.py "

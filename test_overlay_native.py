@@ -669,7 +669,7 @@ class CProjectTest(OverlayTestCase):
                                         self.p("cache")))
         os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "xdg-state")
         patched = tree_state(self.proj)
-        message = ("overlay_setup: E506 %s was changed after the overlay's build (neither the "
+        message = ("overlay_setup: E509 %s was changed after the overlay's build (neither the "
                    "original nor what that build made): another overlay or build wrote it, and "
                    "restoring it now would undo that; nothing was reverted: revert the other one "
                    "first, or run `overlay_setup.py revert --force` to restore the original "
