@@ -77,25 +77,29 @@ how to fix it):
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
         running, E109 bad build option (--timeout, -p), E110 the build
-        products to back up are over the size budget
+        products to back up are over the size budget, E120 a path another
+        applied overlay holds, E121 state directory inside the build directory
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
         directory not yours or writable by others, E205 another owner,
         E206 state path is not an overlay state directory, E207 no overlay yet,
-        E208 no overlay here but applied ones elsewhere
+        E208 no overlay here but applied ones elsewhere, E209 a registered
+        state directory whose journal is gone
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
   E4xx  builds and verification
         E401 build failed, E402 build timed out, E403 artifact not rebuilt
-        or missing, E404 the build changed no artifact, E405 nothing to verify
+        or missing, E404 the build changed no artifact, E405 nothing to verify,
+        E406 the build deleted the state directory
   E5xx  revert and recovery
         E501 source changed after apply, E502 unsafe or unreadable cache
         snapshot, E503 backup missing, E504 a directory stands where a file
         is restored or removed, E505 a path changed since it was recorded
         (a symlink in the way), E506 not byte-exact: the build rewrote a
-        file nothing backed up (exit status 3)
+        file nothing backed up (exit status 3), E509 an artifact or cache
+        changed since the overlay's build
   E6xx  I/O errors during a change
         E601 could not write (no space, permission); the state stays
         recoverable

@@ -3674,7 +3674,8 @@ class ConventionsTest(unittest.TestCase):
         rc, err = self.interrupt([os.path.join(HERE, "overlay_setup.py"), "--state",
                                   os.path.join(self.tmp, "state"), "add-native", "--source",
                                   source, "--patched", os.path.join(self.tmp, "fast.c"),
-                                  "--build-cmd", "echo started; sleep 30", "--build-cwd", self.tmp],
+                                  "--build-cmd", "echo started; sleep 30",
+                                  "--build-cwd", os.path.join(self.tmp, "backends")],
                                  self.tmp)
         self.assertEqual(rc, 130, err)
         self.assertIn("overlay_setup: interrupted", err)
