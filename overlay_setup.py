@@ -161,6 +161,7 @@ OUTPUT_LINE_LIMIT = 1 << 16  # a longer line of build output is shown in pieces
 OUTPUT_POLL = 0.2  # seconds between looks at whether the build process exited
 OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this long
 OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
+XATTR_KEY = "OVERLAY.xattr."  # + the attribute's name; its value hex-encoded
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
@@ -1880,6 +1881,9 @@ def snapshot_cache(cache: str, archive: str) -> None:
                                        "directory nor a symlink; clear it before the overlay"
                                        % (cache, path))
                 info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
+                if not info.issym():
+                    info.pax_headers.update((XATTR_KEY + name, value)
+                                            for name, value in read_xattrs(path).items())
                 if info.isreg():
                     with open(path, "rb") as handle:
                         tar.addfile(info, handle)
@@ -1904,63 +1908,71 @@ def open_snapshot(archive: str) -> tarfile.TarFile:
 
 
 def checked_members(archive: str, tar: tarfile.TarFile) -> List[tarfile.TarInfo]:
-    """Every member, refusing absolute paths, '..', device files and links that
-    leave the snapshot, before anything is extracted."""
+    """Every member, checked before anything is extracted: no absolute path
+    or '..', no special file, every member inside a directory of the snapshot
+    (never through one of its symlinks), every hard link to an earlier file
+    of the snapshot by name.  A symlink may point anywhere (a virtualenv's
+    python -> /usr/bin/python3): extract_snapshot makes links last, so
+    nothing is ever written through one."""
     try:
         members = tar.getmembers()
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise unreadable_snapshot(archive, exc)
-    links = set()
+    directories = {"."}
+    files = set()  # regular files and symlinks, by normalised name
+    symlinks = set()
     for member in members:
         name = member.name
         def refuse(why: str) -> OverlayError:
             return OverlayError("E502", "snapshot %s holds member %r, %s; nothing was restored "
                                 "from it: the snapshot was tampered with, rebuild the cache "
                                 "instead" % (archive, name, why))
-        parts = name.split("/")
         if name.startswith("/") or not name:
             raise refuse("an absolute path")
-        if ".." in parts:
+        if ".." in name.split("/"):
             raise refuse("a path with '..'")
         if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
             raise refuse("a device, fifo or other special file")
         if not member.pax_headers.get(MTIME_KEY, "0").lstrip("-").isdigit():
             raise refuse("an mtime that is no number")
-        for depth in range(1, len(parts)):
-            if os.path.normpath("/".join(parts[:depth])) in links:
-                raise refuse("a path through a symlink")
-        if member.issym() or member.islnk():
-            link = member.linkname
-            resolved = os.path.normpath(os.path.join(os.path.dirname(name), link)
-                                        if member.issym() else link)
-            if os.path.isabs(link) or resolved == ".." or resolved.startswith("../"):
-                raise refuse("a link leaving the snapshot (to %r)" % link)
+        if not all(re.match(r"^([0-9a-f]{2})*$", value) for key, value in
+                   member.pax_headers.items() if key.startswith(XATTR_KEY)):
+            raise refuse("an extended attribute that is not hex")
+        normal = os.path.normpath(name)
+        parent = os.path.dirname(normal) or "."
+        if parent not in directories:
+            raise refuse("a path through a symlink" if any(
+                is_within(parent, link) for link in symlinks)
+                else "a path whose directory is not in the snapshot")
+        if normal != "." and (normal in directories or normal in files):
+            raise refuse("a second member of that name")
+        if member.islnk() and os.path.normpath(member.linkname) not in files:
+            raise refuse("a hard link to %r, which is no earlier file of the snapshot"
+                         % member.linkname)
+        (directories if member.isdir() else files).add(normal)
         if member.issym():
-            links.add(os.path.normpath(name))
+            symlinks.add(normal)
     return members
 
 
 def extract_snapshot(archive: str, destination: str) -> None:
-    """Extract into a fresh `destination` (must not exist) member by member;
-    as root, with the owners recorded (as a rename would keep them)."""
-    chown = os.geteuid() == 0
+    """Extract into a fresh `destination` (must not exist): directories and
+    files first, then symlinks and hard links in their order, so that nothing
+    is written through a link of the snapshot."""
     with open_snapshot(archive) as tar:
         members = checked_members(archive, tar)
         mutation_point()
         os.mkdir(destination, 0o700)
         directories = []
+        links = []
         for member in members:
             path = os.path.normpath(os.path.join(destination, member.name))
-            mtime = int(member.pax_headers.get(MTIME_KEY, int(member.mtime * 1e9)))
-            if member.islnk():  # the same inode as its target: owner, mode and all
-                os.link(os.path.join(destination, member.linkname), path, follow_symlinks=False)
-                continue
-            if member.isdir():
+            if member.issym() or member.islnk():
+                links.append((member, path))
+            elif member.isdir():
                 if path != destination:
                     os.mkdir(path, 0o700)
-                directories.append((path, member.mode, mtime))
-            elif member.issym():
-                os.symlink(member.linkname, path)
+                directories.append((member, path))
             else:
                 write_point(path)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -1974,17 +1986,33 @@ def extract_snapshot(archive: str, destination: str) -> None:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            if chown:
-                os.chown(path, member.uid, member.gid, follow_symlinks=False)
-            if member.issym():
-                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
-            elif not member.isdir():
-                os.chmod(path, member.mode)  # after chown, which clears set-id bits
-                os.utime(path, ns=(mtime, mtime))
-        for path, mode, mtime in reversed(directories):
-            os.chmod(path, mode)
-            os.utime(path, ns=(mtime, mtime))
+                finish_member(member, path)
+        for member, path in links:
+            if member.islnk():  # the same inode as its target: owner, mode and all
+                os.link(os.path.normpath(os.path.join(destination, member.linkname)), path,
+                        follow_symlinks=False)
+            else:
+                os.symlink(member.linkname, path)
+                finish_member(member, path)
+        for member, path in reversed(directories):
+            finish_member(member, path)
     fsync_dir(os.path.dirname(destination))
+
+
+def finish_member(member: tarfile.TarInfo, path: str) -> None:
+    """An extracted member's metadata: as root its owner (as a rename would
+    keep it), then its mode (chown clears set-id bits), extended attributes
+    and ns mtime."""
+    if os.geteuid() == 0:
+        os.chown(path, member.uid, member.gid, follow_symlinks=False)
+    if not member.issym():
+        os.chmod(path, member.mode)
+        for key, value in sorted(member.pax_headers.items()):
+            if key.startswith(XATTR_KEY):
+                os.setxattr(path, key[len(XATTR_KEY):], bytes.fromhex(value),
+                            follow_symlinks=False)
+    mtime = int(member.pax_headers.get(MTIME_KEY, int(member.mtime * 1e9)))
+    os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
 
 
 # ---------------------------------------------------------------- native entries

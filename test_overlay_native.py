@@ -1930,9 +1930,40 @@ class TarSnapshotTest(OverlayTestCase):
         self.plant(("null", tarfile.CHRTYPE, ""))
         self.refused("null", "a device, fifo or other special file")
 
-    def test_symlink_leaving_the_snapshot_is_refused(self) -> None:
-        self.plant(("out", tarfile.SYMTYPE, "../../escaped"))
-        self.refused("out", "a link leaving the snapshot (to '../../escaped')")
+    def test_symlinks_pointing_out_of_the_cache_come_back_as_they_were(self) -> None:
+        self.assertOk(self.tool("revert"))
+        os.symlink("/usr/bin/python3", os.path.join(self.cache, "python"))
+        os.symlink("../x", os.path.join(self.cache, "obj", "up"))
+        os.symlink("../../escaped", os.path.join(self.cache, "out"))
+        os.setxattr(os.path.join(self.cache, "index"), "user.origin", b"cmake")
+        before = tree_state(self.cache)
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                "--patched", os.path.join(self.proj, "fast.c"),
+                                "--invalidate-cache", self.cache, "--no-build"))
+        self.assertFalse(os.path.exists(self.cache))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.cache), before)
+        self.assertEqual(os.getxattr(os.path.join(self.cache, "index"), "user.origin"), b"cmake")
+        self.assertEqual(read_text(os.path.join(self.proj, "k.c")), "int k;\n")
+
+    def test_a_hard_link_through_a_chain_of_symlink_members_is_refused(self) -> None:
+        handle, victim = tempfile.mkstemp(dir="/dev/shm")
+        os.close(handle)
+        self.addCleanup(os.unlink, victim)
+        linkname = "sub/esc/" + os.path.basename(victim)
+        self.plant((".", tarfile.DIRTYPE, ""), ("sub", tarfile.DIRTYPE, ""),
+                   ("sub/up", tarfile.SYMTYPE, ".."), ("sub/esc", tarfile.SYMTYPE, "up/.."),
+                   ("h", tarfile.LNKTYPE, linkname))
+        self.refused("h", "a hard link to %r, which is no earlier file of the snapshot" % linkname)
+        self.assertEqual(os.stat(victim).st_nlink, 1)
+
+    def test_a_planted_symlink_is_restored_as_a_link_and_nothing_is_written_through_it(self) -> None:
+        self.plant((".", tarfile.DIRTYPE, ""), ("out", tarfile.SYMTYPE, "../../escaped"),
+                   ("later", tarfile.REGTYPE, ""))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(os.readlink(os.path.join(self.cache, "out")), "../../escaped")
+        self.assertEqual(read_text(os.path.join(self.cache, "later")), "x\n")
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "escaped")))
 
     def test_write_through_a_symlink_member_is_refused(self) -> None:
         self.plant(("sub", tarfile.SYMTYPE, "."), ("sub/file", tarfile.REGTYPE, ""))
