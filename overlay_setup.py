@@ -156,12 +156,12 @@ MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 MTIME_KEY = "OVERLAY.mtime_ns"
+XATTR_KEY = "OVERLAY.xattr."  # + the attribute's name; its value hex-encoded
 OUTPUT_LINE_END_RE = re.compile(rb"\r\n|\r|\n")
 OUTPUT_LINE_LIMIT = 1 << 16  # a longer line of build output is shown in pieces
 OUTPUT_POLL = 0.2  # seconds between looks at whether the build process exited
 OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this long
 OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
-XATTR_KEY = "OVERLAY.xattr."  # + the attribute's name; its value hex-encoded
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
