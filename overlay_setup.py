@@ -3160,7 +3160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     manifest = state.load() if state.exists() or state.orphaned_backups() else None
     others = others_applied(args, state)
     if args.format == "json":
-        print(json.dumps({"state": state.root, "manifest": manifest,
+        print(json.dumps({"state": state.root, "journal": manifest,
                           "owner": manifest and manifest["owner"] and dict(
                               manifest["owner"], liveness=owner_liveness(manifest["owner"])),
                           "applied_elsewhere": [other.root for other, _ in others]},

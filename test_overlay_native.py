@@ -1069,8 +1069,8 @@ class PythonOverlayTest(OverlayTestCase):
         self.assertOk(self.tool("rebind", "pkg.fast:scale", "pkg.mathops:scale"))
         status = json.loads(self.tool("status", "--json")[1])
         self.assertEqual(status["owner"]["liveness"], "live")
-        self.assertEqual(sorted(status["manifest"]["python"]["modules"]), ["pkg.mathops"])
-        self.assertEqual(status["manifest"]["python"]["rebinds"],
+        self.assertEqual(sorted(status["journal"]["python"]["modules"]), ["pkg.mathops"])
+        self.assertEqual(status["journal"]["python"]["rebinds"],
                          {"pkg.fast:scale": "pkg.mathops:scale"})
         rc, out, err = self.tool("status")
         self.assertEqual((rc, err), (0, ""))
