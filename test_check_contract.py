@@ -3487,6 +3487,18 @@ class RepositoryTest(unittest.TestCase):
         # The tests above run every ```sh block: none may sit outside what they run.
         self.assertEqual(shown_shell("README.md"), shown_shell("README.md", "## Walkthrough"))
 
+    def test_bench_commands_take_the_options_shown(self):
+        # The benchmarks take minutes: their commands are checked against their --help.
+        with open(os.path.join(HERE, "bench", "README.md"), encoding="utf-8") as f:
+            commands = re.findall(r"^    python3 (bench/\S+\.py)([^#\n]*)", f.read(), re.M)
+        self.assertEqual(sorted({script for script, _ in commands}),
+                         ["bench/bench_check_contract.py", "bench/bench_overlay.py"])
+        for script, args in commands:
+            usage = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"],
+                                   stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+            for flag in re.findall(r"--[a-z][a-z-]*", args):
+                self.assertIn(flag, usage, script)
+
     def test_readme_fits_in_15_kb(self):
         self.assertLessEqual(os.path.getsize(os.path.join(HERE, "README.md")), 15000)
 
