@@ -3805,12 +3805,13 @@ class Trace:
     temporary directory are shown as what they stand for: <output-dir>, the
     repository (relative), <toolkit> and <tmp>."""
 
-    def __init__(self, command, child, calls, uncaught, written, out_dir, places):
+    def __init__(self, command, child, calls, uncaught, written, binaries, out_dir, places):
         self.command = command    # as run, shown
         self.child = child        # its ChildOutcome
         self.calls = calls        # [RecordedCall] in the order they were made
         self.uncaught = uncaught  # compiler words run by a path outside the shims
         self.written = written    # {path under <output-dir>: size} after the run
+        self.binaries = binaries  # the ELF files among them, which no shim writes
         self.out_dir = out_dir    # the temporary <output-dir>
         self.places = places      # (temporary path, shown as), longest first
 
@@ -3926,7 +3927,9 @@ def copy_repository(root, copy):
 def read_calls(log):
     """The RecordedCalls the shims recorded, in the order they were made."""
     calls = []
-    for entry in sorted(os.listdir(log), key=lambda n: [int(p) for p in n.split(".")]):
+    # A call's file is named <nanoseconds>.<pid> (GNU date; elsewhere the names still differ).
+    order = lambda n: [int(p) if p.isdigit() else -1 for p in n.split(".")]  # noqa: E731
+    for entry in sorted(os.listdir(log), key=order):
         with open(os.path.join(log, entry), "rb") as handle:
             fields = [os.fsdecode(f) for f in handle.read().split(b"\0")[:-1]]
         if len(fields) >= 3:
@@ -3964,16 +3967,24 @@ def read_uncaught(xtrace, toolkit):
 
 
 def written_files(out):
-    """{path under out: size} of the files the run left in out."""
-    written = {}
+    """({path under out: size}, [the paths of ELF files]) of what the run left
+    in out.  A shim writes empty files: an ELF file was compiled by a
+    program the shims did not stand in for."""
+    written, binaries = {}, []
     for top, dirs, files in os.walk(out):
         for name in files:
             path = os.path.join(top, name)
+            rel = os.path.relpath(path, out)
             try:
-                written[os.path.relpath(path, out)] = os.lstat(path).st_size
+                info = os.lstat(path)
+                written[rel] = info.st_size
+                if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
+                    with open(path, "rb") as handle:
+                        if handle.read(len(ELF_MAGIC)) == ELF_MAGIC:
+                            binaries.append(rel)
             except OSError:
                 pass
-    return written
+    return written, sorted(binaries)
 
 
 def trace_script(repo, backend, arch, timeout, stream, shims):
@@ -4000,8 +4011,9 @@ def trace_script(repo, backend, arch, timeout, stream, shims):
         stream.write("==> trace %s: %s\n" % (backend.key, shown))
         stream.flush()
         child = run_streaming(command, copy, timeout, stream, env=env)
+        written, binaries = written_files(out)
         return Trace(shown, child, read_calls(shims.log),
-                     read_uncaught(shims.xtrace, shims.toolkit), written_files(out), out, places)
+                     read_uncaught(shims.xtrace, shims.toolkit), written, binaries, out, places)
     finally:
         for path in (top, shims.log):
             shutil.rmtree(path, ignore_errors=True)
@@ -4086,6 +4098,10 @@ def trace_backend(repo, run, backend, args, stream, shims):
             report("warning", "X001", "the script runs the compiler %s by its path, which the "
                    "trace cannot intercept; what that call built is not in this report (call it "
                    "by name, or through $NVCC/$CC/$CXX/$HIPCC or CUDA_HOME/ROCM_PATH)" % word)
+        for binary in trace.binaries if not trace.uncaught else ():
+            report("warning", "X001", "the script leaves <output-dir>/%s, a compiled file no shim "
+                   "wrote: a compiler the trace cannot intercept made it (one run by its path, "
+                   "from make or sh?); what that call built is not in this report" % binary)
         child = trace.child
         if child.error is not None:
             report("error", "R001", "the script cannot be run: %s" % child.error)

@@ -2562,6 +2562,39 @@ class TraceTierTest(TreeTest):
                        "build.sh has no compiler command with -o; the script must write "
                        "build.output into its <output-dir> argument"), messages)
 
+    def test_a_binary_no_shim_wrote_is_named(self):
+        # sh and make run no BASH_ENV: a compiler called by its path there is found by what
+        # it leaves, a compiled file, where a shim leaves an empty one.
+        gcc = "/usr/bin/gcc"
+        if not os.access(gcc, os.X_OK):
+            self.skipTest("%s is not installed" % gcc)
+        self.backend('#!/bin/sh\nset -e\nmkdir -p "$1"\n'
+                     'echo "int k(void){return 1;}" > "$1/k.c"\n'
+                     '%s -c -o "$1/k.o" "$1/k.c"\n'
+                     'cc -march=x86-64 -shared -o "$1/libk.so" "$1/k.o"\n' % gcc,
+                     platform="cpu", architectures=["x86-64"])
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual(rc, 0, report)
+        self.assertIn((
+            "X001", "running build.sh <output-dir> shows: the script leaves <output-dir>/k.o, a "
+            "compiled file no shim wrote: a compiler the trace cannot intercept made it (one run "
+            "by its path, from make or sh?); what that call built is not in this report"),
+            [(i["code"], i["message"]) for i in result["issues"]])
+
+    def test_single_target_run_that_ignores_its_target_is_reported(self):
+        self.tree(fat_files())
+        self.tree({"backends/cuda/fat/build.sh": Executable(
+            CUDA_FAT_BUILD.replace('"arch=compute_$2,code=sm_$2"', "arch=compute_80,code=sm_80"))})
+        rc, report, err = self.trace("--arch", "89")
+        (result,) = report["results"]
+        self.assertEqual(rc, 1)
+        self.assertEqual([(i["level"], i["code"], i["message"]) for i in result["issues"]], [
+            ("error", "B006", "running build.sh <output-dir> 89 shows: the single-target "
+             "invocation does not build 89"),
+            ("warning", "B007", "running build.sh <output-dir> 89 shows: the single-target "
+             "invocation for 89 also builds 80")])
+
     def test_the_repository_stays_byte_identical(self):
         subprocess.run(["git", "init", "-q", self.root], check=True)
         self.backend('#!/usr/bin/env bash\nset -eu\nhere=$(cd "$(dirname "$0")" && pwd)\n'
