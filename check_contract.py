@@ -157,10 +157,16 @@ SH_TOKEN_RE = re.compile(r"""
   | (?P<comment>\#[^\n]*)
   | (?P<newline>\n)
   | (?P<op>;;&|;;|;&|&&|\|\||\|&|[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])|[;&|()])
-""", re.X)
+  | (?P<word>(?:[^ \t\r\n'"\\$`;&|()<>]+|'[^']*'|\\[^\n]|\$\{[^{}"'`$]*\}|\$(?![('"{])
+              |"(?:[^"\\$`]|\\.|\$\{[^{}"'`$]*\}|\$(?![('"{]))*")+)
+  | (?P<other>.)
+""", re.X | re.S)
+# After a word SH_TOKEN_RE takes whole, one of these means it goes on.
+SH_WORD_GOES_ON = ("$", "`", '"', "'", "\\")
 # The parts of a word up to the first quote, expansion or end of word.
 SH_PLAIN_RE = re.compile(r"[^ \t\r\n'\"\\$`;&|()<>]+")
 SH_DOUBLE_PLAIN_RE = re.compile(r"[^\"\\$`]+")
+SH_SPECIAL_RE = re.compile(r"[$'\"\\`]")
 SH_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 SH_FUNCTION_NAME_RE = re.compile(r"[A-Za-z_][\w.:-]*\Z")
 SH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]]*\])?(\+?)=", re.S)
@@ -829,6 +835,13 @@ ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z",
 GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
 OPEN_TARGETS = ("all", "all-major", "native")
+# What compiler_call() reads of each option, given as `-x v` or `-x=v`.
+COMPILER_OPTIONS = {
+    "-o": "output", "--output-file": "output", "-D": "define", "--define-macro": "define",
+    "-gencode": "gencode", "--generate-code": "gencode", "-arch": "arch",
+    "--gpu-architecture": "arch", "-code": "code", "--gpu-code": "code",
+    "--offload-arch": "offload", "--amdgpu-target": "offload", "--cuda-gpu-arch": "offload",
+    "--targets": "targets", "-march": "march", "-mcpu": "mcpu"}
 
 
 class CompilerCall:
@@ -888,20 +901,6 @@ def looks_like_compiler_arguments(args):
     return "-shared" in args and any(a == "-o" or a.startswith("-o") for a in args)
 
 
-def option_values(args, index, names, glued=False):
-    """(value, words used) when args[index] is one of the options `names`
-    (as `-x v`, `-x=v`, or with `glued` `-xv`); (None, 0) otherwise."""
-    arg = args[index]
-    for name in names:
-        if arg == name:
-            return (args[index + 1], 2) if index + 1 < len(args) else (None, 1)
-        if arg.startswith(name + "="):
-            return arg[len(name) + 1:], 1
-        if glued and arg.startswith(name) and len(arg) > len(name):
-            return arg[len(name):], 1
-    return None, 0
-
-
 def compiler_call(words, line=None, cwd=None):
     """The facts of a command whose words (its argv: variables expanded,
     quotes removed) are `words`, or None when it is no compiler call.
@@ -933,44 +932,43 @@ def compiler_call(words, line=None, cwd=None):
     index = 0
     while index < len(args):
         arg = args[index]
-        used = 1
+        index += 1
         if NOT_REACHED in arg:
-            index += 1
             continue
-        value, used = option_values(args, index, ("-o", "--output-file"), glued=True)
-        if used:
-            if value is None or NOT_REACHED in value:
-                pass
-            elif value == "/dev/null":
+        name, equals, value = arg.partition("=")
+        kind = COMPILER_OPTIONS.get(name) if arg[:1] == "-" else None
+        if kind is None:
+            if arg.startswith("-D") or (arg.startswith("-o") and not equals):
+                kind, value = ("define" if arg[1] == "D" else "output"), arg[2:]
+            elif not known(arg) and might_hold_targets(arg):
+                call.unknown.append(show_word(arg))
+                continue
+            else:
+                continue
+        elif not equals:
+            if kind in ("march", "mcpu"):
+                continue
+            value = args[index] if index < len(args) else None
+            index += 1
+            arg += " " + (value or "")
+        if value is None or NOT_REACHED in value:
+            continue
+        if kind == "output":
+            if value == "/dev/null":
                 call.probes += 1
             else:
                 if cwd is not None and not value.startswith(("/", OUT_DIR, RUNTIME)):
                     value = cwd + "/" + value
                 call.outputs.append(value)
-            index += used
             continue
-        for names, kind in ((("-gencode", "--generate-code"), "gencode"),
-                            (("-arch", "--gpu-architecture"), "arch"),
-                            (("-code", "--gpu-code"), "code"),
-                            (("--offload-arch", "--amdgpu-target", "--cuda-gpu-arch"), "offload"),
-                            (("--targets",), "targets" if genco else None),
-                            (("-D", "--define-macro"), "define")):
-            value, used = option_values(args, index, names, glued=(kind == "define"))
-            if used:
-                break
-        else:
-            kind, used = None, 1
-            if arg.startswith("-march="):
-                kind, value = "march", arg[7:]
-            elif arg.startswith("-mcpu=gfx"):
-                kind, value = "offload", arg[6:]
-        index += used
-        if kind is None and not known(arg) and might_hold_targets(arg):
-            call.unknown.append(show_word(arg))
-        if kind is None or value is None or NOT_REACHED in value:
+        if kind == "mcpu":
+            if not value.startswith("gfx"):
+                continue
+            kind = "offload"
+        if kind == "targets" and not genco:
             continue
         if not known(value):
-            call.unknown.append(show_word(arg if used == 1 else arg + " " + value))
+            call.unknown.append(show_word(arg))
         elif kind == "gencode":
             gencode(call, value)
         elif kind == "arch":
@@ -980,7 +978,7 @@ def compiler_call(words, line=None, cwd=None):
         elif kind in ("offload", "targets"):
             for target in value.split(","):
                 if target in OPEN_TARGETS:
-                    call.open_targets.append("%s=%s" % (arg.split("=", 1)[0], target))
+                    call.open_targets.append("%s=%s" % (name, target))
                 elif target.startswith("sm_"):
                     call.sass.append(target[3:])
                 elif target:
@@ -1326,40 +1324,44 @@ def tokenize(text):
     """The script's tokens as (kind, text, line): kind "word", "op" or "newline".
     Here-document bodies are skipped."""
     tokens = []
-    pos, line, length = 0, 1, len(text)
+    line = 1
     heredocs = []  # (delimiter, strip tabs) waiting for the end of the line
-    while pos < length:
-        match = SH_TOKEN_RE.match(text, pos)
-        if match is None:
-            end = max(scan_word(text, pos), pos + 1)
-            word = text[pos:end]
+    matches = SH_TOKEN_RE.finditer(text)
+    for match in iter(lambda: next(matches, None), None):
+        kind = match.lastgroup
+        if kind == "word" or kind == "other":
+            start = end = match.end()
+            if kind == "other" or text.startswith(SH_WORD_GOES_ON, end) or (
+                    text.startswith("(", end) and text[end - 1] == "="):
+                start = match.start()
+                end = max(scan_word(text, start), start + 1)  # $(...), `...`, name=(...)
+            word = text[match.start():end]
             if tokens and tokens[-1][0] == "op" and tokens[-1][1].lstrip("0123456789") in ("<<", "<<-"):
                 heredocs.append((re.sub(r"[\"'\\]", "", word), tokens[-1][1].endswith("-")))
             tokens.append(("word", word, line))
             line += word.count("\n")
-            pos = end
-            continue
-        kind = match.lastgroup
-        if kind == "newline":
+            if end != match.end():
+                matches = SH_TOKEN_RE.finditer(text, end)
+        elif kind == "newline":
             tokens.append(("newline", "\n", line))
             line += 1
-            pos = match.end()
-            for delimiter, strip in heredocs:
-                while pos < length:
-                    end = text.find("\n", pos)
-                    end = length if end < 0 else end
-                    body = text[pos:end]
-                    pos = end + 1
-                    line += 1
-                    if (body.lstrip("\t") if strip else body) == delimiter:
-                        break
-            heredocs = []
-            continue
+            if heredocs:
+                pos = match.end()
+                for delimiter, strip in heredocs:
+                    while pos < len(text):
+                        end = text.find("\n", pos)
+                        end = len(text) if end < 0 else end
+                        body = text[pos:end]
+                        pos = end + 1
+                        line += 1
+                        if (body.lstrip("\t") if strip else body) == delimiter:
+                            break
+                heredocs = []
+                matches = SH_TOKEN_RE.finditer(text, pos)
         elif kind == "op":
             tokens.append(("op", match.group(), line))
-        else:
+        elif kind == "blank" and "\n" in match.group():
             line += match.group().count("\n")
-        pos = match.end()
     tokens.append(("newline", "\n", line))
     return tokens
 
@@ -2062,7 +2064,7 @@ class ScriptReader:
     def expand(self, word, split):
         """The fields a word expands to: variables, command substitutions and
         quotes done; with `split`, unquoted expansions split at blanks."""
-        if not any(c in word for c in "$'\"\\`"):
+        if SH_SPECIAL_RE.search(word) is None:
             return [word]
         if split and (word == '"$@"' or (word.startswith('"${') and word.endswith('[@]}"'))):
             value = self.parameter(word[3:-2], word, True) if word != '"$@"' else list(self.args)
@@ -2121,9 +2123,8 @@ class ScriptReader:
                 pos += 1 + len(name)
                 value = self.parameter(name, "$" + name, in_double)
             else:
-                end = pos + 1
-                while end < length and word[end] not in "$'\"\\`":
-                    end += 1
+                special = SH_SPECIAL_RE.search(word, pos + 1)
+                end = special.start() if special else length
                 fields[-1] += word[pos:end]
                 pos = end
                 continue
