@@ -2003,7 +2003,7 @@ class ScriptReader:
         name, index, append = match.group(1), match.group(2), match.group(3)
         value = word[match.end():]
         if value.startswith("(") and value.endswith(")") and index is None:
-            items = self.expand_words(ScriptParser.array_words(value[1:-1]))
+            items = self.expand_words(array_words(value[1:-1]))
             if append:
                 items = self.arrays.get(name, [self.vars[name]] if name in self.vars else []) + items
             self.vars.pop(name, None)
@@ -2237,8 +2237,6 @@ def array_words(text):
     """The words of an array value's text (between its parentheses)."""
     return [token[1] for token in tokenize(text) if token[0] == "word"]
 
-
-ScriptParser.array_words = staticmethod(array_words)
 
 
 def remove_pattern(value, pattern, op):
