@@ -2549,7 +2549,8 @@ def check_entry_restorable(state: State, entry: dict) -> None:
                                    "symlink, directory or special file); the state directory was "
                                    "altered, nothing was changed" % (record["path"], backup))
     for path in [record["path"] for record in entry_files(entry)] + [
-            cache["path"] for cache in entry["caches"]]:
+            cache["path"] for cache in entry["caches"]] + [
+            product["path"] for product in entry.get("untracked") or []]:
         link = symlink_on_the_way(path)
         if link:
             raise path_changed(path, link, "a symlink" if os.path.islink(link) else "no directory")
@@ -2610,7 +2611,7 @@ def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = Non
         if product["kind"] != "d" and os.path.lexists(path) and not (
                 os.path.isdir(path) and not os.path.islink(path)):
             if aside is None:
-                remove_path(path)
+                remove_file(path)
                 continue
             target = os.path.join(aside[1], os.path.relpath(path, aside[0]))
             os.makedirs(os.path.dirname(target), exist_ok=True)

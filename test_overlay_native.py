@@ -2100,6 +2100,29 @@ class InstallFileSafetyTest(OverlayTestCase):
         self.assertEqual(read_text(self.source), "int k;\n")
         self.assertFalse(os.path.exists(os.path.join(self.proj, "build/new.c")))
 
+    def test_a_product_directory_replaced_by_a_symlink_is_not_deleted_through(self) -> None:
+        victim = os.path.join(self.tmp, "victim")
+        write_tree(victim, {"new.o": "victim's own\n"})
+        write_tree(self.proj, {"out/keep": "kept\n"})
+        self.assertOk(self.add("--build-cmd", "echo x > out/new.o", "--build-cwd", self.proj))
+        os.rename(os.path.join(self.proj, "out"), os.path.join(self.proj, "out.moved"))
+        os.symlink(victim, os.path.join(self.proj, "out"))
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E505 %s is no longer what the journal recorded: %s is now a "
+            "symlink; nothing was written through it: put the directory back (or move it away), "
+            "then run revert again\n" % (os.path.join(self.proj, "out", "new.o"),
+                                         os.path.join(self.proj, "out"))))
+        self.assertEqual(read_text(os.path.join(victim, "new.o")), "victim's own\n")
+
+    def test_a_directory_that_held_an_untracked_product_gets_its_mtime_back(self) -> None:
+        write_tree(self.proj, {"out/keep": "kept\n"})
+        past = time.time() - 3600
+        os.utime(os.path.join(self.proj, "out"), (past, past))
+        before = tree_state(self.proj)
+        self.assertOk(self.add("--build-cmd", "echo x > out/new.o", "--build-cwd", self.proj))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
     def test_a_path_under_a_symlink_is_refused_at_apply(self) -> None:
         os.symlink(os.path.join(self.proj, "build"), os.path.join(self.tmp, "via"))
         rc, out, err = self.add("--no-build", source=os.path.join(self.tmp, "via", "k.c"))
