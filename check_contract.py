@@ -3749,7 +3749,7 @@ for arg in "$@"; do
     -o|--output-file) next=1 ;;
     --output-file=*) out=${arg#*=} ;;
     -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
-    -o*) out=${arg#-o} ;;
+    -o*) case $name in nvcc*) ;; *) out=${arg#-o} ;; esac ;;  # nvcc: -odir, -optf
     -) stdin=1 ;;
     --version|-dumpversion|-dumpfullversion|-dumpmachine|--list-gpu-arch|--list-gpu-code)
         probe=$arg ;;
@@ -3926,14 +3926,18 @@ def copy_repository(root, copy):
 def read_calls(log):
     """The RecordedCalls the shims recorded, in the order they were made."""
     calls = []
-    # A call's file is named <nanoseconds>.<pid> (GNU date; elsewhere the names still differ).
-    order = lambda n: [int(p) if p.isdigit() else -1 for p in n.split(".")]  # noqa: E731
-    for entry in sorted(os.listdir(log), key=order):
+    for entry in sorted(os.listdir(log), key=call_order):
         with open(os.path.join(log, entry), "rb") as handle:
             fields = [os.fsdecode(f) for f in handle.read().split(b"\0")[:-1]]
         if len(fields) >= 3:
             calls.append(RecordedCall(fields[2:], fields[1], fields[0] or None))
     return calls
+
+
+def call_order(name):
+    """A recorded call's file is named <nanoseconds>.<pid> (where date knows
+    %N; elsewhere the names still differ, and sort as found)."""
+    return [int(part) if part.isdigit() else -1 for part in name.split(".")]
 
 
 def read_uncaught(xtrace, toolkit):

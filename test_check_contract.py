@@ -2533,6 +2533,7 @@ class TraceTierTest(TreeTest):
                      'sccache g++ -c k.cpp -o "$1/k2.o"\n'
                      '"$CXX" -c k.cpp -o"$1/k3.o"\n'
                      '"$ROCM_PATH/llvm/bin/clang++" -c k.cpp -o "$1/k4.o"\n'
+                     'mkdir -p dir\n"$CUDA_HOME/bin/nvcc" -arch=sm_80 -c -odir "$1" k.cu  # not -o dir\n'
                      '"$CUDA_HOME/bin/nvcc" -arch=sm_80 -shared --output-file="$1/libk.so" "$1"/k*.o\n')
         rc, report, err = self.trace()
         (result,) = report["results"]
@@ -2540,7 +2541,8 @@ class TraceTierTest(TreeTest):
         calls = result["runs"][0]["calls"]
         self.assertEqual([(c["via"], c["words"][0]) for c in calls],
                          [(None, "nvcc"), (None, "gcc-12"), (None, "cc"), ("ccache", "clang++-18"),
-                          ("sccache", "g++"), (None, "c++"), (None, "clang++"), (None, "nvcc")])
+                          ("sccache", "g++"), (None, "c++"), (None, "clang++"), (None, "nvcc"),
+                          (None, "nvcc")])
         self.assertEqual(result["runs"][0]["written"], ["k.o", "k2.o", "k3.o", "k4.o", "libk.so"])
 
     def test_a_compiler_run_by_its_path_is_named(self):
