@@ -153,6 +153,9 @@ SCAN_LIMIT = 50000
 CHUNK = 1 << 20
 INPUT_LIMIT = 64 << 20  # a patch or a patched source, read whole into memory
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+GIT_HEADER_RE = re.compile(r"^(new file mode|deleted file mode|old mode|new mode) (\d+)$")
+GIT_MODES = {"100644": 0o644, "100755": 0o755}
+GIT_MODE_KINDS = {"120000": "a symlink", "160000": "a submodule"}
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 MTIME_KEY = "OVERLAY.mtime_ns"
@@ -1324,9 +1327,10 @@ def stage_python_module(state: State, manifest: dict, name: str, content: Option
 
 
 class FilePatch:
-    def __init__(self, old: Optional[str], new: Optional[str]):
+    def __init__(self, old: Optional[str], new: Optional[str], mode: Optional[int] = None):
         self.old = old
         self.new = new
+        self.mode = mode  # git's mode for the file after the patch (0o644, 0o755), if it says one
         self.hunks: List[Tuple[int, int, int, int, List[Tuple[str, str]]]] = []
 
     @property
@@ -1354,23 +1358,27 @@ def strip_components(raw: str, strip: int, patch_name: str) -> Optional[str]:
     return "/".join(parts[strip:])
 
 
+def git_header_path(line: str, strip: int, patch_name: str) -> str:
+    """The file of a `diff --git a/NAME b/NAME` line (renames are refused elsewhere)."""
+    names = line[len("diff --git "):]
+    half = len(names) // 2
+    if names.startswith('"'):
+        strip_components(names, strip, patch_name)  # refuses the quoted path
+    old = strip_components(names[:half], strip, patch_name) if names[half:half + 1] == " " else None
+    if old is None or old != strip_components(names[half + 1:], strip, patch_name):
+        raise OverlayError("E301", "%s: cannot tell the file name in %r; regenerate the patch with "
+                           "`git diff --no-renames`" % (patch_name, line))
+    return old
+
+
 def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
+    """The file parts of a unified diff, with git's extended headers: a part
+    with no ---/+++ lines makes or removes an empty file or changes a mode."""
     lines = split_lines(text)
     patches: List[FilePatch] = []
-    index = 0
-    while index < len(lines):
-        line = lines[index].rstrip("\n").rstrip("\r")
-        if line.startswith(("rename from", "copy from")):
-            raise OverlayError("E305", "%s: renames and copies are not supported; regenerate the "
-                               "patch with `git diff --no-renames`" % patch_name)
-        if line.startswith(("Binary files", "GIT binary patch")):
-            raise OverlayError("E305", "%s: binary patches are not supported" % patch_name)
-        if not (line.startswith("--- ") and index + 1 < len(lines)
-                and lines[index + 1].startswith("+++ ")):
-            index += 1
-            continue
-        current = FilePatch(strip_components(line[4:], strip, patch_name),
-                            strip_components(lines[index + 1].rstrip("\n")[4:], strip, patch_name))
+    git: Optional[dict] = None  # the `diff --git` header read last, until its ---/+++ lines
+
+    def add(current: FilePatch) -> None:
         if current.old is None and current.new is None:
             raise OverlayError("E301", "%s: a file goes from /dev/null to /dev/null" % patch_name)
         path = current.path
@@ -1382,6 +1390,49 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
             raise OverlayError("E301", "%s: %s appears twice; regenerate the patch with one diff "
                                "per file" % (patch_name, current.path))
         patches.append(current)
+
+    def header_only(git: Optional[dict]) -> None:
+        if git is None:
+            return
+        if "new file mode" in git:
+            add(FilePatch(None, git["path"], git["new file mode"]))
+        elif "deleted file mode" in git:
+            add(FilePatch(git["path"], None))
+        elif "new mode" in git:
+            add(FilePatch(git["path"], git["path"], git["new mode"]))
+
+    index = 0
+    while index < len(lines):
+        line = lines[index].rstrip("\n").rstrip("\r")
+        if line.startswith(("rename from", "copy from")):
+            raise OverlayError("E305", "%s: renames and copies are not supported; regenerate the "
+                               "patch with `git diff --no-renames`" % patch_name)
+        if line.startswith(("Binary files", "GIT binary patch")):
+            raise OverlayError("E305", "%s: binary patches are not supported" % patch_name)
+        if line.startswith("diff --git "):
+            header_only(git)
+            git = {"path": git_header_path(line, strip, patch_name)}
+            index += 1
+            continue
+        match = GIT_HEADER_RE.match(line) if git is not None else None
+        if match:
+            if match.group(2) not in GIT_MODES:
+                raise OverlayError("E305", "%s: %s has mode %s (%s); only regular files (100644, "
+                                   "100755) are supported: leave it out of the patch"
+                                   % (patch_name, git["path"], match.group(2),
+                                      GIT_MODE_KINDS.get(match.group(2), "no regular file")))
+            git[match.group(1)] = GIT_MODES[match.group(2)]
+            index += 1
+            continue
+        if not (line.startswith("--- ") and index + 1 < len(lines)
+                and lines[index + 1].startswith("+++ ")):
+            index += 1
+            continue
+        current = FilePatch(strip_components(line[4:], strip, patch_name),
+                            strip_components(lines[index + 1].rstrip("\n")[4:], strip, patch_name),
+                            git and git.get("new file mode", git.get("new mode")))
+        git = None
+        add(current)
         index += 2
         while index < len(lines):
             match = HUNK_RE.match(lines[index])
@@ -1419,10 +1470,21 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
                                    % (patch_name, len(current.hunks) + 1, current.path,
                                       old_len, new_len))
             current.hunks.append((old_start, old_len, new_start, new_len, body))
+        if not current.hunks:
+            raise OverlayError("E301", "%s: %s has file headers but no hunk; nothing was written: "
+                               "regenerate the patch" % (patch_name, current.path))
+    header_only(git)
     if not patches:
         raise OverlayError("E301", "%s holds no unified diff (no ---/+++ file headers); pass a "
                            "patch made by `git diff` or `diff -u`" % patch_name)
     return patches
+
+
+def git_mode_change(current: int, mode: int) -> int:
+    """A file's permission bits after git's mode change to `mode` (0o755: the
+    execute bits join the read bits, as `chmod +x`; 0o644: they go)."""
+    bits = stat.S_IMODE(current)
+    return bits | ((bits & 0o444) >> 2) if mode & 0o111 else bits & ~0o111
 
 
 def apply_hunks(file_patch: FilePatch, original: Optional[bytes], patch_name: str) -> Optional[bytes]:
@@ -2136,10 +2198,11 @@ def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
 
 def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                        artifacts: List[str], caches: List[str], build: Optional[dict],
-                       protected: List[Tuple[str, str]], command: str) -> dict:
+                       protected: List[Tuple[str, str]], command: str,
+                       modes: Dict[str, int]) -> dict:
     """Steps 1-3: make the backups and the journal entry durable, then set the
     caches aside and swap the sources.  `changes` maps each source to its
-    patched content (None: delete it).  A crash before the entry is journaled
+    patched content (None: delete it), `modes` some of them to a new mode.  A crash before the entry is journaled
     leaves only unreferenced backups; the install is untouched until then."""
     entry_id = manifest["next_id"]
     directory = "backups/%d" % entry_id
@@ -2220,7 +2283,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         if patched is None:
             remove_file(source)
         else:
-            put_file(source, {"mode": record.get("mode", 0o644)}, data=patched)
+            put_file(source, {"mode": modes.get(source, record.get("mode", 0o644))}, data=patched)
     if build is None:
         entry["state"] = "applied"
         state.save(manifest)
@@ -2951,7 +3014,8 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
 
 def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                   artifacts: List[str], caches: List[str], build: Optional[dict],
-                  protected: List[Tuple[str, str]], command: str, python_update=None) -> dict:
+                  protected: List[Tuple[str, str]], command: str, python_update=None,
+                  modes: Optional[Dict[str, int]] = None) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
@@ -2959,7 +3023,7 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
     try:
         if changes:
             entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                       protected, command)
+                                       protected, command, modes or {})
             if entry["protected"]:
                 print("backed up %d build product(s) the build may rewrite: %s" % (
                     len(entry["protected"]), ", ".join(
@@ -3046,6 +3110,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     name = os.path.basename(args.patch)
     file_patches = parse_patch(text, args.p, name)
     natives: List[Tuple[str, Optional[bytes]]] = []
+    modes: Dict[str, int] = {}
     modules: List[Tuple[str, Optional[bytes], Optional[str], str]] = []
     for file_patch in file_patches:
         relative = file_patch.path
@@ -3071,6 +3136,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
             with open(target, "rb") as handle:
                 original = handle.read()
         result = apply_hunks(file_patch, original, name)
+        if suffix == ".py" and file_patch.mode is not None and (
+                original is not None or file_patch.mode != 0o644):
+            raise OverlayError("E305", "%s: %s changes mode to %s, but a .py file is overlaid by "
+                               "its content alone: leave the mode change out of the patch"
+                               % (name, relative, "100%o" % file_patch.mode))
+        if file_patch.mode is not None and result is not None:
+            modes[target] = file_patch.mode if original is None else \
+                git_mode_change(os.stat(target).st_mode, file_patch.mode)
         if suffix == ".py":
             module, package = module_for_path(relative)
             check_module_name(module, "module of %s" % relative)
@@ -3104,7 +3177,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 write_python_overlay(state, manifest)
 
         entry = finish_native(state, manifest, natives, artifacts, caches,
-                              build if natives else None, protected, "apply", python_update)
+                              build if natives else None, protected, "apply", python_update,
+                              modes)
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))

@@ -1012,6 +1012,87 @@ class PatchTest(OverlayTestCase):
             "pass a patch made by `git diff` or `diff -u`\n"))
 
 
+    def git_diff(self, change, name: str = "parts.diff") -> str:
+        """A real `git diff --no-renames` of what `change(work)` does to the work copy."""
+        change(self.work)
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        diff = subprocess.run(self.git + ["diff", "--cached", "--no-renames"], check=True,
+                              stdout=subprocess.PIPE).stdout
+        subprocess.run(self.git + ["reset", "-q", "--hard"], check=True)
+        subprocess.run(self.git + ["clean", "-qfd"], check=True)
+        path = os.path.join(self.tmp, name)
+        with open(path, "wb") as handle:
+            handle.write(diff)
+        return path
+
+    def test_empty_files_and_mode_changes_of_a_git_diff_are_applied_and_reverted(self) -> None:
+        write_tree(self.proj, {"empty_old.c": ""})
+        write_tree(self.work, {"empty_old.c": ""})
+        subprocess.run(self.git + ["add", "-A"], check=True)
+        subprocess.run(self.git + ["commit", "-qm", "empty"], check=True)
+
+        def change(work: str) -> None:
+            write_tree(work, {"empty_new.c": "", "tool.c": "int tool;\n"})
+            os.unlink(os.path.join(work, "empty_old.c"))
+            os.chmod(os.path.join(work, "kernel_a.c"), 0o755)  # mode only
+            os.chmod(os.path.join(work, "tool.c"), 0o755)  # a new executable file
+            with open(os.path.join(work, "kernel_c.c"), "a") as handle:  # content and mode
+                handle.write("/* c */\n")
+            os.chmod(os.path.join(work, "kernel_c.c"), 0o755)
+            os.chmod(os.path.join(work, "api.c"), 0o600)  # git sees no change: none made
+        patch = self.git_diff(change)
+        text = read_text(patch)
+        for part in ("new file mode 100644", "deleted file mode 100644", "old mode 100644\n"
+                     "new mode 100755", "new file mode 100755"):
+            self.assertIn(part, text)
+        before = tree_state(self.proj)
+        rc, out, err = self.tool("apply", patch, "--root", self.proj, "--no-build")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(out.splitlines()[-1], "applied parts.diff: entry 1: 5 native file(s); "
+                                               "run `overlay_setup.py revert` to take it back")
+        p = lambda relative: os.path.join(self.proj, relative)  # noqa: E731
+        mode = lambda relative: stat.S_IMODE(os.stat(p(relative)).st_mode)  # noqa: E731
+        self.assertEqual(read_text(p("empty_new.c")), "")
+        self.assertEqual(mode("empty_new.c"), 0o644)
+        self.assertFalse(os.path.exists(p("empty_old.c")))
+        self.assertEqual((mode("kernel_a.c"), read_text(p("kernel_a.c"))),
+                         (0o755, KERNELS["kernel_a.c"]))
+        self.assertEqual((mode("tool.c"), read_text(p("tool.c"))), (0o755, "int tool;\n"))
+        self.assertEqual((mode("kernel_c.c"), read_text(p("kernel_c.c"))),
+                         (0o755, KERNELS["kernel_c.c"] + "/* c */\n"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_file_headers_without_hunks_are_refused(self) -> None:
+        patch = os.path.join(self.tmp, "headers.diff")
+        write_text_file(patch, "diff --git a/kernel_a.c b/kernel_a.c\nindex 1111111..2222222 "
+                               "100644\n--- a/kernel_a.c\n+++ b/kernel_a.c\n")
+        before = tree_state(self.proj)
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E301 headers.diff: kernel_a.c has file headers but no hunk; "
+            "nothing was written: regenerate the patch\n"))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_symlinks_and_mode_changes_of_python_files_are_refused_by_name(self) -> None:
+        def add_link(work: str) -> None:
+            os.symlink("kernel_a.c", os.path.join(work, "alias.c"))
+
+        def chmod_module(work: str) -> None:
+            os.chmod(os.path.join(work, "pkg/mathops.py"), 0o755)
+        before = tree_state(self.proj)
+        self.assertEqual(self.tool("apply", self.git_diff(add_link), "--root", self.proj,
+                                   "--no-build"), (
+            1, "", "overlay_setup: E305 parts.diff: alias.c has mode 120000 (a symlink); only "
+            "regular files (100644, 100755) are supported: leave it out of the patch\n"))
+        self.assertEqual(self.tool("apply", self.git_diff(chmod_module), "--root", self.proj,
+                                   "--no-build"), (
+            1, "", "overlay_setup: E305 parts.diff: pkg/mathops.py changes mode to 100755, but "
+            "a .py file is overlaid by its content alone: leave the mode change out of the "
+            "patch\n"))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
 class PythonOverlayTest(OverlayTestCase):
     def setUp(self) -> None:
         super().setUp()
