@@ -1358,17 +1358,17 @@ def strip_components(raw: str, strip: int, patch_name: str) -> Optional[str]:
     return "/".join(parts[strip:])
 
 
-def git_header_path(line: str, strip: int, patch_name: str) -> str:
-    """The file of a `diff --git a/NAME b/NAME` line (renames are refused elsewhere)."""
+def git_header_path(line: str, strip: int, patch_name: str) -> Optional[str]:
+    """The file of a `diff --git a/NAME b/NAME` line; None when the two names
+    differ (a rename, refused by its own header line) or cannot be told apart."""
     names = line[len("diff --git "):]
     half = len(names) // 2
     if names.startswith('"'):
         strip_components(names, strip, patch_name)  # refuses the quoted path
-    old = strip_components(names[:half], strip, patch_name) if names[half:half + 1] == " " else None
-    if old is None or old != strip_components(names[half + 1:], strip, patch_name):
-        raise OverlayError("E301", "%s: cannot tell the file name in %r; regenerate the patch with "
-                           "`git diff --no-renames`" % (patch_name, line))
-    return old
+    if names[half:half + 1] != " " or names[:half].count("/") < strip:
+        return None
+    old = strip_components(names[:half], strip, patch_name)
+    return old if old == strip_components(names[half + 1:], strip, patch_name) else None
 
 
 def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
@@ -1392,8 +1392,11 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
         patches.append(current)
 
     def header_only(git: Optional[dict]) -> None:
-        if git is None:
-            return
+        if git is None or not {"new file mode", "deleted file mode", "new mode"} & set(git):
+            return  # nothing but an index line: the ---/+++ lines, if any, say the rest
+        if git["path"] is None:
+            raise OverlayError("E301", "%s: cannot tell the file name in %r; regenerate the patch "
+                               "with `git diff --no-renames`" % (patch_name, git["line"]))
         if "new file mode" in git:
             add(FilePatch(None, git["path"], git["new file mode"]))
         elif "deleted file mode" in git:
@@ -1411,7 +1414,7 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
             raise OverlayError("E305", "%s: binary patches are not supported" % patch_name)
         if line.startswith("diff --git "):
             header_only(git)
-            git = {"path": git_header_path(line, strip, patch_name)}
+            git = {"path": git_header_path(line, strip, patch_name), "line": line}
             index += 1
             continue
         match = GIT_HEADER_RE.match(line) if git is not None else None
@@ -1419,7 +1422,7 @@ def parse_patch(text: str, strip: int, patch_name: str) -> List[FilePatch]:
             if match.group(2) not in GIT_MODES:
                 raise OverlayError("E305", "%s: %s has mode %s (%s); only regular files (100644, "
                                    "100755) are supported: leave it out of the patch"
-                                   % (patch_name, git["path"], match.group(2),
+                                   % (patch_name, git["path"] or "a file", match.group(2),
                                       GIT_MODE_KINDS.get(match.group(2), "no regular file")))
             git[match.group(1)] = GIT_MODES[match.group(2)]
             index += 1
