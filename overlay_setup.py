@@ -2611,9 +2611,8 @@ def check_entry_restorable(state: State, entry: dict) -> None:
                                    "changed: restore that file by hand, then remove entry %d from "
                                    "the journal" % (record["path"], state.root, entry["id"]))
             if not stat.S_ISREG(os.lstat(backup).st_mode):
-                raise OverlayError("E203", "the backup of %s, %s, is not a regular file (a "
-                                   "symlink, directory or special file); the state directory was "
-                                   "altered, nothing was changed" % (record["path"], backup))
+                raise altered_backup(record["path"], backup, "a regular file (a symlink, "
+                                     "directory or special file)")
     for path in [record["path"] for record in entry_files(entry)] + [
             cache["path"] for cache in entry["caches"]] + [
             product["path"] for product in entry.get("untracked") or []]:
@@ -2622,9 +2621,21 @@ def check_entry_restorable(state: State, entry: dict) -> None:
             raise path_changed(path, link, "a symlink" if os.path.islink(link) else "no directory")
     for cache in entry["caches"]:
         archive = state.state_path(cache["backup"])
-        if cache["present"] and cache["method"] == "tar" and os.path.isfile(archive):
+        if not cache["present"] or not os.path.lexists(archive):
+            continue  # absent: put back by an earlier, interrupted revert
+        if cache["method"] == "rename" and not stat.S_ISDIR(os.lstat(archive).st_mode):
+            raise altered_backup(cache["path"], archive, "a directory (a symlink or a file)")
+        if cache["method"] == "tar":
+            if not stat.S_ISREG(os.lstat(archive).st_mode):
+                raise altered_backup(cache["path"], archive, "a regular file (a symlink, "
+                                     "directory or special file)")
             with open_snapshot(archive) as tar:
                 checked_members(archive, tar)
+
+
+def altered_backup(path: str, backup: str, what: str) -> OverlayError:
+    return OverlayError("E203", "the backup of %s, %s, is not %s; the state directory was "
+                        "altered, nothing was changed" % (path, backup, what))
 
 
 def restore_file(state: State, record: dict) -> None:

@@ -2245,6 +2245,21 @@ class InstallFileSafetyTest(OverlayTestCase):
         self.assertEqual(stat.S_IMODE(os.stat(other).st_mode), 0o600)
         self.assertEqual(tree_state(self.proj), applied)
 
+    def test_a_cache_backup_replaced_by_a_symlink_is_refused_as_altered_state(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        elsewhere = os.path.join(self.tmp, "elsewhere")
+        write_tree(elsewhere, {"entry": "someone's\n"})
+        self.assertOk(self.add("--invalidate-cache", cache, "--no-build"))
+        manifest = read_json(os.path.join(self.state, "manifest.json"))
+        backup = os.path.join(self.state, manifest["entries"][0]["caches"][0]["backup"])
+        shutil.rmtree(backup)
+        os.symlink(elsewhere, backup)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E203 the backup of %s, %s, is not a directory (a symlink or a "
+            "file); the state directory was altered, nothing was changed\n" % (cache, backup)))
+        self.assertFalse(os.path.lexists(cache))
+        self.assertEqual(read_text(os.path.join(elsewhere, "entry")), "someone's\n")
+
     def test_a_journal_path_outside_the_recorded_roots_is_refused(self) -> None:
         precious = os.path.join(self.tmp, "elsewhere", "precious.c")
         write_tree(self.tmp, {"elsewhere/precious.c": "keep\n"})
