@@ -2413,7 +2413,6 @@ MANIFEST_KEYS = (
     ("reference.note", False, Rule("a non-empty string", lambda v: type(v) is str and v != "")),
     ("excluded", False, Rule("a list of glob patterns", lambda v: type(v) is list, PATH)),
 )
-TOP_KEYS = tuple(key for key, _, _ in MANIFEST_KEYS if "." not in key)
 
 
 def keys_by_object(table):
