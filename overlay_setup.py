@@ -830,6 +830,21 @@ class State:
         return "pid %s on %s (%s since %s)" % (info.get("pid"), info.get("host"),
                                               info.get("command"), info.get("since"))
 
+    def lock_held(self) -> bool:
+        """Whether a command holds the lock, asked without writing anything,
+        so that `status` works on a read-only state directory too."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def try_lock(self, command: str) -> bool:
         self.check_ours()
         self.check_private()
@@ -2796,11 +2811,12 @@ def revert_all(state: State, manifest: dict, force: bool,
     if not force:
         for entry in manifest["entries"]:
             changed = source_drift(entry)
-            if changed:
+            if changed:  # --force on the older of two overlays would bring the newer back later
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
                                    "the original nor the patched content); nothing was reverted: "
-                                   "run `overlay_setup.py revert --force` to restore the original "
-                                   "anyway" % changed[0])
+                                   "if another overlay patched it since, revert that one first; "
+                                   "else run `overlay_setup.py revert --force` to restore the "
+                                   "original anyway" % changed[0])
         changed = rebuilt_since_apply(manifest["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
@@ -3268,10 +3284,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print("state: %s" % state.root)
     print("owner: %s" % describe_owner(manifest["owner"]))
-    if not state.try_lock("status"):
+    if state.lock_held():
         print("lock: held by %s" % state.holder())
-    else:
-        state.unlock()
     for name, module in sorted(manifest["python"]["modules"].items()):
         print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
     for target, replacement in sorted(manifest["python"]["rebinds"].items()):

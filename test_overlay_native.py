@@ -371,8 +371,9 @@ class CProjectTest(OverlayTestCase):
             handle.write("/* edited */\n")
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
-            "original nor the patched content); nothing was reverted: run `overlay_setup.py "
-            "revert --force` to restore the original anyway\n" % self.p("kernel_b.c")))
+            "original nor the patched content); nothing was reverted: if another overlay patched "
+            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
+            "restore the original anyway\n" % self.p("kernel_b.c")))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(self.p("kernel_b.c")), KERNELS["kernel_b.c"])
 
@@ -2583,3 +2584,63 @@ class BuildProcessTest(OverlayTestCase):
             peaks.append(int(peak.stdout) * 1024)
             self.assertOk(call("--state", self.state, "revert"))
         self.assertLess(peaks[1] - peaks[0], 16 << 20, peaks)
+
+
+def mount_or_skip(test: unittest.TestCase, *args: str) -> None:
+    """Run mount(8) (root only here); skip the test saying why when it cannot."""
+    if os.geteuid() != 0:
+        test.skipTest("mounting needs root, which this run is not")
+    result = subprocess.run(["mount"] + list(args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, universal_newlines=True)
+    if result.returncode != 0:
+        test.skipTest("mount %s failed: %s" % (" ".join(args), result.stdout.strip()))
+
+
+class MountTest(OverlayTestCase):
+    """Real mounts: a read-only state directory, a bind mount, a full disk."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.source = os.path.join(self.proj, "k.c")
+
+    def mount(self, *args: str) -> None:
+        mount_or_skip(self, *args)
+        self.addCleanup(subprocess.run, ["umount", "-l", args[-1]])
+
+    def test_status_of_a_read_only_state_directory_is_shown_whole(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.source, "--patched",
+                                os.path.join(self.proj, "fast.c"), "--no-build",
+                                "--owner-pid", str(os.getpid())))
+        writable = self.tool("status")
+        self.assertOk(writable)
+        self.mount("--bind", self.state, self.state)
+        self.mount("-o", "remount,bind,ro", self.state)
+        self.assertEqual(self.tool("status"), writable)
+
+
+class TwoOverlaysTest(OverlayTestCase):
+    def test_the_advice_for_a_source_patched_again_leads_back_to_the_original(self) -> None:
+        proj = os.path.join(self.tmp, "proj")
+        write_tree(proj, {"k.c": "int k;\n", "one.c": "int k = 1;\n", "two.c": "int k = 2;\n"})
+        source = os.path.join(proj, "k.c")
+        original = tree_state(proj)
+        older, newer = os.path.join(self.tmp, "older"), os.path.join(self.tmp, "newer")
+        home = os.environ["XDG_STATE_HOME"]
+        for state, patched in ((older, "one.c"), (newer, "two.c")):
+            # two registries: one does not know the other's claim on k.c
+            os.environ["XDG_STATE_HOME"] = state + "-home"
+            self.assertOk(call("--state", state, "add-native", "--source", source, "--patched",
+                               os.path.join(proj, patched), "--no-build",
+                               "--owner-pid", str(os.getpid())))
+        os.environ["XDG_STATE_HOME"] = home
+        self.assertEqual(call("--state", older, "revert"), (
+            1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
+            "original nor the patched content); nothing was reverted: if another overlay patched "
+            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
+            "restore the original anyway\n" % source))
+        self.assertOk(call("--state", newer, "revert"))
+        self.assertEqual(read_text(source), "int k = 1;\n")
+        self.assertOk(call("--state", older, "revert"))
+        self.assertEqual(tree_state(proj), original)
