@@ -2327,29 +2327,53 @@ def write_prebuild_scan(state: State, entry: dict) -> None:
 
 
 def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) -> None:
-    """SIGTERM the process group, then SIGKILL it if it is still there after
-    2 s: its leader `process` when given (our child), else any member."""
+    """SIGTERM the build, then SIGKILL what is still there after 2 s.  The
+    build is its process group and every process of its session: ninja runs
+    each job in a process group of its own, which outlives a ninja that is
+    killed.  `process`, when given, is the leader (our child), reaped here."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, signum)
-        except (ProcessLookupError, PermissionError):
-            return
-        if process is not None:
+        for member in [None] + session_members(pgid):
             try:
-                process.wait(2)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                if member is None:
+                    os.killpg(pgid, signum)
+                else:
+                    os.kill(member, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
+            if process is not None:
+                process.poll()
             if not group_alive(pgid):
                 return
             time.sleep(0.05)
 
 
+def session_members(sid: int) -> List[int]:
+    """The processes of session `sid` other than zombies, from /proc ([] without it)."""
+    members = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as handle:
+                text = handle.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            members.append(int(name))
+    return members
+
+
 def group_alive(pgid: int) -> bool:
-    """Whether a process other than a zombie is in the process group (from
-    /proc where there is one: a zombie nobody reaped still counts for kill)."""
+    """Whether a process other than a zombie is in the process group or in
+    the session it leads (from /proc where there is one: a zombie nobody
+    reaped still counts for kill)."""
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -2369,7 +2393,7 @@ def group_alive(pgid: int) -> bool:
         except OSError:
             continue
         fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+        if len(fields) > 3 and str(pgid) in (fields[2], fields[3]) and fields[0] != "Z":
             return True
     return False
 

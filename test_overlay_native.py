@@ -1395,8 +1395,9 @@ EXTENSION_PROJECT = {
 }
 
 
-def build_command_runs(pgid: int) -> bool:
-    """Whether a process other than a shell runs in process group `pgid`."""
+def session_processes(sid: int) -> list:
+    """[(pid, command)] of the live processes of session `sid`."""
+    found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -1407,9 +1408,14 @@ def build_command_runs(pgid: int) -> bool:
             continue
         command = text[text.find("(") + 1:text.rfind(")")]
         fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z" and command != "sh":
-            return True
-    return False
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            found.append((int(name), command))
+    return found
+
+
+def build_command_runs(sid: int) -> bool:
+    """Whether a process other than a shell runs in the build's session."""
+    return any(command != "sh" for _, command in session_processes(sid))
 
 
 def age_tree(root: str) -> None:
@@ -1428,6 +1434,7 @@ def quiet(argv: list, cwd: str) -> subprocess.CompletedProcess:
 
 
 class RealBuildSystemTest(OverlayTestCase):
+    maxDiff = None
     """The install's own build, as it comes: make, ninja, cmake and setuptools
     build_ext --inplace, with only the obvious flags.  Revert gives back the
     whole tree (build products and build-system state included) and the next
@@ -1479,6 +1486,35 @@ class RealBuildSystemTest(OverlayTestCase):
         self.round_trips(proj, os.path.join(proj, "k.h"), LIB_SOURCES["k.h"].replace("4", "7"),
                          os.path.join(proj, "libk.so"), "ninja", proj,
                          lambda: "no work to do" in quiet(["ninja", "-n"], proj).stdout)
+
+    def test_jobs_of_a_ninja_that_died_are_stopped_before_gc_stale_reverts(self) -> None:
+        # ninja runs each job in a process group of its own; when ninja itself
+        # dies abruptly with the tool, its jobs go on writing into the tree.
+        proj = self.project({"k.c": "int k;\n", "build.ninja": (
+            "rule slow\n  command = sleep 1 && echo late > $out\n"
+            "build late.o: slow k.c\n")})
+        write_text_file(os.path.join(self.tmp, "fast.c"), "int k = 7;\n")
+        age_tree(proj)
+        before = tree_state(proj)
+        self.kill_during_build(["add-native", "--source", os.path.join(proj, "k.c"), "--patched",
+                                os.path.join(self.tmp, "fast.c"), "--build-cmd", "ninja",
+                                "--build-cwd", proj])
+        journal = read_json(os.path.join(self.state, "manifest.json"))
+        session = journal["entries"][0]["build"]["process"]["pid"]
+        deadline = time.monotonic() + 30
+        while True:  # the job runs: ninja and its sh
+            self.assertLess(time.monotonic(), deadline)
+            running = {pid: command for pid, command in session_processes(session)}
+            if "sleep" in running.values():
+                break
+            time.sleep(0.01)
+        for pid, command in running.items():
+            if command == "ninja":
+                os.kill(pid, signal.SIGKILL)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 0, err)
+        time.sleep(1.5)
+        self.assertEqual(tree_state(proj), before)
 
     def test_cmake_with_ninja(self) -> None:
         proj = self.project(CMAKE_PROJECT)
