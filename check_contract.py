@@ -1628,10 +1628,15 @@ class ScriptReader:
         except ShellSyntax as problem:
             self.unfollowed.append(problem.args)
             return
+        except RecursionError:
+            self.unfollowed.append((1, "shell text nested deeper than it reads"))
+            return
         try:
             self.run_list(tree)
         except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
             pass
+        except RecursionError:
+            self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
         return ScriptFacts(self.calls, self.default_target(), self.unfollowed)
@@ -1960,6 +1965,9 @@ class ScriptReader:
             tree = ScriptParser(text).parse()
         except ShellSyntax as problem:
             self.unfollow(line, "%s (line %d of %s)" % (problem.args[1], problem.args[0], rel))
+            return None
+        except RecursionError:
+            self.unfollow(line, "%s, nested deeper than it reads" % rel)
             return None
         outer = self.line
         self.line = self.line or line

@@ -1163,6 +1163,23 @@ class ScriptReaderTest(TreeTest):
                 self.assertEqual([c.outputs for c in reader.calls], [[check_contract.OUT_DIR + "/libdemo.so"]])
                 self.assertLessEqual(max(len(v) for v in reader.vars.values() or [""]), 1 << 16)
 
+    def test_relative_outputs_follow_cd(self):
+        self.assertEqual(self.read('mkdir -p "$1"\ncd "$1"\nnvcc -arch=sm_80 -o libl.so k.cu\n'
+                                   'pushd obj\nnvcc -c ../k.cu -o k.o\npopd\n'),
+                         (["$1/libl.so", "$1/obj/k.o"], ["80"], None))
+        self.cuda('cd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 ops.cu -o build/libfat.so\n')
+        self.assertIssue("B013", "build script build.sh writes its library to $(dirname "
+                         "\"$0\")/build/libfat.so, not under its <output-dir> argument ($1): the "
+                         "build tier and CI look for libfat.so in <output-dir>; write -o "
+                         "\"$1/libfat.so\"")
+
+    def test_deeply_nested_text_is_not_followed_and_no_traceback(self):
+        for text in ("(" * 5000, "{ " * 3000, "if true; then " * 2000, "x=${" * 2000, "a=(" * 2000,
+                     '"$(' * 2000):
+            with self.subTest(text=text[:8]):
+                self.assertEqual(check_contract.ScriptReader(text).unfollowed,
+                                 [(1, "shell text nested deeper than it reads")])
+
     def test_bounded_work_on_loops_and_recursion(self):
         reader = check_contract.ScriptReader('f() { f; }\nf\nfor a in 1 2 3 4 5 6 7 8 9 10; do\n'
                                              '  for b in 1 2 3 4 5 6 7 8 9 10; do\n'
