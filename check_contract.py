@@ -4304,8 +4304,8 @@ def cmd_list(args):
         sys.stdout.write("\n")
     else:
         for row in rows:
-            sys.stdout.write("%s/%s platform=%s status=%s\n" % (
-                row["platform"], row["name"], row["platform"], row["status"] or "?"))
+            sys.stdout.write(escape_control("%s/%s platform=%s status=%s" % (
+                row["platform"], row["name"], row["platform"], row["status"] or "?")) + "\n")
     return 0
 
 

@@ -1592,6 +1592,13 @@ class TextOutputTest(TreeTest):
                                    "the library")
         self.assertEqual(lines[2], "1 backend(s), 1 error(s), 0 warning(s)")
 
+    def test_a_newline_in_a_backend_name_cannot_forge_a_list_line(self):
+        files = {p.replace("/demo/demo.", "/a\nb/a\nb.").replace("/demo/", "/a\nb/"): c
+                 for p, c in demo_files(demo_manifest(name="a\nb")).items()}
+        self.tree(files)
+        rc, out, err = self.check("list")
+        self.assertEqual((rc, out, err), (0, "cpu/a\\nb platform=cpu status=validated\n", ""))
+
 
 
 def git_in(root, *args):
