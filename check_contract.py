@@ -938,7 +938,9 @@ def compiler_call(words, line=None, cwd=None):
         name, equals, value = arg.partition("=")
         kind = COMPILER_OPTIONS.get(name) if arg[:1] == "-" else None
         if kind is None:
-            if arg.startswith("-D") or (arg.startswith("-o") and not equals):
+            # nvcc has no -oFILE: its -odir and -optf are other options.
+            if arg.startswith("-D") or (arg.startswith("-o") and not equals
+                                        and not call.compiler.startswith("nvcc")):
                 kind, value = ("define" if arg[1] == "D" else "output"), arg[2:]
             elif not known(arg) and might_hold_targets(arg):
                 call.unknown.append(show_word(arg))

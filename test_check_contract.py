@@ -949,10 +949,14 @@ class CompilerCallTest(unittest.TestCase):
     def test_outputs_and_probes(self):
         call = self.call("cc", "-march=native", "-x", "c", "-", "-o", "/dev/null")
         self.assertEqual((call.outputs, call.probes), ([], 1))
-        for flags in (["-o", "/o/l.so"], ["-o/o/l.so"], ["--output-file", "/o/l.so"],
+        # nvcc takes -o FILE, -o=FILE and --output-file, not -oFILE (nvcc 13: "Unknown
+        # option"): its -odir and -optf are other options.  gcc and clang take -oFILE.
+        for flags in (["-o", "/o/l.so"], ["-o=/o/l.so"], ["--output-file", "/o/l.so"],
                       ["--output-file=/o/l.so"]):
             with self.subTest(flags=flags):
                 self.assertEqual(self.call("nvcc", "-shared", *flags).outputs, ["/o/l.so"])
+        self.assertEqual(self.call("nvcc", "-c", "-odir", "/o", "k.cu").outputs, [])
+        self.assertEqual(self.call("gcc", "-shared", "-o/o/l.so").outputs, ["/o/l.so"])
         self.assertEqual(check_contract.compiler_call(["cc", "-o", "l.so"], 1, "/o").outputs,
                          ["/o/l.so"])
 
@@ -2568,6 +2572,7 @@ class TraceTierTest(TreeTest):
                           ("sccache", "g++"), (None, "c++"), (None, "clang++"), (None, "nvcc"),
                           (None, "nvcc")])
         self.assertEqual(result["runs"][0]["written"], ["k.o", "k2.o", "k3.o", "k4.o", "libk.so"])
+        self.assertEqual([c["outputs"] for c in calls[-2:]], [[], ["<output-dir>/libk.so"]])
 
     def test_a_compiler_run_by_its_path_is_named(self):
         gcc = "/usr/bin/gcc"
