@@ -2680,3 +2680,101 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(read_text(source), "int k = 1;\n")
         self.assertOk(call("--state", older, "revert"))
         self.assertEqual(tree_state(proj), original)
+
+
+def full_tree(root: str) -> dict:
+    """tree_state plus what revert must keep besides: xattrs and link counts."""
+    found = {}
+    for relative, facts in tree_state(root).items():
+        path = os.path.join(root, relative)
+        try:
+            xattrs = {name: os.getxattr(path, name, follow_symlinks=False)
+                      for name in os.listxattr(path, follow_symlinks=False)}
+        except OSError:
+            xattrs = None
+        found[relative] = facts + (xattrs, os.lstat(path).st_nlink)
+    return found
+
+
+class RandomKillTrialTest(unittest.TestCase):
+    """add-native, apply, revert and gc-stale killed at random moments (fixed
+    seed) while a real make builds a small C project; each round recovered
+    with gc-stale and revert, then compared whole: content, mode, mtime,
+    xattrs, link counts."""
+
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="overlay-trial-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def fresh(self, number: int) -> tuple:
+        base = os.path.join(self.tmp, "r%d" % number)
+        root = os.path.join(base, "proj")
+        write_tree(root, {name: text for name, text in KERNELS.items()
+                          if not name.startswith("pkg/")})
+        write_tree(base, {"fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0"),
+                          "p.diff": "--- a/kernel_b.c\n+++ b/kernel_b.c\n@@ -3,3 +3,3 @@\n {\n"
+                                    "-    return 4.0;\n+    return 8.0;\n }\n"})
+        subprocess.run(["make", "-s", "-C", root], check=True)
+        os.link(os.path.join(root, "kernels.h"), os.path.join(root, "kernels-copy.h"))
+        for name in ("kernel_b.c", "libkernels.so", "kernel_b.o"):
+            with contextlib.suppress(OSError):  # where the filesystem keeps user xattrs
+                os.setxattr(os.path.join(root, name), "user.trial", b"kept")
+        past = time.time() - 3600
+        for directory, dirs, files in os.walk(root, topdown=False):
+            for name in files + dirs:
+                os.utime(os.path.join(directory, name), (past, past), follow_symlinks=False)
+        os.utime(root, (past, past))
+        return base, root, os.path.join(base, "state")
+
+    def command(self, kind: str, base: str, root: str, state: str) -> list:
+        native = ["--artifact", os.path.join(root, "libkernels.so"), "--invalidate-cache",
+                  os.path.join(root, "cache"), "--build-cmd", "sleep 0.3 && make",
+                  "--build-cwd", root]
+        if kind == "add-native":
+            return ["--state", state, "add-native", "--source", os.path.join(root, "kernel_b.c"),
+                    "--patched", os.path.join(base, "fast.c")] + native
+        if kind == "apply":
+            return ["--state", state, "apply", os.path.join(base, "p.diff"), "--root", root] + native
+        if kind == "revert":
+            return ["--state", state, "revert"]
+        return ["gc-stale", "--root", base]
+
+    def start(self, args: list) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        return subprocess.Popen(["sh", "-c", 'exec "$0" "$@"' + (
+            " --owner-pid $$" if args[0] == "--state" and args[2] in ("add-native", "apply")
+            else ""), sys.executable, TOOL] + args, env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, universal_newlines=True)
+
+    def test_random_kills_of_every_command_are_recovered_whole(self) -> None:
+        chance = random.Random(1913)
+        for number in range(16):
+            kind = ("add-native", "apply", "revert", "gc-stale")[number % 4]
+            base, root, state = self.fresh(number)
+            expected = full_tree(root)
+            if kind in ("revert", "gc-stale"):  # something applied to take back first
+                setup = self.start(self.command(chance.choice(["add-native", "apply"]),
+                                                base, root, state))
+                if kind == "gc-stale":  # killed in its build: gc-stale has work to do
+                    time.sleep(chance.uniform(0.3, 0.6))
+                    setup.kill()
+                self.assertIn(setup.wait(), (0, -signal.SIGKILL), setup.stderr.read())
+                setup.stderr.close()
+            victim = self.start(self.command(kind, base, root, state))
+            delay = chance.uniform(0.0, 0.7 if kind in ("add-native", "apply") else 0.3)
+            signum = chance.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM,
+                                    signal.SIGHUP])
+            time.sleep(delay)
+            victim.send_signal(signum)
+            status = victim.wait()
+            err = victim.stderr.read()
+            victim.stderr.close()
+            context = "round %d: %s, %s after %.2fs, status %s: %s" % (
+                number, kind, signal.Signals(signum).name, delay, status, err)
+            self.assertNotIn("Traceback", err, context)
+            gc = run_tool(["gc-stale", "--root", base])
+            self.assertEqual(gc.returncode, 0, context + gc.stderr)
+            again = run_tool(["--state", state, "revert"])
+            self.assertEqual(again.returncode, 0, context + again.stderr)
+            self.assertEqual(full_tree(root), expected, context)
