@@ -206,7 +206,7 @@ class Stopped(BaseException):
 # ---------------------------------------------------------------- fault hooks
 
 
-_FAULTS = {"points": 0, "writes": 0}
+_FAULTS = {"points": 0, "writes": 0, "target": None}
 
 
 def mutation_point() -> None:
@@ -222,6 +222,7 @@ def mutation_point() -> None:
 
 def write_point(path: str) -> None:
     _FAULTS["writes"] += 1
+    _FAULTS["target"] = path
     fail_at = os.environ.get("OVERLAY_TEST_ENOSPC_AT")
     if fail_at and int(fail_at) == _FAULTS["writes"]:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
@@ -603,8 +604,20 @@ def content_sha256(path: str) -> Optional[str]:
 
 
 def written(exc: OSError) -> str:
-    """The file an I/O error is about, for a one-line message."""
-    return exc.filename if exc.filename is not None else "a file"
+    """The file an I/O error is about, for a one-line message: the one it
+    names, else the one being written (os.write and sendfile name none)."""
+    if exc.filename is not None:
+        return exc.filename
+    return _FAULTS["target"] or "a file"
+
+
+def cause(exc: OSError) -> str:
+    """Why an I/O error happened, in words that say what to change."""
+    if exc.errno == errno.EXDEV:
+        return ("%s: %s and %s lie on different mounts (of one filesystem, as a bind mount "
+                "makes), so one cannot be renamed to the other; pass a --state on the same "
+                "mount" % (exc.strerror, exc.filename, exc.filename2))
+    return exc.strerror
 
 
 # ---------------------------------------------------------------- paths
@@ -3108,9 +3121,9 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `overlay_setup.py revert` once the cause is fixed"
-                           % (written(exc), exc.strerror, getattr(second, "strerror", second)))
+                           % (written(exc), cause(exc), getattr(second, "strerror", second)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), exc.strerror))
+                       "run the command again" % (written(exc), cause(exc)))
 
 
 def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
@@ -3663,6 +3676,7 @@ COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind
 
 def main(argv: Optional[List[str]] = None) -> int:
     _FAULTS["points"] = _FAULTS["writes"] = 0
+    _FAULTS["target"] = None
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is escaped
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")

@@ -2656,6 +2656,39 @@ class MountTest(OverlayTestCase):
         self.assertEqual(self.tool("status"), writable)
 
 
+    def test_a_full_disk_names_the_file_it_could_not_write(self) -> None:
+        small = os.path.join(self.tmp, "small")
+        os.mkdir(small)
+        self.mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", small)
+        artifact = os.path.join(self.proj, "big.so")
+        with open(artifact, "wb") as handle:
+            handle.write(os.urandom(3 << 20))
+        before = tree_state(self.proj)
+        state = os.path.join(small, "state")
+        self.assertEqual(call("--state", state, "add-native", "--source", self.source,
+                              "--patched", os.path.join(self.proj, "fast.c"), "--artifact",
+                              artifact, "--no-build", "--owner-pid", str(os.getpid())), (
+            1, "", "overlay_setup: E601 could not write %s/backups/1/a0 (No space left on "
+            "device); nothing stays applied: fix the cause and run the command again\n" % state))
+        self.assertEqual(tree_state(self.proj), before)
+
+    def test_a_bind_mount_between_cache_and_state_is_named_as_the_cause(self) -> None:
+        real, bound = os.path.join(self.tmp, "real"), os.path.join(self.tmp, "bound")
+        write_tree(real, {"cache/a": "A\n"})
+        os.mkdir(bound)
+        self.mount("--bind", real, bound)
+        before = (tree_state(self.proj), tree_state(real))
+        cache = os.path.join(bound, "cache")
+        rc, out, err = self.tool("add-native", "--source", self.source, "--patched",
+                                 os.path.join(self.proj, "fast.c"), "--invalidate-cache", cache,
+                                 "--no-build", "--owner-pid", str(os.getpid()))
+        self.assertEqual((rc, err), (1, "overlay_setup: E601 could not write %s (Invalid "
+                         "cross-device link: %s and %s/backups/1/c0 lie on different mounts (of "
+                         "one filesystem, as a bind mount makes), so one cannot be renamed to the "
+                         "other; pass a --state on the same mount); nothing stays applied: fix "
+                         "the cause and run the command again\n" % (cache, cache, self.state)))
+        self.assertEqual((tree_state(self.proj), tree_state(real)), before)
+
 class TwoOverlaysTest(OverlayTestCase):
     def test_the_advice_for_a_source_patched_again_leads_back_to_the_original(self) -> None:
         proj = os.path.join(self.tmp, "proj")
