@@ -3649,6 +3649,13 @@ class ConventionsTest(unittest.TestCase):
                             self.assertIn("default", action.help, action.option_strings
                                           or action.metavar)
 
+    def test_every_command_with_json_takes_format_too(self):
+        for tool, _, _ in self.TOOLS:
+            for name, parser in subcommands(tool.build_parser()).items():
+                options = {o for action in parser._actions for o in action.option_strings}
+                with self.subTest(tool=tool.__name__, command=name):
+                    self.assertEqual("--json" in options, "--format" in options)
+
     def test_build_command_or_no_build_shows_as_required(self):
         commands = subcommands(overlay_setup.build_parser())
         for name in ("add-native", "apply"):
