@@ -2541,7 +2541,8 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
 
     def started(pid: int) -> None:  # so that a revert after a crash can stop it
         build["process"] = {"pid": pid, "start_time": process_start_time(pid),
-                            "host": host_name()}
+                            "host": host_name(), "since": time.strftime(
+                                "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         state.save(manifest)
 
     try:
@@ -3321,16 +3322,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print("state: %s" % state.root)
     print("owner: %s" % describe_owner(manifest["owner"]))
-    if state.lock_held():
-        print("lock: held by %s" % state.holder())
+    tool_running = state.lock_held()  # read-only: status takes no lock
+    print("tool: %s" % (state.holder() if tool_running else "none running"))
     for name, module in sorted(manifest["python"]["modules"].items()):
         print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
     for target, replacement in sorted(manifest["python"]["rebinds"].items()):
         print("rebind: %s -> %s" % (target, replacement))
     for entry in manifest["entries"]:
-        build = entry["build"]
-        rc = "" if not build else " (build status %s, %ss)" % (build["rc"], build["seconds"])
-        print("entry %d [%s]%s" % (entry["id"], entry["state"], rc))
+        print("entry %d: %s" % (entry["id"], entry_in_words(entry, tool_running)))
         for record in entry_files(entry):
             print("  %s %s%s" % (record["role"], record["path"],
                                  "" if record["present"] else " (absent before)"))
@@ -3338,9 +3337,59 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
         for product in entry.get("untracked") or []:
             print("  untracked build product %s" % product["path"])
-    if not anything_applied(manifest):
-        print("nothing applied")
+    print("next: %s" % next_step(state, manifest, tool_running))
     return 0
+
+
+def build_running(entry: dict) -> Optional[dict]:
+    """The journaled build process of `entry` when it still runs here."""
+    process = (entry.get("build") or {}).get("process")
+    if process and owner_liveness(process) == "live" and group_alive(process["pid"]):
+        return process
+    return None
+
+
+def entry_in_words(entry: dict, tool_running: bool) -> str:
+    build = entry["build"] or {}
+    took = "after %.1fs" % build["seconds"] if build.get("seconds") is not None else ""
+    if entry["state"] == "applied":
+        return "applied, without a build"
+    if entry["state"] == "built":
+        return "built (the build exited 0 %s)" % took
+    if entry["state"] == "build-changed-nothing":
+        return "applied, but its build changed no artifact (exited 0 %s)" % took
+    if entry["state"] == "build-failed":
+        if build.get("rc") is None:
+            return "applied, but its build timed out %s and was killed" % took
+        return "applied, but its build failed with status %s %s" % (build["rc"], took)
+    running = build_running(entry)
+    if running:
+        return "building: build pid %d, process group %d, running since %s%s" % (
+            running["pid"], running["pid"], running.get("since", "an unrecorded time"),
+            "" if tool_running else "; the overlay_setup.py process that started it is gone")
+    if tool_running:
+        return "being applied"
+    if build.get("process"):
+        return "interrupted during its build (the build no longer runs)"
+    return "interrupted before its build"
+
+
+def next_step(state: State, manifest: dict, tool_running: bool) -> str:
+    here = "overlay_setup.py --state %s" % state.root
+    states = {entry["state"] for entry in manifest["entries"]}
+    if tool_running:
+        return "wait for the running command to finish, then `%s status`" % here
+    if not anything_applied(manifest):
+        return "nothing applied; nothing to do"
+    if "applying" in states:
+        return ("`%s revert` (it stops a build left running and restores everything)" % here)
+    if states & {"build-failed", "build-changed-nothing"}:
+        return "fix the patch or the source, then `%s update`, or `%s revert`" % (here, here)
+    if "built" in states:
+        return "`%s verify-native`, measure, then `%s revert`" % (here, here)
+    if manifest["entries"]:
+        return "build, measure, then `%s revert`" % here
+    return "run with `eval \"$(%s env)\"`, then `%s revert`" % (here, here)
 
 
 def state_given(args: argparse.Namespace) -> bool:
@@ -3698,11 +3747,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if signal.getsignal(signal.SIGINT) is _interrupted_at_start_up:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed stdout shows here, not at exit
+        return status
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
         return exc.status
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and exc.filename is None:
+            # Whoever reads our output stopped (`status | head -1`): not a
+            # write of the install or the journal, and what was done stays
+            # journaled.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
               "fix the cause, then run `overlay_setup.py revert`"
               % (written(exc), exc.strerror), file=sys.stderr)

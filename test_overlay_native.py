@@ -267,7 +267,8 @@ class CProjectTest(OverlayTestCase):
                               r"--invalidate-cache, then run `overlay_setup.py revert`\n$"
                          % re.escape(self.lib))
         self.assertIn("7.0", read_text(self.p("kernel_b.c")))
-        self.assertIn("entry 1 [build-changed-nothing]", self.tool("status")[1])
+        self.assertIn("entry 1: applied, but its build changed no artifact (exited 0 after",
+                      self.tool("status")[1])
         self.assertEqual(self.tool("verify-native"), (
             1, "", "overlay_setup: E403 entry 1 is build-changed-nothing, not built: run "
             "`overlay_setup.py revert` and apply again\n"))
@@ -332,7 +333,10 @@ class CProjectTest(OverlayTestCase):
                               r"\d+\.\ds; the patch stays applied for inspection: run "
                               r"`overlay_setup.py revert`\n$")
         rc, out, _ = self.tool("status")
-        self.assertIn("entry 1 [build-failed] (build status 2", out)
+        self.assertIn("entry 1: applied, but its build failed with status 2 after", out)
+        self.assertIn("next: fix the patch or the source, then `overlay_setup.py --state %s "
+                      "update`, or `overlay_setup.py --state %s revert`" % (self.state, self.state),
+                      out)
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), before)
 
@@ -1800,6 +1804,38 @@ class GcStaleTest(OverlayTestCase):
         time.sleep(1.5)
         self.assertFalse(os.path.exists(late))
         self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_status_tells_owner_tool_and_a_build_left_running_apart(self) -> None:
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.proj, "k.c"), "--patched",
+                           os.path.join(self.proj, "fast.c"), "--build-cmd",
+                           "sleep 0.3; kill -9 $PPID; exec sleep 30", "--build-cwd", self.proj],
+                          own=True)
+        self.assertEqual(killed.returncode, -9)
+        build = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]["build"]
+        pid = build["process"]["pid"]
+        rc, out, err = call("--state", self.state, "status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertRegex(out, r"owner: pid \d+ on \S+ \(gone\)\ntool: none running\n")
+        self.assertIn("entry 1: building: build pid %d, process group %d, running since %s; the "
+                      "overlay_setup.py process that started it is gone\n"
+                      % (pid, pid, build["process"]["since"]), out)
+        self.assertNotIn("None", out)
+        self.assertIn("next: `overlay_setup.py --state %s revert` (it stops a build left running "
+                      "and restores everything)\n" % self.state, out)
+        self.assertOk(call("--state", self.state, "revert"))
+        self.assertFalse(overlay_setup.group_alive(pid))
+        self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_a_closed_stdout_is_no_journal_error(self) -> None:
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        reader, writer = os.pipe()
+        os.close(reader)
+        status = subprocess.run([sys.executable, TOOL, "--state", self.state, "status"],
+                                stdout=writer, stderr=subprocess.PIPE, universal_newlines=True)
+        os.close(writer)
+        self.assertEqual((status.returncode, status.stderr), (141, ""))
+        self.assertOk(call("--state", self.state, "revert"))
 
     def test_damaged_journal_fields_are_refused_and_nothing_changes(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
