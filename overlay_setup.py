@@ -31,6 +31,8 @@ Usage:
         [--invalidate-cache DIR]... (--build-cmd CMD | --no-build)
         [--build-cwd DIR] [--timeout S] [--owner-pid PID]
         [--protect PATH]... [--no-protect] [--dry-run]
+  overlay_setup.py [--state DIR] update [PATCH [--root DIR] [-p N] | --patched FILE]
+        [--entry N] [--timeout S] [--owner-pid PID]
   overlay_setup.py [--state DIR] verify-native
   overlay_setup.py [--state DIR] status [--format text|json] [--json]
   overlay_setup.py [--state DIR] revert [--force] [--keep-untracked] [--all]
@@ -2605,7 +2607,8 @@ def source_drift(entry: dict) -> List[str]:
     for record in entry["sources"]:
         current = file_sha256(record["path"])
         if current is not None and current not in (record.get("sha256"),
-                                                   record.get("patched_sha256")):
+                                                   record.get("patched_sha256"),
+                                                   record.get("previous_patched_sha256")):
             changed.append(record["path"])
     return changed
 
@@ -3258,6 +3261,86 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def updated_contents(state: State, entry: dict, args: argparse.Namespace) -> Dict[str, bytes]:
+    """The new patched content of the entry's sources: from --patched, from
+    a patch applied to the originals (the backups), or, with neither, what
+    the sources hold now (fixed in place)."""
+    sources = {record["path"]: record for record in entry["sources"]}
+    if args.patched is not None:
+        if len(sources) != 1:
+            raise UsageError("E109", "entry %d patches %d sources; pass a PATCH instead of "
+                             "--patched" % (entry["id"], len(sources)))
+        return {next(iter(sources)): read_input(args.patched, "--patched ",
+                                                "; pass the patched file")}
+    if args.patch is None:
+        return {path: read_input(path, "", "; restore it, or run `overlay_setup.py revert`")
+                for path in sources}
+    root = require_abs_normal(args.root or os.getcwd(), "--root")
+    name = os.path.basename(args.patch)
+    text = read_input(args.patch, "patch ", "; pass a unified diff").decode(
+        "utf-8", "surrogateescape")
+    contents = {}
+    for file_patch in parse_patch(text, args.p, name):
+        path = os.path.join(root, file_patch.path)
+        record = sources.get(os.path.normpath(path))
+        if record is None:
+            raise OverlayError("E103", "%s: %s is not a source of entry %d (%s); apply it as a "
+                               "change of its own" % (name, path, entry["id"],
+                                                     ", ".join(sorted(sources))))
+        original = None
+        if record["present"]:
+            with open(state.state_path(record["backup"]), "rb") as handle:
+                original = handle.read()
+        result = apply_hunks(file_patch, original, name)
+        if result is None:
+            raise OverlayError("E303", "%s: %s is deleted by the patch; `update` only changes "
+                               "content: revert and apply it instead" % (name, path))
+        contents[record["path"]] = result
+    return contents
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    if args.patch is not None and args.patched is not None:
+        raise UsageError("E109", "pass a PATCH or --patched FILE, not both")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        raise UsageError("E109", "--timeout must be a positive number of seconds")
+    state = open_state(args)
+    if not state.exists():
+        raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
+    with Locked(state, "update", create=False) as manifest:
+        claim_owner(manifest, args.owner_pid)
+        natives = [entry for entry in manifest["entries"]
+                   if args.entry is None or entry["id"] == args.entry]
+        if not natives:
+            raise OverlayError("E103", "no native entry%s to update at %s; apply one first"
+                               % ("" if args.entry is None else " %d" % args.entry, state.root))
+        entry = natives[-1]
+        contents = updated_contents(state, entry, args)
+        for record in entry["sources"]:
+            if record["path"] not in contents:
+                continue
+            # Journaled before the write; until it lands, the old patched
+            # content is as much ours as the new one.
+            record["previous_patched_sha256"] = record.get("patched_sha256")
+            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
+        if entry["build"] is not None:
+            entry["state"] = "applying"
+            entry["untracked"] = None
+            if args.timeout is not None:
+                entry["build"]["timeout"] = args.timeout
+        state.save(manifest)
+        for record in entry["sources"]:
+            path = record["path"]
+            if path in contents and file_sha256(path) != record["patched_sha256"]:
+                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
+        print("state: %s" % state.root, flush=True)
+        if entry["build"] is not None:
+            run_entry_build(state, manifest, entry)
+    print("entry %d updated: %s; the originals stay backed up for `overlay_setup.py revert`"
+          % (entry["id"], ", ".join(sorted(contents))))
+    return 0
+
+
 def cmd_verify_native(args: argparse.Namespace) -> int:
     state = open_state(args)
     manifest = state.load()
@@ -3597,6 +3680,8 @@ COMMAND_EXAMPLES = {
     "apply": "overlay_setup.py apply fix.diff --root /opt/pkg -p1 "
              "--artifact /opt/pkg/lib/libpkg.so \\\n"
              "      --build-cmd 'make -j2' --build-cwd /opt/pkg",
+    "update": "overlay_setup.py update --patched gemm_faster.cu   # apply once, update many, "
+              "revert once",
     "verify-native": "overlay_setup.py verify-native && run-benchmark && overlay_setup.py revert",
     "status": "overlay_setup.py status --json",
     "revert": "overlay_setup.py --state /tmp/try-gemm revert",
@@ -3696,6 +3781,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("-p", type=int, default=1, metavar="N",
                      help="strip N leading path components (default: 1, as for git diffs)")
     native(sub)
+    sub = command("update", "give an applied entry new patched content (or keep the sources "
+                  "as fixed in place) and build again; the original backups stay", owner=True)
+    sub.add_argument("patch", metavar="PATCH", nargs="?",
+                     help="a unified diff against the original sources (as for apply)")
+    sub.add_argument("--patched", metavar="FILE", help="the new content of the entry's source")
+    sub.add_argument("--entry", type=int, metavar="N",
+                     help="the entry to update (default: the latest)")
+    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
+                                                   "(default: the current directory)")
+    sub.add_argument("-p", type=int, default=1, metavar="N",
+                     help="strip N leading path components (default: 1)")
+    sub.add_argument("--timeout", type=float, metavar="S",
+                     help="kill the build after S seconds (default: the entry's)")
     command("verify-native", "check that every tracked artifact was rebuilt")
     sub = command("status", "show what is applied")
     add_format(sub, "text: one line per item; json: the journal as JSON (default: text)")
@@ -3719,7 +3817,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
             "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
-            "verify-native": cmd_verify_native, "status": cmd_status, "revert": cmd_revert,
+            "update": cmd_update, "verify-native": cmd_verify_native, "status": cmd_status,
+            "revert": cmd_revert,
             "gc-stale": cmd_gc_stale}
 
 

@@ -742,6 +742,35 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n" % state, ""))
 
 
+    def test_update_rebuilds_in_place_and_one_revert_restores_the_original(self) -> None:
+        before = tree_state(self.proj)
+        write_tree(self.tmp, {"broken.c": "double kernel_b(void) { return }\n"})
+        rc, out, err = self.add_kernel_b("--patched", os.path.join(self.tmp, "broken.c"))
+        self.assertIn("E401", err)
+        rc, out, err = self.tool("update", "--patched", self.patched)
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("cc -O1 -fPIC -c -o kernel_b.o kernel_b.c", out)
+        self.assertTrue(out.endswith("entry 1 updated: %s; the originals stay backed up for "
+                                     "`overlay_setup.py revert`\n" % self.p("kernel_b.c")), out)
+        self.assertEqual(self.output(), "7.0")
+        self.assertEqual(self.tool("verify-native")[0], 0)
+        with open(self.p("kernel_b.c"), "w") as handle:  # fixed in place
+            handle.write(KERNELS["kernel_b.c"].replace("4.0", "8.0"))
+        self.assertOk(self.tool("update"))
+        self.assertEqual(self.output(), "8.0")
+        patch = os.path.join(self.tmp, "five.diff")
+        write_text_file(patch, "--- a/kernel_b.c\n+++ b/kernel_b.c\n@@ -4 +4 @@\n"
+                               "-    return 4.0;\n+    return 5.0;\n")
+        self.assertOk(self.tool("update", patch, "--root", self.proj))
+        self.assertEqual(self.output(), "5.0")
+        self.assertIn("entry 1: built", self.tool("status")[1])
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+        self.assertEqual(self.output(), "4.0")
+
+
 class HelpTest(unittest.TestCase):
     def test_every_command_help_shows_an_example(self) -> None:
         for command in overlay_setup.COMMANDS:
