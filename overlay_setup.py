@@ -3784,8 +3784,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("update", "give an applied entry new patched content (or keep the sources "
                   "as fixed in place) and build again; the original backups stay", owner=True)
     sub.add_argument("patch", metavar="PATCH", nargs="?",
-                     help="a unified diff against the original sources (as for apply)")
-    sub.add_argument("--patched", metavar="FILE", help="the new content of the entry's source")
+                     help="a unified diff against the original sources, as for apply "
+                          "(default: none; with neither it nor --patched, the sources as they "
+                          "are now, fixed in place)")
+    sub.add_argument("--patched", metavar="FILE",
+                     help="the new content of the entry's one source (default: none)")
     sub.add_argument("--entry", type=int, metavar="N",
                      help="the entry to update (default: the latest)")
     sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
