@@ -33,6 +33,8 @@ Usage:
         [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] update [PATCH [--root DIR] [-p N] | --patched FILE]
         [--entry N] [--timeout S] [--owner-pid PID]
+  overlay_setup.py [--state DIR] trial PATCH [apply's options] [--repeat N] [--json]
+        -- COMMAND [ARG...]
   overlay_setup.py [--state DIR] verify-native
   overlay_setup.py [--state DIR] status [--format text|json] [--json]
   overlay_setup.py [--state DIR] revert [--force] [--keep-untracked] [--all]
@@ -68,7 +70,11 @@ Exit codes:
      a missing input file or directory
   3  revert or gc-stale finished, but the files named (E506) are not back
      byte-exact: the build rewrote them and nothing had backed them up
-  130  interrupted (Ctrl-C), also while the tool starts
+  10-14  trial: the step that failed (the install is reverted first):
+     10 the reference run, 11 apply or its build, 12 the verification,
+     13 the candidate run, 14 the revert (or the install differs from before)
+  130  interrupted (Ctrl-C), also while the tool starts; trial reverts first
+     (143 for SIGTERM)
 
 Messages are one line on stderr: `overlay_setup: CODE what is wrong; what to do`.
 Codes (stable, never reused; docs/overlay_setup.md says what each means and
@@ -129,6 +135,7 @@ if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.defau
     _signal.signal(_signal.SIGINT, _interrupted_at_start_up)
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -3653,6 +3660,167 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
     return NOT_EXACT if not_exact else 0
 
 
+# ---------------------------------------------------------------- trial
+
+TRIAL_EXIT = {"reference": 10, "apply": 11, "verify": 12, "candidate": 13, "revert": 14}
+
+
+def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tuple]:
+    """Every file, link and directory under `roots` by kind, mode, size,
+    mtime and content, to prove a revert gave the install back."""
+    found: Dict[str, tuple] = {}
+    for root in roots:
+        for directory, dirs, files in os.walk(root):
+            dirs[:] = sorted(name for name in dirs
+                             if not any(is_within(os.path.join(directory, name), path)
+                                        for path in excluded))
+            for name in [""] + dirs + sorted(files):
+                path = os.path.join(directory, name) if name else directory
+                if path in found or any(is_within(path, other) for other in excluded):
+                    continue
+                st = os.lstat(path)
+                content = file_sha256(path) if not stat.S_ISDIR(st.st_mode) else None
+                found[path] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
+                               st.st_size, st.st_mtime_ns, content)
+    return found
+
+
+def run_measured(command: List[str]) -> Tuple[int, float]:
+    """Run the caller's command with our stdin and stderr, its output on our
+    stderr (stdout carries the summary); (exit status, seconds)."""
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdout=sys.stderr.fileno())
+    try:
+        status = process.wait()
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return (status if status >= 0 else 128 - status), time.monotonic() - start
+
+
+def cmd_trial(args: argparse.Namespace) -> int:
+    command = getattr(args, "trial_command", None)
+    if not command:
+        raise UsageError("E100", "pass the command to measure after --, e.g. `trial fix.diff "
+                         "--build-cmd make -- python3 bench.py`")
+    if args.dry_run:
+        raise UsageError("E100", "trial runs the patch; see its plan with `apply --dry-run`")
+    if args.repeat < 1:
+        raise UsageError("E109", "--repeat must be 1 or more")
+    if args.owner_pid is None:
+        args.owner_pid = os.getpid()  # a trial killed outright is gone: gc-stale reverts it
+    state = open_state(args)
+    if state.exists() and anything_applied(state.load()):
+        raise OverlayError("E103", "a trial needs a state directory with nothing applied, and "
+                           "%s holds an overlay; run `overlay_setup.py --state %s revert`, or "
+                           "pass another --state" % (state.root, state.root))
+    root = require_abs_normal(args.root or os.getcwd(), "--root")
+    roots = sorted({root, require_abs_normal(args.build_cwd or os.getcwd(), "--build-cwd")})
+    excluded = [state.root, registry_dir()]
+    result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
+              "runs": [], "verify": None, "revert": None, "failed_step": None}
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    status = 0
+    try:
+        for round_number in range(1, args.repeat + 1):
+            status = trial_round(args, state, command, roots, excluded, result, round_number)
+            if status:
+                break
+    except KeyboardInterrupt:
+        result["failed_step"], status = "interrupted by SIGINT", 130
+    except Stopped as exc:
+        result["failed_step"] = "interrupted by %s" % signal.Signals(exc.signum).name
+        status = 128 + exc.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    result["exit"] = status
+    report_trial(result, args.format)
+    return status
+
+
+def trial_round(args: argparse.Namespace, state: State, command: List[str], roots: List[str],
+                excluded: List[str], result: dict, round_number: int) -> int:
+    """One reference run, apply and build, verification, one candidate run and
+    the revert, which runs whatever happened before it."""
+    def run(kind: str) -> int:
+        print("trial: %s run %d: %s" % (kind, round_number, " ".join(command)),
+              file=sys.stderr, flush=True)
+        status, seconds = run_measured(command)
+        result["runs"].append({"kind": kind, "round": round_number, "exit": status,
+                               "seconds": round(seconds, 3)})
+        return status
+
+    def failed(step: str, why: str) -> int:
+        result["failed_step"] = "%s: %s" % (step, why)
+        return TRIAL_EXIT[step]
+
+    if run("reference"):
+        return failed("reference", "the command failed on the clean install")
+    before = install_fingerprint(roots, excluded)
+    status = 0
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the summary
+            try:
+                cmd_apply(args)
+            except OverlayError as exc:
+                print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+                return failed("apply", "%s (see above)" % exc.code)
+            if args.artifact:
+                if cmd_verify_native(args):
+                    return failed("verify", "an artifact is not rebuilt (see above)")
+                result["verify"] = "%d artifact(s) rebuilt" % len(args.artifact)
+            else:
+                result["verify"] = "skipped: no --artifact"
+        if run("candidate"):
+            status = failed("candidate", "the command failed on the patched install")
+    finally:
+        with contextlib.redirect_stdout(sys.stderr):
+            revert_trial(state, roots, excluded, before, result)
+    if result["revert"]["differences"] or not result["revert"]["reverted"]:
+        return failed("revert", "the install is not as it was before")
+    return status
+
+
+def revert_trial(state: State, roots: List[str], excluded: List[str], before: dict,
+                 result: dict) -> None:
+    reverted = True
+    try:
+        if state.exists():
+            revert_state(state, False, False)
+    except OverlayError as exc:
+        print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+        reverted = False
+    after = install_fingerprint(roots, excluded)
+    differences = sorted(path for path in set(before) | set(after)
+                         if before.get(path) != after.get(path))
+    result["revert"] = {"reverted": reverted, "differences": differences}
+
+
+def report_trial(result: dict, output_format: Optional[str]) -> None:
+    if output_format == "json":
+        print(json.dumps(result, indent=1, sort_keys=True))
+        return
+    print("trial of %s (state %s):" % (result["patch"], result["state"]))
+    for run in result["runs"]:
+        print("  %s run %d: exit %d in %.2fs" % (run["kind"], run["round"], run["exit"],
+                                                 run["seconds"]))
+    if result["verify"] is not None:
+        print("  verify: %s" % result["verify"])
+    revert = result["revert"]
+    if revert is not None:
+        print("  revert: %s" % (
+            "the install is byte-identical to before" if revert["reverted"]
+            and not revert["differences"] else "the install differs from before: %s" % (
+                ", ".join(revert["differences"][:10]) or "the revert failed (see above)")))
+    print("result: %s (exit status %d)" % (result["failed_step"] or "ok", result["exit"]))
+
+
 # ---------------------------------------------------------------- CLI
 
 EPILOG = """examples:
@@ -3682,6 +3850,8 @@ COMMAND_EXAMPLES = {
              "      --build-cmd 'make -j2' --build-cwd /opt/pkg",
     "update": "overlay_setup.py update --patched gemm_faster.cu   # apply once, update many, "
               "revert once",
+    "trial": "overlay_setup.py trial fix.diff --root /opt/pkg --artifact /opt/pkg/lib/libpkg.so "
+             "\\\n      --build-cmd 'make -j2' --build-cwd /opt/pkg -- python3 bench.py",
     "verify-native": "overlay_setup.py verify-native && run-benchmark && overlay_setup.py revert",
     "status": "overlay_setup.py status --json",
     "revert": "overlay_setup.py --state /tmp/try-gemm revert",
@@ -3797,6 +3967,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="strip N leading path components (default: 1)")
     sub.add_argument("--timeout", type=float, metavar="S",
                      help="kill the build after S seconds (default: the entry's)")
+    sub = command("trial", "A/B: run COMMAND on the clean install, apply PATCH and build, "
+                  "run COMMAND again, and always revert", owner=True)
+    sub.add_argument("patch", metavar="PATCH", help="a unified diff, as for apply")
+    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
+                                                   "(default: the current directory)")
+    sub.add_argument("-p", type=int, default=1, metavar="N",
+                     help="strip N leading path components (default: 1)")
+    native(sub)
+    sub.add_argument("--repeat", type=int, default=1, metavar="N",
+                     help="rounds of reference run, apply, candidate run, revert (default: 1)")
+    add_format(sub, "text: a summary; json: one object (default: text)")
     command("verify-native", "check that every tracked artifact was rebuilt")
     sub = command("status", "show what is applied")
     add_format(sub, "text: one line per item; json: the journal as JSON (default: text)")
@@ -3820,9 +4001,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
             "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
-            "update": cmd_update, "verify-native": cmd_verify_native, "status": cmd_status,
-            "revert": cmd_revert,
-            "gc-stale": cmd_gc_stale}
+            "update": cmd_update, "trial": cmd_trial, "verify-native": cmd_verify_native,
+            "status": cmd_status, "revert": cmd_revert, "gc-stale": cmd_gc_stale}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -3832,8 +4012,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    trial_command = None
+    if "trial" in argv and "--" in argv[argv.index("trial"):]:
+        cut = argv.index("--", argv.index("trial"))  # the command trial measures
+        argv, trial_command = argv[:cut], argv[cut + 1:]
     try:
         args = parser.parse_args(argv)
+        args.trial_command = trial_command
         resolve_format(args)
     except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)

@@ -771,6 +771,70 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.output(), "4.0")
 
 
+    def trial(self, *extra: str, **popen: object):
+        patch = os.path.join(self.tmp, "seven.diff")
+        write_text_file(patch, "--- a/kernel_b.c\n+++ b/kernel_b.c\n@@ -4 +4 @@\n"
+                               "-    return 4.0;\n+    return 7.0;\n")
+        args = [sys.executable, TOOL, "--state", self.state, "trial", patch, "--root", self.proj,
+                "--artifact", self.lib, "--artifact", self.p("kernel_b.o"), "--invalidate-cache",
+                self.p("cache"), "--build-cmd", "make", "--build-cwd", self.proj] + list(extra)
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True, cwd=self.tmp, **popen)
+
+    def test_trial_runs_reference_and_candidate_alternately_and_always_reverts(self) -> None:
+        before = tree_state(self.proj)
+        trial = self.trial("--repeat", "2", "--json", "--", sys.executable, "-c", CALL_B,
+                           self.lib)
+        out, err = trial.communicate(timeout=120)
+        self.assertEqual(trial.returncode, 0, err)
+        result = json.loads(out)
+        self.assertEqual([(run["kind"], run["round"], run["exit"]) for run in result["runs"]],
+                         [("reference", 1, 0), ("candidate", 1, 0), ("reference", 2, 0),
+                          ("candidate", 2, 0)])
+        self.assertEqual((result["verify"], result["revert"], result["failed_step"]),
+                         ("2 artifact(s) rebuilt", {"reverted": True, "differences": []}, None))
+        self.assertEqual(re.findall(r"^(\d\.0)$", err, re.M), ["4.0", "7.0", "4.0", "7.0"])
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertEqual(self.make("-q").returncode, 0)
+        self.assertEqual(registry_entries(), [])
+
+    def test_trial_names_the_failed_step_in_its_exit_status_and_reverts(self) -> None:
+        before = tree_state(self.proj)
+        check = "%s -c '%s' %s | grep -qx 4.0" % (sys.executable, CALL_B, self.lib)
+        trial = self.trial("--", "sh", "-c", check)
+        out, err = trial.communicate(timeout=120)
+        self.assertEqual(trial.returncode, 13, err)
+        self.assertRegex(out, r"^trial of .*seven.diff \(state %s\):\n"
+                              r"  reference run 1: exit 0 in \d+\.\d\ds\n"
+                              r"  candidate run 1: exit 1 in \d+\.\d\ds\n"
+                              r"  verify: 2 artifact\(s\) rebuilt\n"
+                              r"  revert: the install is byte-identical to before\n"
+                              r"result: candidate: the command failed on the patched install "
+                              r"\(exit status 13\)\n$" % re.escape(self.state))
+        self.assertEqual(tree_state(self.proj), before)
+        for extra, status in ((["--", "false"], 10),  # the reference run fails
+                              (["--build-cmd", "true", "--", "true"], 11)):  # a no-op build
+            trial = self.trial(*extra)
+            out, err = trial.communicate(timeout=60)
+            self.assertEqual((trial.returncode, tree_state(self.proj)), (status, before), out)
+
+    def test_trial_stopped_by_sigterm_or_sigint_reverts_first(self) -> None:
+        before = tree_state(self.proj)
+        slow = "%s -c '%s' %s | grep -qx 4.0 || exec sleep 30" % (sys.executable, CALL_B,
+                                                                  self.lib)
+        for signum, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            trial = self.trial("--", "sh", "-c", slow, start_new_session=True)
+            for line in trial.stderr:
+                if line.startswith("trial: candidate run 1"):
+                    break
+            time.sleep(0.3)
+            os.killpg(trial.pid, signum) if signum == signal.SIGINT else trial.send_signal(signum)
+            out, err = trial.communicate(timeout=60)
+            self.assertEqual(trial.returncode, status, err)
+            self.assertIn("revert: the install is byte-identical to before\n", out)
+            self.assertEqual(tree_state(self.proj), before)
+
+
 class HelpTest(unittest.TestCase):
     def test_every_command_help_shows_an_example(self) -> None:
         for command in overlay_setup.COMMANDS:
