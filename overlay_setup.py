@@ -3978,6 +3978,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--repeat", type=int, default=1, metavar="N",
                      help="rounds of reference run, apply, candidate run, revert (default: 1)")
     add_format(sub, "text: a summary; json: one object (default: text)")
+    # main() cuts COMMAND off after `--` before parsing, so argparse cannot show it itself.
+    sub.usage = sub.format_usage().split(": ", 1)[1].rstrip() + " -- COMMAND [ARG...]"
     command("verify-native", "check that every tracked artifact was rebuilt")
     sub = command("status", "show what is applied")
     add_format(sub, "text: one line per item; json: the journal as JSON (default: text)")

@@ -781,6 +781,11 @@ class CProjectTest(OverlayTestCase):
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 universal_newlines=True, cwd=self.tmp, **popen)
 
+    def test_trial_usage_shows_the_command_after_the_double_dash(self) -> None:
+        rc, out, err = call("trial", "--help")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn(" PATCH -- COMMAND [ARG...]\n", out)
+
     def test_trial_runs_reference_and_candidate_alternately_and_always_reverts(self) -> None:
         before = tree_state(self.proj)
         trial = self.trial("--repeat", "2", "--json", "--", sys.executable, "-c", CALL_B,
