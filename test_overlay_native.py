@@ -1549,7 +1549,7 @@ class RealBuildSystemTest(OverlayTestCase):
         return proj
 
     def round_trips(self, proj: str, source: str, patched_text: str, artifact: str,
-                    build_cmd: str, build_cwd: str, no_work) -> None:
+                    build_cmd: str, build_cwd: str, no_work, noop_keeps_tree: bool = True) -> None:
         patched = os.path.join(self.tmp, "patched" + os.path.splitext(source)[1])
         write_text_file(patched, patched_text)
         args = ["add-native", "--source", source, "--patched", patched, "--artifact", artifact,
@@ -1565,7 +1565,10 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""), out)
         self.assertEqual(tree_state(proj), before)
         self.assertTrue(no_work(), "the incremental build after revert is no no-op")
-        self.assertEqual(tree_state(proj), before)
+        if noop_keeps_tree:
+            self.assertEqual(tree_state(proj), before)
+        else:
+            before = tree_state(proj)  # what the build's own no-op run left
 
         self.kill_during_build(args)
         rc, out, err = call("gc-stale", "--root", self.tmp)
@@ -1573,7 +1576,8 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("): reverted\n", out)
         self.assertEqual(tree_state(proj), before)
         self.assertTrue(no_work(), "the incremental build after gc-stale is no no-op")
-        self.assertEqual(tree_state(proj), before)
+        if noop_keeps_tree:
+            self.assertEqual(tree_state(proj), before)
 
     def test_make(self) -> None:
         proj = self.project(MAKE_PROJECT)
@@ -1654,7 +1658,15 @@ class RealBuildSystemTest(OverlayTestCase):
                          EXTENSION_PROJECT["pkg/_k.c"].replace("(4)", "(7)"),
                          os.path.join(proj, "pkg", "_k" + suffix),
                          " ".join(build), proj,
-                         lambda: "_k.c" not in quiet(build, proj).stdout)
+                         lambda: " -c pkg/_k.c " not in quiet(build, proj).stdout,
+                         # distutils' build_ext (setuptools < 60) copies the in-place library
+                         # again on every run, even when it compiles nothing
+                         noop_keeps_tree=self.setuptools_major(python) >= 60)
+
+    def setuptools_major(self, python: str) -> int:
+        version = quiet([python, "-c", "import setuptools; print(setuptools.__version__)"],
+                        self.tmp).stdout
+        return int(version.split(".")[0])
 
 
 class ProtectTest(OverlayTestCase):
