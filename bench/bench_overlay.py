@@ -6,8 +6,9 @@ An install is generated under a temporary directory: a small source file, a
 with a cache 4x larger (10,000 files, 1 GB).  Three ways to take a patch in
 and out again are timed side by side, interleaved, in the same run:
 
-  tool   `overlay_setup.py add-native --build-cmd true` then `revert`, as two
-         processes;
+  tool   `overlay_setup.py add-native` with a build that appends a byte to
+         the artifact (a build that changes none fails), then `revert`, as
+         two processes;
   floor  a minimal script run as two processes doing only the unavoidable
          work: copy the source and the artifact aside and fsync them, rename
          the cache directory aside; then move all three back;
@@ -116,7 +117,8 @@ def tool_round_trip(root: str) -> float:
         "--patched", os.path.join(root, "kernel_patched.cu"),
         "--artifact", os.path.join(root, "lib/libkernels.so"),
         "--invalidate-cache", os.path.join(root, "cache"),
-        "--build-cmd", "true", "--build-cwd", os.path.join(root, "build")]
+        # a build must change the artifact (one that does not fails with E404): append a byte
+        "--build-cmd", "printf x >> ../lib/libkernels.so", "--build-cwd", os.path.join(root, "build")]
     return timed([add, [sys.executable, TOOL] + state + ["revert"]])
 
 
