@@ -2371,13 +2371,16 @@ def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) ->
             time.sleep(0.05)
 
 
-def session_members(sid: int) -> List[int]:
-    """The processes of session `sid` other than zombies, from /proc ([] without it)."""
-    members = []
+def live_process_stats() -> Optional[List[Tuple[int, List[str]]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of every
+    process other than a zombie; None where there is no /proc."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return []
+        return None
+    if not os.path.exists("/proc/self/stat"):
+        return None
+    found = []
     for name in names:
         if not name.isdigit():
             continue
@@ -2387,37 +2390,28 @@ def session_members(sid: int) -> List[int]:
         except OSError:
             continue
         fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
-            members.append(int(name))
-    return members
+        if len(fields) > 3 and fields[0] != "Z":
+            found.append((int(name), fields))
+    return found
+
+
+def session_members(sid: int) -> List[int]:
+    """The processes of session `sid` other than zombies, from /proc ([] without it)."""
+    return [pid for pid, fields in live_process_stats() or () if fields[3] == str(sid)]
 
 
 def group_alive(pgid: int) -> bool:
     """Whether a process other than a zombie is in the process group or in
     the session it leads (from /proc where there is one: a zombie nobody
     reaped still counts for kill)."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        names = None
-    if names is None or not os.path.exists("/proc/self/stat"):
+    processes = live_process_stats()
+    if processes is None:
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return False
         return True
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as handle:
-                text = handle.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 3 and str(pgid) in (fields[2], fields[3]) and fields[0] != "Z":
-            return True
-    return False
+    return any(str(pgid) in (fields[2], fields[3]) for _, fields in processes)
 
 
 # The build's shell waits for one line on its stdin (a pipe from this process)
