@@ -119,7 +119,6 @@ Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_ENOSPC_AT=N  the N-th data write fails with OSError(ENOSPC).
 """
 
-from __future__ import annotations
 
 import os
 import _signal  # the C module: `signal` itself takes milliseconds to load
