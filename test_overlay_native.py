@@ -2578,10 +2578,6 @@ class InstallFileSafetyTest(OverlayTestCase):
         self.assertLess(os.stat(big).st_blocks * 512, 1 << 20)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class HostileArgumentTest(OverlayTestCase):
     """Arguments that used to end in a traceback: one line, a non-zero exit, nothing written."""
 
@@ -2964,3 +2960,7 @@ class RandomKillTrialTest(unittest.TestCase):
             again = run_tool(["--state", state, "revert"])
             self.assertEqual(again.returncode, 0, context + again.stderr)
             self.assertEqual(full_tree(root), expected, context)
+
+
+if __name__ == "__main__":
+    unittest.main()
