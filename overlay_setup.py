@@ -85,8 +85,10 @@ how to fix it):
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
         running, E109 bad build option (--timeout, -p), E110 the build
-        products to back up are over the size budget, E120 a path another
-        applied overlay holds, E121 state directory inside the build directory
+        products to back up are over the size budget, E111 a .py file the
+        interpreter does not import from that file, E120 a path
+        another applied overlay holds, E121 state directory inside the build
+        directory
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -1563,13 +1565,140 @@ def apply_hunks(file_patch: FilePatch, original: Optional[bytes], patch_name: st
     return "".join(result).encode("utf-8", "surrogateescape")
 
 
-def module_for_path(relative: str) -> Tuple[str, bool]:
-    """'pkg/sub/mod.py' -> ('pkg.sub.mod', False); 'pkg/__init__.py' -> ('pkg', True)."""
-    parts = relative[:-3].split("/")
-    package = parts[-1] == "__init__"
-    if package:
-        parts = parts[:-1]
-    return ".".join(parts), package
+def package_chain(path: str, created: List[str]) -> Tuple[str, str, bool]:
+    """The module a .py file is by its package chain: its directory and each
+    one above it while it holds an __init__.py (on disk or created by the
+    patch).  Returns (name, the directory the name imports from, whether the
+    file is a package's __init__.py)."""
+    directory, base = os.path.split(path)
+    package = base == "__init__.py"
+    parts = [] if package else [base[:-3]]
+    while directory != os.path.dirname(directory) and (
+            os.path.isfile(os.path.join(directory, "__init__.py"))
+            or os.path.join(directory, "__init__.py") in created):
+        parts.insert(0, os.path.basename(directory))
+        directory = os.path.dirname(directory)
+    return ".".join(parts), directory, package
+
+
+# Run by the target interpreter (`--python`): for each .py file, the first
+# candidate name under which that interpreter imports the file.  The chain
+# name comes first, then each name its path ends with, shortest first (a
+# namespace package above the chain, found through sys.path or an editable
+# install's finder).  Specs are found the way import finds them, finder by
+# finder and through each parent's search locations, without running any
+# package's __init__.py.  The entry -c adds for the current directory is
+# dropped: a program started elsewhere, or as a script, does not have it.
+MODULE_PROBE = r'''
+import json, keyword, os, sys, types
+
+sys.path[:] = [entry for entry in sys.path if entry]
+
+
+def find(name):
+    spec, path = None, None
+    parts = name.split(".")
+    for count in range(1, len(parts) + 1):
+        if count > 1:
+            if spec is None or spec.submodule_search_locations is None:
+                return None
+            path = list(spec.submodule_search_locations)
+        fullname = ".".join(parts[:count])
+        spec = getattr(sys.modules.get(fullname), "__spec__", None)
+        for finder in [] if spec is not None else sys.meta_path:
+            try:
+                spec = finder.find_spec(fullname, path)
+            except Exception:
+                spec = None
+            if spec is not None:
+                break
+        if spec is not None and spec.submodule_search_locations is not None and \
+                fullname not in sys.modules:
+            # A namespace package below needs its parent in sys.modules: a
+            # bare module that has the package's path, not its code.
+            module = types.ModuleType(fullname)
+            module.__spec__, module.__path__ = spec, spec.submodule_search_locations
+            sys.modules[fullname] = module
+    return spec
+
+
+def candidates(file):
+    names = [file["chain"]]
+    parts = file["path"][:-3].split(os.sep)[1:]
+    if parts[-1] == "__init__":
+        parts.pop()
+    for start in range(len(parts) - 1, -1, -1):
+        if not parts[start].isidentifier() or keyword.iskeyword(parts[start]):
+            break
+        names.append(".".join(parts[start:]))
+    return list(dict.fromkeys(names))
+
+
+def imports(name, file):
+    real = os.path.realpath(file["path"])
+    if os.path.exists(real):
+        spec = find(name)
+        return spec is not None and spec.origin is not None and \
+            os.path.realpath(spec.origin) == real
+    home = os.path.dirname(os.path.dirname(real) if file["package"] else real)
+    parent = name.rpartition(".")[0]
+    locations = sys.path
+    if parent:
+        spec = find(parent)
+        locations = list(spec and spec.submodule_search_locations or [])
+    return home in [os.path.realpath(location) for location in locations]
+
+
+answers = []
+for file in json.loads(sys.argv[1]):
+    tried = candidates(file)
+    spec = find(file["chain"])
+    answers.append({"name": next((name for name in tried if imports(name, file)), None),
+                    "chain_from": spec and spec.has_location and spec.origin})
+print(json.dumps(answers))
+'''
+
+
+def module_names(python: str, files: List[dict], state: State, patch_name: str) -> List[str]:
+    """Each .py file's module name as `python` imports it (see MODULE_PROBE),
+    or E111 naming the file and the fix."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and os.path.abspath(entry) != state.site]  # not our own overlay
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    probe = [{"path": file["path"], "chain": file["chain"], "package": file["package"]}
+             for file in files]
+    try:
+        done = subprocess.run([python, "-c", MODULE_PROBE, json.dumps(probe)], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = "it took over 60 s" if isinstance(exc, subprocess.TimeoutExpired) else exc.strerror
+        raise UsageError("E102", "cannot run --python %s (%s); pass the interpreter that runs "
+                         "the install" % (python, why))
+    try:
+        answers = json.loads(done.stdout.decode("utf-8", "replace").splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no output"])[-1]
+        raise UsageError("E102", "--python %s could not say which modules it imports (exit "
+                         "%d: %s); pass the interpreter that runs the install"
+                         % (python, done.returncode, last))
+    names = []
+    for file, answer in zip(files, answers):
+        if answer["name"] is not None:
+            names.append(answer["name"])
+            continue
+        chain, where = file["chain"], answer["chain_from"]
+        if where and os.path.realpath(where) != os.path.realpath(file["path"]):
+            raise OverlayError("E111", "%s: %s would be module %s, but %s imports %s from %s; "
+                               "patch that copy (--root at the install), or install this one "
+                               "(pip install -e); nothing was written"
+                               % (patch_name, file["path"], chain, python, chain, where))
+        raise OverlayError("E111", "%s: %s is module %s, which %s cannot import (nor under a "
+                           "longer name of its path); put %s on PYTHONPATH or install its "
+                           "package, or pass --python with the interpreter that runs it; nothing "
+                           "was written" % (patch_name, file["path"], chain, python, file["home"]))
+    return names
 
 
 # ---------------------------------------------------------------- build products
@@ -3186,7 +3315,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     file_patches = parse_patch(text, args.p, name)
     natives: List[Tuple[str, Optional[bytes]]] = []
     modes: Dict[str, int] = {}
-    modules: List[Tuple[str, Optional[bytes], Optional[str], str]] = []
+    python_files: List[dict] = []
     for file_patch in file_patches:
         relative = file_patch.path
         suffix = os.path.splitext(relative)[1]
@@ -3220,15 +3349,23 @@ def cmd_apply(args: argparse.Namespace) -> int:
             modes[target] = file_patch.mode if original is None else \
                 git_mode_change(os.stat(target).st_mode, file_patch.mode)
         if suffix == ".py":
-            module, package = module_for_path(relative)
-            check_module_name(module, "module of %s" % relative)
-            modules.append((module, result, os.path.dirname(target) if package else None, target))
+            python_files.append({"path": target, "content": result})
         else:
             natives.append((target, result))
     if natives and not artifacts and build is not None:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
     state = open_state(args)
+    created = [file["path"] for file in python_files if not os.path.exists(file["path"])]
+    for file in python_files:
+        file["chain"], file["home"], file["package"] = package_chain(file["path"], created)
+        if not MODULE_RE.match(file["chain"]):
+            raise UsageError("E105", "%s: no import can name %s (module %r is not a dotted name "
+                             "of identifiers); leave it out of the patch"
+                             % (name, file["path"], file["chain"]))
+    names = module_names(args.python, python_files, state, name) if python_files else []
+    modules = [(module, file["content"], os.path.dirname(file["path"]) if file["package"] else None,
+                file["path"]) for module, file in zip(names, python_files)]
     check_state_outside_build(state, build if natives else None)
     if args.dry_run:
         return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
@@ -3901,6 +4038,17 @@ def build_parser() -> argparse.ArgumentParser:
                                   "session, looking through sudo and setsid)")
         return sub
 
+    def patch_options(sub: argparse.ArgumentParser, python: bool) -> None:
+        sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative "
+                                                       "to (default: the current directory)")
+        sub.add_argument("-p", type=int, default=1, metavar="N",
+                         help="strip N leading path components (default: 1, as for git diffs)")
+        if python:
+            sub.add_argument("--python", metavar="PATH", default=sys.executable,
+                             help="the interpreter that runs the install, asked under which "
+                                  "module name it imports each .py file of the patch "
+                                  "(default: the one running this tool)")
+
     def native(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--artifact", action="append", default=[], metavar="PATH",
                          help="a build output to back up and check (repeatable)")
@@ -3943,10 +4091,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("apply", "apply a unified diff: natives in place, .py files as overlay",
                   owner=True)
     sub.add_argument("patch", metavar="PATCH", help="a unified diff (git diff or diff -u)")
-    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
-                                                   "(default: the current directory)")
-    sub.add_argument("-p", type=int, default=1, metavar="N",
-                     help="strip N leading path components (default: 1, as for git diffs)")
+    patch_options(sub, python=True)
     native(sub)
     sub = command("update", "give an applied entry new patched content (or keep the sources "
                   "as fixed in place) and build again; the original backups stay", owner=True)
@@ -3958,19 +4103,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the new content of the entry's one source (default: none)")
     sub.add_argument("--entry", type=int, metavar="N",
                      help="the entry to update (default: the latest)")
-    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
-                                                   "(default: the current directory)")
-    sub.add_argument("-p", type=int, default=1, metavar="N",
-                     help="strip N leading path components (default: 1)")
+    patch_options(sub, python=False)
     sub.add_argument("--timeout", type=float, metavar="S",
                      help="kill the build after S seconds (default: the entry's)")
     sub = command("trial", "A/B: run COMMAND on the clean install, apply PATCH and build, "
                   "run COMMAND again, and always revert", owner=True)
     sub.add_argument("patch", metavar="PATCH", help="a unified diff, as for apply")
-    sub.add_argument("--root", metavar="DIR", help="directory the patch paths are relative to "
-                                                   "(default: the current directory)")
-    sub.add_argument("-p", type=int, default=1, metavar="N",
-                     help="strip N leading path components (default: 1)")
+    patch_options(sub, python=True)
     native(sub)
     sub.add_argument("--repeat", type=int, default=1, metavar="N",
                      help="rounds of reference run, apply, candidate run, revert (default: 1)")

@@ -140,6 +140,18 @@ def registry_entries() -> list:
                   for name in os.listdir(directory))
 
 
+def on_python_path(test: unittest.TestCase, directory: str) -> None:
+    """Put `directory` on PYTHONPATH for the rest of the test: apply asks the
+    interpreter under which name it imports each .py file of a patch, and a
+    directory only the current directory would make importable does not count."""
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = directory
+    if previous is None:
+        test.addCleanup(os.environ.pop, "PYTHONPATH", None)
+    else:
+        test.addCleanup(os.environ.__setitem__, "PYTHONPATH", previous)
+
+
 class OverlayTestCase(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="overlay-test-")
@@ -967,6 +979,7 @@ class PatchTest(OverlayTestCase):
         subprocess.run(git + ["add", "-A"], check=True)
         subprocess.run(git + ["commit", "-qm", "base"], check=True)
         self.git = git
+        on_python_path(self, self.proj)
 
     def make_patch(self, edits: dict, deletes: tuple = (), name: str = "change.diff") -> str:
         """A real `git diff` of edits made in the work copy."""
@@ -1310,6 +1323,7 @@ class CrashMatrixTest(unittest.TestCase):
         shm = os.path.join(self.shm_base, "r%d" % self.round)
         os.makedirs(os.path.dirname(root))
         crash_fixture(root, shm)
+        on_python_path(self, root)
         state = os.path.join(os.path.dirname(root), "state")
         return root, shm, state, (tree_state(root), tree_state(shm))
 
@@ -1535,6 +1549,176 @@ def quiet(argv: list, cwd: str) -> subprocess.CompletedProcess:
                           universal_newlines=True)
 
 
+def editable_venv(test_class: type, projects: dict) -> str:
+    """A venv (sharing this interpreter's site-packages) with each project of
+    `projects` ({directory: files}) written and installed with
+    `pip install -e`; its python, or a skip naming why it cannot be had."""
+    base = tempfile.mkdtemp(prefix="overlay-editable-")
+    test_class.addClassCleanup(shutil.rmtree, base, True)
+    venv = os.path.join(base, "venv")
+    quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
+          base).check_returncode()
+    python = os.path.join(venv, "bin", "python")
+    for directory, files in sorted(projects.items()):
+        write_tree(os.path.join(base, directory), files)
+        done = quiet([python, "-m", "pip", "install", "-q", "-e", directory], base)
+        if done.returncode:
+            raise unittest.SkipTest("pip cannot install a project editable in a venv here: "
+                                    + (done.stdout.strip().splitlines() or ["no output"])[-1])
+    return python
+
+
+PYPROJECT = ('[build-system]\nrequires = ["setuptools>=64"]\n'
+             'build-backend = "setuptools.build_meta"\n'
+             '[project]\nname = "%s"\nversion = "0.1"\n')
+
+
+class ModuleNameTest(OverlayTestCase):
+    """A .py file of a patch is overlaid under the name Python imports it by:
+    its package chain, a namespace package above it, an editable install's
+    finder; and refused (E111) when that interpreter does not import it."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        # src layout: setuptools puts src/ on sys.path with a .pth file.  Flat
+        # layout: it installs a finder that maps fpkg to its directory, so no
+        # directory of the project is on sys.path.
+        cls.python = editable_venv(cls, {
+            "srcproj": {"pyproject.toml": PYPROJECT % "mypkg", "src/mypkg/__init__.py": "",
+                        "src/mypkg/ops.py": "VALUE = 1\n"},
+            "flatproj": {"pyproject.toml": PYPROJECT % "fpkg" + '[tool.setuptools]\n'
+                                                         'packages = ["fpkg", "fpkg.sub"]\n',
+                         "fpkg/__init__.py": "", "fpkg/sub/__init__.py": "",
+                         "fpkg/sub/ops.py": "VALUE = 1\n", "fpkg/nsub/deep.py": "VALUE = 1\n"}})
+        cls.base = os.path.dirname(os.path.dirname(os.path.dirname(cls.python)))
+
+    def served(self, python: str, module: str) -> str:
+        """VALUE of `module` in a fresh `python` started elsewhere with the overlay on."""
+        env = json.loads(self.tool("env", "--json")[1])
+        return subprocess.run([python, "-c", "import %s as m; print(m.VALUE)" % module],
+                              env=dict(NO_BYTECODE, PYTHONPATH=env["PYTHONPATH"]), cwd=self.tmp,
+                              stdout=subprocess.PIPE, universal_newlines=True,
+                              check=True).stdout.strip()
+
+    def test_src_layout_git_diff_from_the_project_root(self) -> None:
+        proj = os.path.join(self.base, "srcproj")
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", proj]
+        quiet(git + ["init", "-q"], proj).check_returncode()
+        quiet(git + ["add", "-A"], proj).check_returncode()
+        quiet(git + ["commit", "-qm", "base"], proj).check_returncode()
+        self.addCleanup(shutil.rmtree, os.path.join(proj, ".git"), True)
+        write_tree(proj, {"src/mypkg/ops.py": "VALUE = 2\n"})
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        quiet(git + ["diff"], proj).stdout)
+        quiet(git + ["checkout", "-q", "."], proj).check_returncode()
+        before = tree_state(proj)
+        # the tool run by the venv's python, from the project root, as a user would
+        done = subprocess.run([self.python, TOOL, "--state", self.state, "apply",
+                               os.path.join(self.tmp, "fix.diff"), "--no-build"], cwd=proj,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertIn("1 Python module(s) overlaid (mypkg.ops)", done.stdout)
+        self.assertEqual(self.served(self.python, "mypkg.ops"), "2")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.served(self.python, "mypkg.ops"), "1")
+        self.assertEqual(tree_state(proj), before)
+
+    def test_flat_layout_behind_an_editable_finder_patched_from_inside_the_package(self) -> None:
+        package = os.path.join(self.base, "flatproj", "fpkg")
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- sub/ops.py\n+++ sub/ops.py\n@@ -1 +1 @@\n-VALUE = 1\n+VALUE = 3\n"
+                        "--- /dev/null\n+++ sub/fresh.py\n@@ -0,0 +1 @@\n+VALUE = 4\n"
+                        # nsub has no __init__.py: a namespace package inside fpkg
+                        "--- nsub/deep.py\n+++ nsub/deep.py\n@@ -1 +1 @@\n-VALUE = 1\n"
+                        "+VALUE = 6\n")
+        rc, out, err = self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root", package,
+                                 "-p", "0", "--no-build", "--python", self.python)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("(fpkg.sub.ops, fpkg.sub.fresh, fpkg.nsub.deep)", out)
+        self.assertEqual((self.served(self.python, "fpkg.sub.ops"),
+                          self.served(self.python, "fpkg.sub.fresh"),
+                          self.served(self.python, "fpkg.nsub.deep")), ("3", "4", "6"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual((self.served(self.python, "fpkg.sub.ops"),
+                          self.served(self.python, "fpkg.nsub.deep")), ("1", "1"))
+        self.assertFalse(os.path.exists(os.path.join(package, "sub", "fresh.py")))
+
+    def test_namespace_package_across_two_sys_path_entries(self) -> None:
+        # acme is a namespace package (no __init__.py) with a portion in each
+        # directory; acme.plugins is one too, and only its parent is on sys.path
+        write_tree(self.tmp, {"core/acme/core/__init__.py": "VALUE = 10\n",
+                              "extra/acme/plugins/fast.py": "VALUE = 1\n"})
+        on_python_path(self, os.pathsep.join([os.path.join(self.tmp, "core"),
+                                              os.path.join(self.tmp, "extra")]))
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- a/plugins/fast.py\n+++ b/plugins/fast.py\n@@ -1 +1 @@\n"
+                        "-VALUE = 1\n+VALUE = 5\n")
+        rc, out, err = self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root",
+                                 os.path.join(self.tmp, "extra", "acme"), "--no-build")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("(acme.plugins.fast)", out)
+        self.assertEqual((self.served(sys.executable, "acme.plugins.fast"),
+                          self.served(sys.executable, "acme.core")), ("5", "10"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.served(sys.executable, "acme.plugins.fast"), "1")
+
+    def test_a_module_the_interpreter_does_not_import_is_refused_before_any_change(self) -> None:
+        write_tree(self.tmp, {"proj/pkg/__init__.py": "", "proj/pkg/m.py": "VALUE = 1\n",
+                              "proj/k.c": "int k;\n"})
+        proj = os.path.join(self.tmp, "proj")
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- a/k.c\n+++ b/k.c\n@@ -1 +1 @@\n-int k;\n+int k2;\n"
+                        "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-VALUE = 1\n+VALUE = 2\n")
+        before = tree_state(self.tmp)
+        # The current directory would make pkg importable to `python -c`, but not
+        # to a program started elsewhere: it does not count.
+        os.chdir(proj)
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--no-build"), (
+            1, "", "overlay_setup: E111 fix.diff: %s/pkg/m.py is module pkg.m, which %s cannot "
+            "import (nor under a longer name of its path); put %s on PYTHONPATH or install its package, or pass --python with the "
+            "interpreter that runs it; nothing was written\n" % (proj, sys.executable, proj)))
+        self.assertEqual(tree_state(self.tmp), before)
+        self.assertEqual(registry_entries(), [])
+
+    def test_a_checkout_beside_the_installed_copy_is_refused(self) -> None:
+        write_tree(self.tmp, {"site/pkg/__init__.py": "", "site/pkg/m.py": "VALUE = 1\n",
+                              "checkout/pkg/__init__.py": "", "checkout/pkg/m.py": "VALUE = 1\n"})
+        on_python_path(self, os.path.join(self.tmp, "site"))
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-VALUE = 1\n+VALUE = 2\n")
+        checkout = os.path.join(self.tmp, "checkout")
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root",
+                                   checkout, "--no-build"), (
+            1, "", "overlay_setup: E111 fix.diff: {c}/pkg/m.py would be module pkg.m, but {p} "
+            "imports pkg.m from {s}/pkg/m.py; patch that copy (--root at the install), or "
+            "install this one (pip install -e); nothing was written\n".format(
+                c=checkout, p=sys.executable, s=os.path.join(self.tmp, "site"))))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_a_file_no_import_can_name_is_refused(self) -> None:
+        write_tree(self.tmp, {"pkg/__init__.py": "", "pkg/my-ops.py": "VALUE = 1\n"})
+        write_text_file(os.path.join(self.tmp, "fix.diff"), "--- a/pkg/my-ops.py\n"
+                        "+++ b/pkg/my-ops.py\n@@ -1 +1 @@\n-VALUE = 1\n+VALUE = 2\n")
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root",
+                                   self.tmp, "--no-build"), (
+            2, "", "overlay_setup: E105 fix.diff: no import can name %s/pkg/my-ops.py (module "
+            "'pkg.my-ops' is not a dotted name of identifiers); leave it out of the patch\n"
+            % self.tmp))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_an_interpreter_that_cannot_run_is_one_line(self) -> None:
+        write_tree(self.tmp, {"pkg/__init__.py": "", "pkg/m.py": "VALUE = 1\n"})
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-VALUE = 1\n+VALUE = 2\n")
+        missing = os.path.join(self.tmp, "no-python")
+        self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root",
+                                   self.tmp, "--no-build", "--python", missing), (
+            2, "", "overlay_setup: E102 cannot run --python %s (No such file or directory); "
+            "pass the interpreter that runs the install\n" % missing))
+        self.assertFalse(os.path.exists(self.state))
+
+
 class RealBuildSystemTest(OverlayTestCase):
     maxDiff = None
     """The install's own build, as it comes: make, ninja, cmake and setuptools
@@ -1704,6 +1888,7 @@ class ProtectTest(OverlayTestCase):
 
     def test_apply_dry_run_shows_natives_and_python_modules(self) -> None:
         write_tree(self.proj, {"pkg/__init__.py": "", "pkg/m.py": "X = 1\n"})
+        on_python_path(self, self.proj)
         patch = os.path.join(self.tmp, "p.diff")
         write_text_file(patch, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n-int b(void) { return K; }\n"
                                "+int b(void) { return 7; }\n"
