@@ -1850,8 +1850,8 @@ def ask_build_tool(argv: List[str], cwd: str) -> Optional[str]:
 
 def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List[str]]:
     """Every target make would remake if `sources` changed: `make -n --trace`
-    with -W (what-if) for each source, by its absolute name and by its name
-    relative to the build directory.  make does not pass -W down to sub-makes,
+    with -W (what-if) for each source, by each name a make may know it by
+    (what_if_names).  make does not pass -W down to sub-makes,
     so MAKE is redefined to carry it (as CMake's Makefiles need); their
     targets are placed through the 'Entering directory' lines.  make -n still
     runs recipes that use $(MAKE) or start with '+', as it always does."""
@@ -1865,7 +1865,8 @@ def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List
     readers = depfile_readers(directory, sources)
     what_if = []
     for source in sources + readers:
-        what_if += ["-W", source, "-W", os.path.relpath(source, cwd)]
+        for name in what_if_names(source, cwd):
+            what_if += ["-W", name]
     sub_make = " ".join(shlex.quote(word) for word in [argv[0]] + what_if)
     output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if
                             + ["MAKE=" + sub_make], cwd)
@@ -1887,6 +1888,23 @@ def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List
             name = target.group(1) if target.group(1) is not None else target.group(2)
             targets.append(os.path.normpath(os.path.join(directories[-1], name)))
     return targets
+
+
+def what_if_names(source: str, cwd: str) -> List[str]:
+    """The names a make in `cwd` or a sub-make below it may give `source`:
+    absolute, and relative to `cwd` and to each directory between it and the
+    source (`$(MAKE) -C kernels` reads kernels/k.c as k.c).  A name that is
+    no target of a make is ignored by its -W."""
+    names = [source]
+    directory = os.path.dirname(source)
+    while is_within(directory, cwd):
+        names.append(os.path.relpath(source, directory))
+        if directory == cwd:
+            break
+        directory = os.path.dirname(directory)
+    if not is_within(source, cwd):
+        names.append(os.path.relpath(source, cwd))
+    return names
 
 
 def depfile_readers(directory: str, sources: List[str]) -> List[str]:

@@ -1770,6 +1770,18 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(proj, "libk.so"), "make", proj,
                          lambda: quiet(["make", "-q"], proj).returncode == 0)
 
+    def test_recursive_make(self) -> None:
+        # The top Makefile runs `$(MAKE) -C kernels`, whose rules name the
+        # source as b.c, not kernels/b.c.
+        files = {"kernels/" + name: text for name, text in MAKE_PROJECT.items()}
+        files["Makefile"] = "all:\n\t$(MAKE) -C kernels\n"
+        proj = self.project(files)
+        quiet(["make"], proj).check_returncode()
+        kernels = os.path.join(proj, "kernels")
+        self.round_trips(proj, os.path.join(kernels, "b.c"),
+                         LIB_SOURCES["b.c"].replace("K", "7"), os.path.join(kernels, "libk.so"),
+                         "make", proj, lambda: quiet(["make", "-q"], kernels).returncode == 0)
+
     def test_ninja(self) -> None:
         proj = self.project(NINJA_PROJECT)
         quiet(["ninja"], proj).check_returncode()
