@@ -1934,8 +1934,8 @@ def depfile_readers(directory: str, sources: List[str]) -> List[str]:
 def ninja_targets(argv: List[str], directory: str, sources: List[str]) -> Optional[List[str]]:
     """Every output that depends on one of `sources` in ninja's graph: the
     edges that read a node (`ninja -t query`) and the header dependencies
-    ninja recorded (`ninja -t deps`), followed to the end; then .ninja_log and
-    .ninja_deps, which every ninja run rewrites."""
+    ninja recorded (`ninja -t deps`) or the depfiles on disk hold, followed to
+    the end; then .ninja_log and .ninja_deps, which every ninja run rewrites."""
     base = [argv[0], "-C", directory]
     for number, word in enumerate(argv[:-1]):
         if word == "-f":
@@ -1950,13 +1950,16 @@ def ninja_targets(argv: List[str], directory: str, sources: List[str]) -> Option
             output = line.split(": #deps", 1)[0]
         elif line.strip() and output is not None:
             readers.setdefault(line.strip(), []).append(output)
-    frontier = set()
+    # A rule with a depfile but no `deps =` leaves its header dependencies in
+    # the depfiles on disk, where `-t deps` does not look.
+    frontier = {os.path.relpath(target, directory)
+                for target in depfile_readers(directory, sources)}
+    found = sorted(frontier)
     for source in sources:
         for name in (source, os.path.relpath(source, directory)):
             if name in readers or ask_build_tool(base + ["-t", "query", name], directory):
                 frontier.add(name)
     seen: set = set()
-    found = []
     while frontier:
         batch = sorted(frontier - seen)
         seen.update(batch)

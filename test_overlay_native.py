@@ -1789,6 +1789,17 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(proj, "libk.so"), "ninja", proj,
                          lambda: "no work to do" in quiet(["ninja", "-n"], proj).stdout)
 
+    def test_ninja_reading_depfiles_without_deps(self) -> None:
+        # Without `deps = gcc` ninja reads the depfiles where the compiler left
+        # them, and `ninja -t deps` knows nothing of k.h.
+        files = dict(NINJA_PROJECT)
+        files["build.ninja"] = files["build.ninja"].replace("  deps = gcc\n", "")
+        proj = self.project(files)
+        quiet(["ninja"], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "k.h"), LIB_SOURCES["k.h"].replace("4", "7"),
+                         os.path.join(proj, "libk.so"), "ninja", proj,
+                         lambda: "no work to do" in quiet(["ninja", "-n"], proj).stdout)
+
     def test_jobs_of_a_ninja_that_died_are_stopped_before_gc_stale_reverts(self) -> None:
         # ninja runs each job in a process group of its own; when ninja itself
         # dies abruptly with the tool, its jobs go on writing into the tree.
