@@ -1696,8 +1696,9 @@ def module_names(python: str, files: List[dict], state: State, patch_name: str) 
                                % (patch_name, file["path"], chain, python, chain, where))
         raise OverlayError("E111", "%s: %s is module %s, which %s cannot import (nor under a "
                            "longer name of its path); put %s on PYTHONPATH or install its "
-                           "package, or pass --python with the interpreter that runs it; nothing "
-                           "was written" % (patch_name, file["path"], chain, python, file["home"]))
+                           "package, pass --python with the interpreter that runs it, or leave "
+                           "the file out of the patch (a test or a script); nothing was written"
+                           % (patch_name, file["path"], chain, python, file["home"]))
     return names
 
 

@@ -1676,8 +1676,10 @@ class ModuleNameTest(OverlayTestCase):
         os.chdir(proj)
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--no-build"), (
             1, "", "overlay_setup: E111 fix.diff: %s/pkg/m.py is module pkg.m, which %s cannot "
-            "import (nor under a longer name of its path); put %s on PYTHONPATH or install its package, or pass --python with the "
-            "interpreter that runs it; nothing was written\n" % (proj, sys.executable, proj)))
+            "import (nor under a longer name of its path); put %s on PYTHONPATH or install its "
+            "package, pass --python with the interpreter that runs it, or leave the file out of "
+            "the patch (a test or a script); nothing was written\n"
+            % (proj, sys.executable, proj)))
         self.assertEqual(tree_state(self.tmp), before)
         self.assertEqual(registry_entries(), [])
 
