@@ -553,6 +553,22 @@ def put_file(target: str, meta: dict, data: Optional[bytes] = None,
         os.close(directory)
 
 
+def put_symlink(path: str, target: str, mtime_ns: int) -> None:
+    """Put a symlink to `target` with mtime `mtime_ns` at `path`: made under a
+    temporary name beside it and renamed over whatever is there."""
+    mutation_point()
+    directory = open_parent(path, create=True)
+    try:
+        tmp = os.path.basename(temp_beside(path))
+        unlink_at(directory, tmp)
+        os.symlink(target, tmp, dir_fd=directory)
+        os.utime(tmp, ns=(mtime_ns, mtime_ns), dir_fd=directory, follow_symlinks=False)
+        os.replace(tmp, os.path.basename(path), src_dir_fd=directory, dst_dir_fd=directory)
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def unlink_at(directory: int, name: str) -> bool:
     """Remove a file or symlink from an open directory; False when absent."""
     try:
@@ -1777,9 +1793,37 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
         old = before.get(path)
         if old is None:
             products.append({"path": path, "kind": info[0], "created": True})
-        elif info[0] != "d" and old != info:
+        elif info[0] != "d" and old[:3] != info and scanned_link(old) is None:
             products.append({"path": path, "kind": info[0], "created": False})
     return products
+
+
+def scanned_link(info: object) -> Optional[str]:
+    """The target of a symlink as the pre-build scan recorded it, else None."""
+    if isinstance(info, list) and len(info) == 4 and info[0] == "l" and \
+            type(info[2]) is int and isinstance(info[3], str):
+        return info[3]
+    return None
+
+
+def restore_build_dir_links(state: State, entry: dict) -> None:
+    """Symlinks of the build directory come back with their target and mtime:
+    a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
+    no rule names them, so a build after revert would not make them again."""
+    cwd = (entry.get("build") or {}).get("cwd")
+    for path, info in sorted(prebuild_scan(state, entry).items()):
+        target = scanned_link(info)
+        if target is None or not is_within(path, cwd) or path != os.path.normpath(path):
+            continue
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (stat.S_ISDIR(st.st_mode) or (
+                stat.S_ISLNK(st.st_mode) and st.st_mtime_ns == info[2]
+                and os.readlink(path) == target)):
+            continue  # as it was, or someone's directory now
+        put_symlink(path, target, info[2])
 
 
 # ---------------------------------------------------------------- what the build will rewrite
@@ -2489,6 +2533,12 @@ def write_prebuild_scan(state: State, entry: dict) -> None:
     products afterwards (also after a crash during the build)."""
     cwd = entry["build"]["cwd"]
     before, truncated = scan_tree(cwd, scan_exclusions(state, entry))
+    for link, info in before.items():
+        if info[0] == "l":
+            try:
+                info.append(os.readlink(link))
+            except OSError:
+                pass
     if truncated:
         print("warning: more than %d entries under %s; untracked build products are looked for "
               "only among the first %d" % (SCAN_LIMIT, cwd, SCAN_LIMIT), file=sys.stderr)
@@ -2969,6 +3019,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                            "is left: fix the cause and run `overlay_setup.py revert` again"
                            % ", ".join(failures))
     remove_products(products, aside)
+    restore_build_dir_links(state, entry)
     restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):

@@ -1849,6 +1849,38 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(build, "libk.so"), "cmake --build build", proj,
                          lambda: " -c " not in quiet(["make", "-n"], build).stdout)
 
+    def test_make_linking_a_versioned_library_and_its_links(self) -> None:
+        # As a configure-made Makefile (zlib's, zlib-ng's) links libz.so.1.2.3:
+        # the recipe removes the links and makes them again, and no rule
+        # names them, so `make -q` never remakes them if revert removed them.
+        files = dict(LIB_SOURCES, Makefile=(
+            "libk.so.1.0: a.o b.o\n"
+            "\tsleep 0.3\n"
+            "\t$(CC) -shared -Wl,-soname,libk.so.1 -o $@ a.o b.o\n"
+            "\trm -f libk.so libk.so.1\n"
+            "\tln -s $@ libk.so\n"
+            "\tln -s $@ libk.so.1\n"
+            "%.o: %.c k.h\n"
+            "\t$(CC) -O1 -fPIC -c -o $@ $<\n"))
+        proj = self.project(files)
+        quiet(["make"], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
+                         os.path.join(proj, "libk.so.1.0"), "make", proj,
+                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+
+    def test_cmake_shared_library_with_a_version_and_its_links(self) -> None:
+        # VERSION and SOVERSION make CMake link libk.so.1.2.3 and make the
+        # links libk.so.1 and libk.so anew at every link.
+        files = dict(CMAKE_PROJECT)
+        files["CMakeLists.txt"] += "set_target_properties(k PROPERTIES VERSION 1.2.3 SOVERSION 1)\n"
+        proj = self.project(files)
+        build = os.path.join(proj, "build")
+        quiet(["cmake", "-S", proj, "-B", build, "-G", "Ninja"], proj).check_returncode()
+        quiet(["cmake", "--build", build], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "a.c"), LIB_SOURCES["a.c"].replace("1", "2"),
+                         os.path.join(build, "libk.so.1.2.3"), "cmake --build build", proj,
+                         lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
+
     def test_setuptools_build_ext_inplace(self) -> None:
         proj = self.project(EXTENSION_PROJECT)
         venv = os.path.join(self.tmp, "venv")
