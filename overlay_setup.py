@@ -1033,9 +1033,12 @@ class State:
             if build:
                 target(build.get("cwd"), "build directory")
                 inside_roots(build["cwd"])
+                if build.get("tree") is not None:
+                    target(build["tree"], "build directory")
+                    inside_roots(build["tree"])
                 for product in entry.get("untracked") or []:
                     target(product.get("path"), "build product")
-                    if not is_within(product["path"], build["cwd"]):
+                    if not any(is_within(product["path"], tree) for tree in build_trees(build)):
                         raise OverlayError("E203", "journal %s names build product %r outside "
                                            "the build directory %s; nothing was changed"
                                            % (self.manifest_path, product["path"], build["cwd"]))
@@ -1767,14 +1770,43 @@ def prebuild_scan(state: State, entry: dict) -> dict:
         return {}
 
 
+def build_trees(build: Optional[dict]) -> List[str]:
+    """The directories a build writes into: its working directory, and the
+    build directory of `make -C`, `ninja -C` or `cmake --build` when that
+    lies outside it (an out-of-tree build run from the sources)."""
+    if not build:
+        return []
+    return [build["cwd"]] + ([build["tree"]] if build.get("tree") else [])
+
+
+def build_tree_outside(command: str, cwd: str) -> Optional[str]:
+    """The build directory the build tool of `command` works in, when that
+    is an existing directory outside `cwd`; else None."""
+    tool = build_tool(command, cwd)
+    if tool is None or is_within(tool[2], cwd) or not os.path.isdir(tool[2]):
+        return None
+    return tool[2]
+
+
+def scan_build(state: State, entry: dict) -> Tuple[Dict[str, list], bool]:
+    found: Dict[str, list] = {}
+    truncated = False
+    for tree in build_trees(entry["build"]):
+        part, cut = scan_tree(tree, scan_exclusions(state, entry))
+        found.update(part)
+        truncated = truncated or cut
+    return found, truncated
+
+
 def restore_build_dir_mtimes(state: State, entry: dict) -> None:
     """Directories of the build directory get their mtimes back: a build
     makes and removes files where nothing is tracked (CMake's Progress
     folder), and removing its products touches their directories."""
-    cwd = (entry.get("build") or {}).get("cwd")
+    trees = build_trees(entry.get("build"))
     for path, info in sorted(prebuild_scan(state, entry).items(), reverse=True):
         if (isinstance(info, list) and len(info) == 3 and info[0] == "d"
-                and type(info[2]) is int and info[2] and is_within(path, cwd)
+                and type(info[2]) is int and info[2]
+                and any(is_within(path, tree) for tree in trees)
                 and os.path.isdir(path) and not os.path.islink(path)
                 and os.lstat(path).st_mtime_ns != info[2]):
             os.utime(path, ns=(info[2], info[2]), follow_symlinks=False)
@@ -1787,7 +1819,7 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
     before = prebuild_scan(state, entry)
     if not before:
         return []
-    after, _ = scan_tree(entry["build"]["cwd"], scan_exclusions(state, entry))
+    after, _ = scan_build(state, entry)
     products = []
     for path, info in sorted(after.items()):
         old = before.get(path)
@@ -1810,10 +1842,11 @@ def restore_build_dir_links(state: State, entry: dict) -> None:
     """Symlinks of the build directory come back with their target and mtime:
     a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
     no rule names them, so a build after revert would not make them again."""
-    cwd = (entry.get("build") or {}).get("cwd")
+    trees = build_trees(entry.get("build"))
     for path, info in sorted(prebuild_scan(state, entry).items()):
         target = scanned_link(info)
-        if target is None or not is_within(path, cwd) or path != os.path.normpath(path):
+        if target is None or path != os.path.normpath(path) or \
+                not any(is_within(path, tree) for tree in trees):
             continue
         try:
             st = os.lstat(path)
@@ -1844,14 +1877,12 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
                         for word in words):
         return None
     name = os.path.basename(words[0])
-    if name in ("make", "gmake"):
-        return "make", words, cwd
-    if name in ("ninja", "ninja-build"):
+    if name in ("make", "gmake", "ninja", "ninja-build"):
         directory = cwd
         for number, word in enumerate(words[1:-1], 1):
             if word == "-C":
                 directory = os.path.normpath(os.path.join(directory, words[number + 1]))
-        return "ninja", words, directory
+        return "ninja" if name.startswith("ninja") else "make", words, directory
     if name == "cmake" and len(words) >= 3 and words[1] == "--build":
         directory = os.path.normpath(os.path.join(cwd, words[2]))
         cache = cmake_cache(directory)
@@ -2475,15 +2506,16 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     tracked = changes_paths(changes) + artifacts + caches + [p for p, _ in protected]
     # Every path a revert acts on lies under one of these (checked on load).
     entry["roots"] = sorted({os.path.dirname(path) for path in tracked}
-                            | ({build["cwd"]} if build else set()))
+                            | set(build_trees(build)))
     # Parent directories get their mtimes back too: temp files and renames touch them.
     entry["dirs"] = {}
     for path in tracked:
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and parent not in entry["dirs"]:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
-    if build is not None and os.path.isdir(build["cwd"]):
-        entry["dirs"].setdefault(build["cwd"], os.stat(build["cwd"]).st_mtime_ns)
+    for tree in build_trees(build):
+        if os.path.isdir(tree):
+            entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
 
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
@@ -2532,7 +2564,7 @@ def write_prebuild_scan(state: State, entry: dict) -> None:
     """What the build directory holds before the build, to find its untracked
     products afterwards (also after a crash during the build)."""
     cwd = entry["build"]["cwd"]
-    before, truncated = scan_tree(cwd, scan_exclusions(state, entry))
+    before, truncated = scan_build(state, entry)
     for link, info in before.items():
         if info[0] == "l":
             try:
@@ -2995,7 +3027,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     if products and entry.get("untracked") is None:
         # The run died during its build: what changed in the build directory
         # since it started may be the build's or the caller's own work.
-        aside = (entry["build"]["cwd"], os.path.join(state.root, "leftovers", str(entry["id"])))
+        aside = (os.path.commonpath(build_trees(entry["build"])),
+                 os.path.join(state.root, "leftovers", str(entry["id"])))
         print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
               "that appeared or changed in %s since the build began (its products, or your own "
               "edits) are moved to %s: %s"
@@ -3252,6 +3285,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
+        build["tree"] = build_tree_outside(build["cmd"], build["cwd"])
     return artifacts, caches, build
 
 
@@ -3923,7 +3957,8 @@ def cmd_trial(args: argparse.Namespace) -> int:
                            "%s holds an overlay; run `overlay_setup.py --state %s revert`, or "
                            "pass another --state" % (state.root, state.root))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
-    roots = sorted({root, require_abs_normal(args.build_cwd or os.getcwd(), "--build-cwd")})
+    build_cwd = require_abs_normal(args.build_cwd or os.getcwd(), "--build-cwd")
+    roots = sorted({root, build_cwd, build_tree_outside(args.build_cmd or "", build_cwd) or root})
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
               "runs": [], "verify": None, "revert": None, "failed_step": None}

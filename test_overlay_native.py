@@ -1881,6 +1881,30 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(build, "libk.so.1.2.3"), "cmake --build build", proj,
                          lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
 
+    def test_cmake_build_directory_outside_the_build_cwd(self) -> None:
+        # Run from the source directory, as `cmake --build ../build` is: the
+        # build writes into ../build, where the library's links are made anew.
+        files = {"src/" + name: text for name, text in CMAKE_PROJECT.items()}
+        files["src/CMakeLists.txt"] += "set_target_properties(k PROPERTIES VERSION 1.2.3 SOVERSION 1)\n"
+        proj = self.project(files)
+        src, build = os.path.join(proj, "src"), os.path.join(proj, "build")
+        quiet(["cmake", "-S", src, "-B", build, "-G", "Ninja"], proj).check_returncode()
+        quiet(["cmake", "--build", build], proj).check_returncode()
+        self.round_trips(proj, os.path.join(src, "a.c"), LIB_SOURCES["a.c"].replace("1", "2"),
+                         os.path.join(build, "libk.so.1.2.3"), "cmake --build ../build", src,
+                         lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
+        # trial's check of the install covers that build directory too
+        before = tree_state(proj)
+        write_text_file(os.path.join(self.tmp, "a.diff"),
+                        "--- a/a.c\n+++ b/a.c\n@@ -2 +2 @@\n-int a(void) { return 1; }\n"
+                        "+int a(void) { return 2; }\n")
+        done = run_tool(["--state", self.state, "trial", os.path.join(self.tmp, "a.diff"),
+                         "--root", src, "--artifact", os.path.join(build, "libk.so.1.2.3"),
+                         "--build-cmd", "cmake --build ../build", "--", "true"], cwd=src)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("revert: the install is byte-identical to before", done.stdout)
+        self.assertEqual(tree_state(proj), before)
+
     def test_setuptools_build_ext_inplace(self) -> None:
         proj = self.project(EXTENSION_PROJECT)
         venv = os.path.join(self.tmp, "venv")
