@@ -621,6 +621,17 @@ def file_sha256(path: str) -> Optional[str]:
     return hasher.hexdigest()
 
 
+def content_identity(path: str) -> Optional[list]:
+    """file_identity of what reading `path` gives, through symlinks; None when
+    nothing is there.  A file with the same identity was not written since: a
+    hash taken of it then still holds."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def content_sha256(path: str) -> Optional[str]:
     """sha256 of what reading `path` gives, through symlinks: a library moved
     aside and linked back under its name has the same content.  None when
@@ -2795,9 +2806,13 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     build.pop("process", None)
     build["rc"], build["seconds"] = status, round(seconds, 3)
     for record in entry["artifacts"]:
+        identity = content_identity(record["path"])
         unchanged = record["present"] and os.path.isfile(record["path"]) and \
             file_identity(record["path"]) == record["identity"]
         record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
+        # settle_after_build keeps this hash rather than read the same bytes again
+        record["after_build_identity"], record["after_build_sha256"] = \
+            identity, record["built_sha256"]
     settle_after_build(manifest)
     entry["untracked"] = untracked_products(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
@@ -2868,7 +2883,11 @@ def settle_after_build(manifest: dict) -> None:
         if entry["build"] is None:
             continue
         for record in entry["artifacts"]:
-            record["after_build_sha256"] = content_sha256(record["path"])
+            # The identity is taken before the hash, so that a write during it shows next time.
+            identity = content_identity(record["path"])
+            if identity is None or identity != record.get("after_build_identity"):
+                record["after_build_sha256"] = content_sha256(record["path"])
+            record["after_build_identity"] = identity
         for cache in entry["caches"]:
             cache["after_build_digest"] = tree_digest(cache["path"])
 
@@ -2878,7 +2897,8 @@ def rebuilt_since_apply(entries: List[dict]) -> List[str]:
     changed = []
     for entry in entries:
         for record in entry["artifacts"]:
-            if "after_build_sha256" in record and content_sha256(record["path"]) not in (
+            if "after_build_sha256" in record and content_identity(record["path"]) != record.get(
+                    "after_build_identity") and content_sha256(record["path"]) not in (
                     record["after_build_sha256"], record["sha256"]):  # or half reverted
                 changed.append(record["path"])
         for cache in entry["caches"]:

@@ -700,6 +700,23 @@ class CProjectTest(OverlayTestCase):
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(tree_state(self.proj), before)
 
+    def test_an_artifact_rewritten_with_its_own_size_after_the_build_is_not_reverted_over(
+            self) -> None:
+        # revert hashes an artifact again only if it was written since the build's hash
+        before = tree_state(self.proj)
+        self.assertOk(self.add_kernel_b())
+        with open(self.lib, "rb") as handle:
+            first = handle.read(1)
+        with open(self.lib, "r+b") as handle:
+            handle.write(bytes([first[0] ^ 1]))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out, err.split(" was changed")[0]),
+                         (1, "", "overlay_setup: E509 %s" % self.lib))
+        with open(self.lib, "r+b") as handle:  # written again, with what the build made
+            handle.write(first)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
+
 
     def test_state_inside_the_build_directory_or_a_cache_is_refused_before_anything(self) -> None:
         before = tree_state(self.proj)
