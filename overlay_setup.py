@@ -2831,19 +2831,23 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
               "them back byte-exact (it removes them, the next build makes them again): %s; "
               "next time pass %s" % (", ".join(rewritten), protect_flags(rewritten)),
               file=sys.stderr)
+    here = "overlay_setup.py --state %s" % shell_quote(state.root)
     if status is None:
         raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
-                           "patch stays applied: run `overlay_setup.py revert`" % seconds)
+                           "patch stays applied: run `%s update --timeout SECONDS` to build again "
+                           "with more time, or `%s revert`" % (seconds, here, here))
     if status != 0:
         raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
-                           "stays applied for inspection: run `overlay_setup.py revert`"
-                           % (status, seconds))
+                           "stays applied for inspection: fix the patch or the source, then run "
+                           "`%s update`, or run `%s revert`" % (status, seconds, here, here))
     if noop:
         raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
-                           "the patch is not in them; it stays applied for inspection: check "
-                           "--build-cmd, --build-cwd and --invalidate-cache, then run "
-                           "`overlay_setup.py revert`" % (seconds, ", ".join(
-                               record["path"] for record in entry["artifacts"])))
+                           "the patch is not in them; it stays applied for inspection: if the "
+                           "build skipped it (a compile error that the build script let pass), "
+                           "fix the patch or the source and run `%s update`; else check "
+                           "--build-cmd, --build-cwd and --invalidate-cache, then run `%s revert`"
+                           % (seconds, ", ".join(record["path"] for record in entry["artifacts"]),
+                              here, here))
     print("build finished in %.1fs" % seconds)
     return 0
 
@@ -3619,9 +3623,14 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     seen = set()
     for entry in reversed(manifest["entries"]):
         if entry["state"] != "built":
-            if entry["build"] is not None:
-                problems.append("entry %d is %s, not built: run `overlay_setup.py revert` and "
-                                "apply again" % (entry["id"], entry["state"]))
+            here = "overlay_setup.py --state %s" % shell_quote(state.root)
+            if entry["state"] in ("build-failed", "build-changed-nothing"):
+                problems.append("entry %d is %s, not built: fix the patch or the source, then run "
+                                "`%s update`, or run `%s revert`"
+                                % (entry["id"], entry["state"], here, here))
+            elif entry["build"] is not None:
+                problems.append("entry %d is %s, not built: run `%s revert` and apply again"
+                                % (entry["id"], entry["state"], here))
             continue
         for record in entry["artifacts"]:
             if record["path"] in seen:

@@ -275,15 +275,19 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(rc, 1)
         self.assertRegex(err, r"^overlay_setup: E404 the build finished in \d+\.\ds but changed "
                               r"no --artifact \(%s\): the patch is not in them; it stays applied "
-                              r"for inspection: check --build-cmd, --build-cwd and "
-                              r"--invalidate-cache, then run `overlay_setup.py revert`\n$"
-                         % re.escape(self.lib))
+                              r"for inspection: if the build skipped it \(a compile error that "
+                              r"the build script let pass\), fix the patch or the source and run "
+                              r"`overlay_setup.py --state %s update`; else check --build-cmd, "
+                              r"--build-cwd and --invalidate-cache, then run `overlay_setup.py "
+                              r"--state %s revert`\n$"
+                         % (re.escape(self.lib), re.escape(self.state), re.escape(self.state)))
         self.assertIn("7.0", read_text(self.p("kernel_b.c")))
         self.assertIn("entry 1: applied, but its build changed no artifact (exited 0 after",
                       self.tool("status")[1])
         self.assertEqual(self.tool("verify-native"), (
-            1, "", "overlay_setup: E403 entry 1 is build-changed-nothing, not built: run "
-            "`overlay_setup.py revert` and apply again\n"))
+            1, "", "overlay_setup: E403 entry 1 is build-changed-nothing, not built: fix the "
+            "patch or the source, then run `overlay_setup.py --state %s update`, or run "
+            "`overlay_setup.py --state %s revert`\n" % (self.state, self.state)))
         self.assertOk(self.tool("revert"))
 
     def test_library_moved_aside_and_linked_back_is_no_rebuild(self) -> None:
@@ -342,8 +346,10 @@ class CProjectTest(OverlayTestCase):
                                  "--build-cmd", "make", "--build-cwd", self.proj)
         self.assertEqual(rc, 1)
         self.assertRegex(err, r"^overlay_setup: E401 the build command exited with status 2 after "
-                              r"\d+\.\ds; the patch stays applied for inspection: run "
-                              r"`overlay_setup.py revert`\n$")
+                              r"\d+\.\ds; the patch stays applied for inspection: fix the patch "
+                              r"or the source, then run `overlay_setup.py --state %s update`, or "
+                              r"run `overlay_setup.py --state %s revert`\n$"
+                         % (re.escape(self.state), re.escape(self.state)))
         rc, out, _ = self.tool("status")
         self.assertIn("entry 1: applied, but its build failed with status 2 after", out)
         self.assertIn("next: fix the patch or the source, then `overlay_setup.py --state %s "
@@ -359,7 +365,9 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(rc, 1)
         self.assertRegex(err, r"^overlay_setup: E402 the build command timed out after 0\.\ds and "
                               r"was killed; the patch stays applied: run `overlay_setup.py "
-                              r"revert`\n$")
+                              r"--state %s update --timeout SECONDS` to build again with more "
+                              r"time, or `overlay_setup.py --state %s revert`\n$"
+                         % (re.escape(self.state), re.escape(self.state)))
         self.assertOk(self.tool("revert"))
 
     def test_untracked_build_products_are_named_and_removed(self) -> None:
@@ -1922,8 +1930,8 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("revert: the install is byte-identical to before", done.stdout)
         self.assertEqual(tree_state(proj), before)
 
-    def test_setuptools_build_ext_inplace(self) -> None:
-        proj = self.project(EXTENSION_PROJECT)
+    def setuptools_python(self) -> str:
+        """The python of a venv that has setuptools, or a skip saying why not."""
         venv = os.path.join(self.tmp, "venv")
         quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
               self.tmp).check_returncode()
@@ -1932,6 +1940,52 @@ class RealBuildSystemTest(OverlayTestCase):
             quiet([python, "-m", "ensurepip"], self.tmp)
             if quiet([python, "-m", "pip", "install", "-q", "setuptools"], self.tmp).returncode:
                 self.skipTest("setuptools is neither importable nor installable in a venv here")
+        return python
+
+    def test_setuptools_extension_that_falls_back_when_it_does_not_compile(self) -> None:
+        # As markupsafe's setup.py does for its speedups: a compile error is
+        # caught and the package installs without the extension, exit 0.  The
+        # messages lead to `update`, which builds the fixed patch in place.
+        files = dict(EXTENSION_PROJECT)
+        files["setup.py"] = (
+            "from setuptools import setup, Extension\n"
+            "from setuptools.command.build_ext import build_ext\n"
+            "class optional_build_ext(build_ext):\n"
+            "    def build_extension(self, ext):\n"
+            "        try:\n"
+            "            super().build_extension(ext)\n"
+            "        except Exception as exc:\n"
+            "            print('no speedups:', exc)\n"
+            'setup(name="pkg", version="0", packages=["pkg"], cmdclass={"build_ext": '
+            "optional_build_ext},\n"
+            '      ext_modules=[Extension("pkg._k", ["pkg/_k.c"])])\n')
+        proj = self.project(files)
+        python = self.setuptools_python()
+        build = " ".join([python, "setup.py", "build_ext", "--inplace"])
+        quiet(build.split(), proj).check_returncode()
+        age_tree(proj)
+        before = tree_state(proj)
+        library = [name for name in os.listdir(os.path.join(proj, "pkg")) if name.endswith(".so")]
+        args = ["--artifact", os.path.join(proj, "pkg", library[0]), "--build-cmd", build,
+                "--build-cwd", proj]
+        source = os.path.join(proj, "pkg", "_k.c")
+        broken = os.path.join(self.tmp, "broken.c")
+        write_text_file(broken, EXTENSION_PROJECT["pkg/_k.c"].replace("(4)", "(7"))
+        rc, out, err = self.tool("add-native", "--source", source, "--patched", broken, *args)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("fix the patch or the source and run `overlay_setup.py --state %s update`"
+                      % self.state, err)
+        fixed = os.path.join(self.tmp, "fixed.c")
+        write_text_file(fixed, EXTENSION_PROJECT["pkg/_k.c"].replace("(4)", "(7)"))
+        rc, out, err = self.tool("update", "--patched", fixed)
+        self.assertEqual(rc, 0, err)
+        self.assertOk(self.tool("verify-native"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(proj), before)
+
+    def test_setuptools_build_ext_inplace(self) -> None:
+        proj = self.project(EXTENSION_PROJECT)
+        python = self.setuptools_python()
         build = [python, "setup.py", "build_ext", "--inplace"]
         quiet(build, proj).check_returncode()
         suffix = quiet([python, "-c", "import sysconfig; print(sysconfig.get_config_var("
