@@ -1721,8 +1721,9 @@ def module_names(python: str, files: List[dict], state: State, patch_name: str) 
         chain, where = file["chain"], answer["chain_from"]
         if where and os.path.realpath(where) != os.path.realpath(file["path"]):
             raise OverlayError("E111", "%s: %s would be module %s, but %s imports %s from %s; "
-                               "patch that copy (--root at the install), or install this one "
-                               "(pip install -e); nothing was written"
+                               "patch that copy (--root at the install), install this one "
+                               "(pip install -e), or pass --python with the interpreter that "
+                               "imports this one; nothing was written"
                                % (patch_name, file["path"], chain, python, chain, where))
         raise OverlayError("E111", "%s: %s is module %s, which %s cannot import (nor under a "
                            "longer name of its path); put %s on PYTHONPATH or install its "

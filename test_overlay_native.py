@@ -1718,10 +1718,45 @@ class ModuleNameTest(OverlayTestCase):
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "fix.diff"), "--root",
                                    checkout, "--no-build"), (
             1, "", "overlay_setup: E111 fix.diff: {c}/pkg/m.py would be module pkg.m, but {p} "
-            "imports pkg.m from {s}/pkg/m.py; patch that copy (--root at the install), or "
-            "install this one (pip install -e); nothing was written\n".format(
+            "imports pkg.m from {s}/pkg/m.py; patch that copy (--root at the install), "
+            "install this one (pip install -e), or pass --python with the interpreter that "
+            "imports this one; nothing was written\n".format(
                 c=checkout, p=sys.executable, s=os.path.join(self.tmp, "site"))))
         self.assertFalse(os.path.exists(self.state))
+
+    def test_another_copy_for_the_tool_s_python_names_the_python_flag(self) -> None:
+        # The tool run by one python (the system's), the package installed
+        # editable in a venv, and the tool's python importing another copy
+        # (the system's own install of it, here a .pth file): --python
+        # with the venv's interpreter is the fix, and the message says so.
+        other = os.path.join(self.tmp, "other")
+        write_tree(other, {"mypkg/__init__.py": "", "mypkg/ops.py": "VALUE = 1\n"})
+        venv = os.path.join(self.tmp, "tool-venv")
+        quiet([sys.executable, "-m", "venv", "--without-pip", venv], self.tmp).check_returncode()
+        tool_python = os.path.join(venv, "bin", "python")
+        site = quiet([tool_python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                         "['purelib'])"], self.tmp).stdout.strip()
+        write_text_file(os.path.join(site, "other.pth"), other + "\n")
+        proj = os.path.join(self.base, "srcproj")
+        write_text_file(os.path.join(self.tmp, "fix.diff"),
+                        "--- a/src/mypkg/ops.py\n+++ b/src/mypkg/ops.py\n@@ -1 +1 @@\n"
+                        "-VALUE = 1\n+VALUE = 2\n")
+        apply = [TOOL, "--state", self.state, "apply", os.path.join(self.tmp, "fix.diff"),
+                 "--no-build"]
+        done = subprocess.run([tool_python] + apply, cwd=proj, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (
+            1, "", "overlay_setup: E111 fix.diff: {s}/mypkg/ops.py would be module mypkg.ops, "
+            "but {p} imports mypkg.ops from {o}/mypkg/ops.py; patch that copy (--root at the "
+            "install), install this one (pip install -e), or pass --python with the interpreter "
+            "that imports this one; nothing was written\n".format(
+                s=os.path.join(proj, "src"), p=tool_python, o=other)))
+        done = subprocess.run([tool_python] + apply + ["--python", self.python], cwd=proj,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(self.served(self.python, "mypkg.ops"), "2")
+        self.assertOk(self.tool("revert"))
 
     def test_a_file_no_import_can_name_is_refused(self) -> None:
         write_tree(self.tmp, {"pkg/__init__.py": "", "pkg/my-ops.py": "VALUE = 1\n"})
