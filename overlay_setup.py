@@ -2510,7 +2510,11 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
         same_fs = present and os.stat(cache).st_dev == backup_dev
-        entry["caches"].append({"path": cache, "present": present, "digest": tree_digest(cache),
+        # What the cache holds is read for a tar snapshot only: a revert killed after
+        # the snapshot's extraction finds the cache back by it, whereas a renamed
+        # cache that is back has left no backup (rebuilt_since_apply).
+        entry["caches"].append({"path": cache, "present": present,
+                                "digest": None if same_fs else tree_digest(cache),
                                 "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
                                 "method": "rename" if same_fs or not present else "tar",
                                 "backup": "%s/c%d%s" % (directory, number,
@@ -2897,7 +2901,7 @@ def settle_after_build(manifest: dict) -> None:
             cache["after_build_digest"] = tree_digest(cache["path"])
 
 
-def rebuilt_since_apply(entries: List[dict]) -> List[str]:
+def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
     """Artifacts and caches changed since the state's last build."""
     changed = []
     for entry in entries:
@@ -2907,8 +2911,10 @@ def rebuilt_since_apply(entries: List[dict]) -> List[str]:
                     record["after_build_sha256"], record["sha256"]):  # or half reverted
                 changed.append(record["path"])
         for cache in entry["caches"]:
-            if "after_build_digest" in cache and tree_digest(cache["path"]) not in (
-                    cache["after_build_digest"], cache.get("digest")):
+            put_back = cache["present"] and cache["method"] == "rename" and not os.path.lexists(
+                state.state_path(cache["backup"]))  # by a revert that was killed: revert skips it
+            if "after_build_digest" in cache and not put_back and tree_digest(
+                    cache["path"]) not in (cache["after_build_digest"], cache.get("digest")):
                 changed.append(cache["path"])
     return sorted(set(changed))
 
@@ -3122,7 +3128,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "if another overlay patched it since, revert that one first; "
                                    "else run `overlay_setup.py revert --force` to restore the "
                                    "original anyway" % changed[0])
-        changed = rebuilt_since_apply(manifest["entries"])
+        changed = rebuilt_since_apply(state, manifest["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
