@@ -2141,18 +2141,28 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
         for name in files:
             if name not in excluded and all(name != other for other, _ in chosen):
                 chosen.append((name, "--protect"))
-    if build is None or no_protect:
+    if no_protect:
         return chosen
-    predicted, how = predict_products(build, sources, excluded)
-    predicted = [path for path in predicted if all(path != other for other, _ in chosen)]
-    size = sum(os.lstat(path).st_size for path in predicted)
+    builds = [build] if build is not None else [
+        # --no-build: a build that runs later, as a JIT at import does (torch's
+        # extension loader runs ninja in the artifact's folder), rewrites what
+        # the build.ninja beside the artifact says.
+        {"cmd": "ninja", "cwd": directory}
+        for directory in sorted({os.path.dirname(path) for path in artifacts})
+        if os.path.isfile(os.path.join(directory, "build.ninja"))]
+    predicted: List[Tuple[str, str]] = []
+    for one in builds:
+        found, how = predict_products(one, sources, excluded)
+        predicted += [(path, how) for path in found if all(
+            path != other for other, _ in chosen + predicted)]
+    size = sum(os.lstat(path).st_size for path, _ in predicted)
     if size > PROTECT_BUDGET:
         raise OverlayError("E110", "backing up the %d existing build product(s) the build may "
                            "rewrite (%s) takes %d MiB, over the budget of %d MiB; nothing was "
                            "changed: pass --no-protect to accept that revert leaves them rebuilt, "
                            "with --protect PATH for those to keep byte-exact"
-                           % (len(predicted), how, size >> 20, PROTECT_BUDGET >> 20))
-    return chosen + [(path, how) for path in predicted]
+                           % (len(predicted), predicted[0][1], size >> 20, PROTECT_BUDGET >> 20))
+    return chosen + predicted
 
 
 def build_candidates(sources: List[str]) -> List[Tuple[str, str]]:
@@ -3322,7 +3332,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
 
 def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[str, str]],
                artifacts: List[str], caches: List[str], build: Optional[dict],
-               protected: List[Tuple[str, str]]) -> None:
+               protected: List[Tuple[str, str]], no_build: bool) -> None:
     """What add-native or apply would do, for --dry-run."""
     print("plan (--dry-run: nothing was changed):")
     for path, patched in changes:
@@ -3343,6 +3353,9 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
                                         "" if os.path.lexists(path) else ", absent now"))
     if build is not None:
         print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
+    elif no_build and changes:
+        print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
+              "then `overlay_setup.py verify-native`)" % "build")
     elif changes:
         sources = changes_paths(changes)
         candidates = build_candidates(sources)
@@ -3410,7 +3423,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
                                 args.no_protect) if changes else []
-    print_plan(changes, modules, artifacts, caches, build, protected)
+    print_plan(changes, modules, artifacts, caches, build, protected, args.no_build)
     return 0
 
 
@@ -3629,6 +3642,20 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     # of a shared library legitimately changes what an earlier one produced.
     seen = set()
     for entry in reversed(manifest["entries"]):
+        if entry["build"] is None and entry["state"] == "applied":
+            # --no-build: the build ran later (a JIT at import), or not yet
+            for record in entry["artifacts"]:
+                if record["path"] not in seen:
+                    seen.add(record["path"])
+                    checked += 1
+                    current = content_sha256(record["path"])
+                    if current is None:
+                        problems.append("artifact %s is missing" % record["path"])
+                    elif current == record.get("sha256"):
+                        problems.append("artifact %s is unchanged since the apply: the build that "
+                                        "rebuilds it (a JIT at import) has not run yet, or did not "
+                                        "see the patch" % record["path"])
+            continue
         if entry["state"] != "built":
             here = "overlay_setup.py --state %s" % shell_quote(state.root)
             if entry["state"] in ("build-failed", "build-changed-nothing"):

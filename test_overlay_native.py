@@ -1965,6 +1965,49 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("revert: the install is byte-identical to before", done.stdout)
         self.assertEqual(tree_state(proj), before)
 
+    def test_jit_build_beside_the_artifact_that_runs_after_a_no_build_apply(self) -> None:
+        # torch.utils.cpp_extension.load's layout: the sources stay where they
+        # are, a build.ninja in the extension's cache folder names them by
+        # absolute path, and ninja runs there at import, after `--no-build`.
+        proj = self.project(LIB_SOURCES)
+        cache = os.path.join(self.tmp, "torch_extensions", "py311_cu130", "k")
+        write_tree(cache, {"build.ninja": (
+            "ninja_required_version = 1.3\ncxx = gcc\n"
+            "cflags = -DTORCH_EXTENSION_NAME=k -fPIC -O1\nldflags = -shared\n"
+            "rule compile\n  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out\n"
+            "  depfile = $out.d\n  deps = gcc\n"
+            "rule link\n  command = $cxx $in $ldflags -o $out\n"
+            "build a.o: compile %s/a.c\nbuild b.o: compile %s/b.c\n"
+            "build k.so: link a.o b.o\ndefault k.so\n" % (proj, proj))})
+        jit = lambda: quiet(["ninja"], cache)  # noqa: E731 (what the import runs)
+        jit().check_returncode()
+        age_tree(self.tmp)
+        extensions = os.path.join(self.tmp, "torch_extensions")
+        before = (tree_state(proj), tree_state(extensions))
+        patched = os.path.join(self.tmp, "patched.h")
+        write_text_file(patched, LIB_SOURCES["k.h"].replace("4", "7"))
+        args = ["add-native", "--source", os.path.join(proj, "k.h"), "--patched", patched,
+                "--artifact", os.path.join(cache, "k.so"), "--no-build"]
+        rc, out, err = self.tool(*args, "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("  back up    %s/b.o (build product, predicted from ninja's graph)\n"
+                      "  back up    %s/.ninja_log (build product" % (cache, cache), out)
+        self.assertIn("  build      none (--no-build: a later build, such as a JIT at import, "
+                      "rebuilds; then `overlay_setup.py verify-native`)\n", out)
+        self.assertEqual((tree_state(proj), tree_state(extensions)), before)
+        rc, out, err = self.tool(*args)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E403 artifact %s/k.so is unchanged since the apply: the build "
+            "that rebuilds it (a JIT at import) has not run yet, or did not see the patch\n"
+            % cache))
+        jit().check_returncode()
+        self.assertEqual(self.tool("verify-native"),
+                         (0, "1 artifact(s) rebuilt from the patched sources\n", ""))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual((tree_state(proj), tree_state(extensions)), before)
+        self.assertIn("no work to do", quiet(["ninja", "-n"], cache).stdout)
+
     def setuptools_python(self) -> str:
         """The python of a venv that has setuptools, or a skip saying why not."""
         venv = os.path.join(self.tmp, "venv")
