@@ -3455,6 +3455,19 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     return 0
 
 
+def where_the_diff_fits(relative: str, root: str, strip: int) -> str:
+    """The --root or -p under which a path of a diff names an existing file
+    (a git diff names paths from the repository's top, wherever it ran)."""
+    directory = root
+    while directory != os.path.dirname(directory):
+        directory = os.path.dirname(directory)
+        if os.path.isfile(os.path.join(directory, relative)):
+            return "pass --root %s" % shell_quote(directory)
+    if "/" in relative and os.path.isfile(os.path.join(root, relative.split("/", 1)[1])):
+        return "pass -p %d" % (strip + 1)
+    return "pass --root at the directory the diff was made in, and the -p that fits its paths"
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     if args.p < 0:
@@ -3475,6 +3488,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
                                "nothing was written: leave it out of the patch"
                                % (name, relative, " ".join(NATIVE_SUFFIXES)))
         target = os.path.join(root, relative)
+        if file_patch.old is not None and not os.path.lexists(target):
+            raise OverlayError("E302", "%s: %s is not under %s, where the diff's paths are read "
+                               "from (--root, default the current directory, after -p %d); "
+                               "nothing was written: %s" % (name, relative, root, args.p,
+                                                            where_the_diff_fits(relative, root,
+                                                                                args.p)))
         if not os.path.isdir(os.path.dirname(target)):
             raise UsageError("E102", "%s: the directory of %s does not exist under %s; create "
                                "it first (the overlay does not create directories)"

@@ -1126,6 +1126,23 @@ class PatchTest(OverlayTestCase):
             "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp) nor a .py file; nothing was written: leave "
             "it out of the patch\n"))
 
+    def test_a_git_diff_applied_from_a_subdirectory_names_the_root_or_p_to_pass(self) -> None:
+        # git diff names paths from the repository's top, wherever it runs;
+        # applied from the package's folder, or with -p 0, nothing is there.
+        patch = self.make_patch({"pkg/mathops.py": "def scale():\n    return 3\n",
+                                 "kernel_b.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
+        os.chdir(os.path.join(self.proj, "pkg"))
+        self.assertEqual(self.tool("apply", patch, "--no-build"), (
+            1, "", "overlay_setup: E302 change.diff: kernel_b.c is not under %s/pkg, where the "
+            "diff's paths are read from (--root, default the current directory, after -p 1); "
+            "nothing was written: pass --root %s\n" % (self.proj, self.proj)))
+        os.chdir(self.proj)
+        self.assertEqual(self.tool("apply", patch, "-p", "0", "--no-build"), (
+            1, "", "overlay_setup: E302 change.diff: b/kernel_b.c is not under %s, where the "
+            "diff's paths are read from (--root, default the current directory, after -p 0); "
+            "nothing was written: pass -p 1\n" % self.proj))
+        self.assertFalse(os.path.exists(self.state))
+
     def test_patch_paths_leaving_the_root_are_refused(self) -> None:
         write_tree(self.tmp, {"evil.diff": "--- a/../x.c\n+++ b/../x.c\n@@ -0,0 +1 @@\n+int x;\n"})
         self.assertEqual(self.tool("apply", os.path.join(self.tmp, "evil.diff"), "--root",
