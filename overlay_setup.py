@@ -2798,6 +2798,15 @@ def build_deleted_state(state: State, entry: dict) -> OverlayError:
                             registry_record(state.root)))
 
 
+def headers_build_ext_skips(command: str, entry: dict) -> bool:
+    """Whether `command` is a setuptools build_ext without --force and every
+    patched source a header, which it does not look at."""
+    return bool(re.search(r"\bbuild_ext\b", command)) and not re.search(
+        r"(^|\s)(--force|-f)(\s|$)", command) and all(
+        os.path.splitext(record["path"])[1] in (".h", ".hpp", ".cuh")
+        for record in entry["sources"])
+
+
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
@@ -2855,6 +2864,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
         raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
                            "stays applied for inspection: fix the patch or the source, then run "
                            "`%s update`, or run `%s revert`" % (status, seconds, here, here))
+    if noop and headers_build_ext_skips(build["cmd"], entry):
+        raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
+                           "the patch is not in them; it stays applied for inspection: "
+                           "setuptools' build_ext rebuilds an extension when one of its sources "
+                           "changed, not for a header it includes: run `%s revert`, then apply "
+                           "again with --build-cmd %s"
+                           % (seconds, ", ".join(record["path"] for record in entry["artifacts"]),
+                              here, shell_quote(build["cmd"] + " --force")))
     if noop:
         raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
                            "the patch is not in them; it stays applied for inspection: if the "

@@ -2078,6 +2078,39 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(proj), before)
 
+    def test_setuptools_header_patch_names_build_ext_force(self) -> None:
+        # build_ext rebuilds an extension when a file of its sources or its
+        # depends= changed, not for a header it includes (ujson, most C
+        # extensions): the no-op build's message says what to run instead.
+        files = dict(EXTENSION_PROJECT)
+        files["pkg/_k.h"] = "#define VALUE 4\n"
+        files["pkg/_k.c"] = files["pkg/_k.c"].replace(
+            "#include <Python.h>\n", '#include <Python.h>\n#include "_k.h"\n').replace(
+            "PyLong_FromLong(4)", "PyLong_FromLong(VALUE)")
+        proj = self.project(files)
+        python = self.setuptools_python()
+        build = "%s setup.py build_ext --inplace" % python
+        quiet(build.split(), proj).check_returncode()
+        age_tree(proj)
+        before = tree_state(proj)
+        library = [name for name in os.listdir(os.path.join(proj, "pkg")) if name.endswith(".so")]
+        patched = os.path.join(self.tmp, "patched.h")
+        write_text_file(patched, "#define VALUE 7\n")
+        args = ["add-native", "--source", os.path.join(proj, "pkg", "_k.h"), "--patched",
+                patched, "--artifact", os.path.join(proj, "pkg", library[0]), "--build-cwd", proj]
+        rc, out, err = self.tool(*args, "--build-cmd", build)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("it stays applied for inspection: setuptools' build_ext rebuilds an "
+                      "extension when one of its sources changed, not for a header it includes: "
+                      "run `overlay_setup.py --state %s revert`, then apply again with "
+                      "--build-cmd '%s --force'\n" % (self.state, build), err)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(proj), before)
+        rc, out, err = self.tool(*args, "--build-cmd", build + " --force")
+        self.assertEqual(rc, 0, err)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(proj), before)
+
     def test_setuptools_build_ext_inplace(self) -> None:
         proj = self.project(EXTENSION_PROJECT)
         python = self.setuptools_python()
