@@ -1888,6 +1888,12 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
     if not words or any(word in ("&&", "||", ";", "|", "&", ">", "<") or word.endswith(";")
                         for word in words):
         return None
+    if any("$" in word or "`" in word for word in words):
+        words = shell_words(command, cwd)  # make -j$(nproc), ninja -C "$BUILD"
+        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+            words = words[1:]
+        if not words:
+            return None
     name = os.path.basename(words[0])
     if name in ("make", "gmake", "ninja", "ninja-build"):
         directory = cwd
@@ -1906,6 +1912,20 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
         if generator == "Unix Makefiles":
             return "make", [program or "make", "-C", directory] + targets, directory
     return None
+
+
+def shell_words(command: str, cwd: str) -> List[str]:
+    """The words of one simple command after the shell's expansions, as the
+    build's shell will run it ([] when the shell cannot expand them)."""
+    try:
+        done = subprocess.run(["sh", "-c", "set -- %s; printf '%%s\\0' \"$@\"" % command],
+                              cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=PREDICT_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    return done.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
 
 
 def cmake_cache(directory: str) -> Dict[str, str]:

@@ -1849,6 +1849,23 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(proj, "libk.so"), "make", proj,
                          lambda: quiet(["make", "-q"], proj).returncode == 0)
 
+    def test_make_with_jobs_from_the_shell(self) -> None:
+        # `make -j$(nproc)`, as most people type it: make asked for its plan
+        # must see what the shell gives the build, or it answers nothing and
+        # the demo program it relinks goes without a backup.
+        files = dict(LIB_SOURCES, **{"demo.c": "int b(void);\nint main(void) { return b(); }\n",
+                                     "Makefile": MAKE_PROJECT["Makefile"].replace(
+                                         "libk.so: a.o b.o\n",
+                                         "all: libk.so demo\n"
+                                         "demo: demo.o libk.so\n"
+                                         "\t$(CC) -o $@ demo.o -L. -lk\n"
+                                         "libk.so: a.o b.o\n")})
+        proj = self.project(files)
+        quiet(["make"], proj).check_returncode()
+        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
+                         os.path.join(proj, "libk.so"), "make -j$(nproc)", proj,
+                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+
     def test_recursive_make(self) -> None:
         # The top Makefile runs `$(MAKE) -C kernels`, whose rules name the
         # source as b.c, not kernels/b.c.
