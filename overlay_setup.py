@@ -176,6 +176,7 @@ OUTPUT_POLL = 0.2  # seconds between looks at whether the build process exited
 OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this long
 OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
+VCS_FOLDERS = (".git", ".hg", ".svn")
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
 CMAKE_DEPEND_STATE = ("compiler_depend.make", "compiler_depend.internal", "compiler_depend.ts",
@@ -1766,9 +1767,13 @@ def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
 
 
 def scan_exclusions(state: State, entry: dict) -> List[str]:
+    # A repository's own folder is no build product: git rewrites .git/index
+    # when a build stamps its version with `git describe --dirty`.
     return ([os.path.realpath(state.root), state.root]
             + [record["path"] for record in entry_files(entry)]
-            + [cache["path"] for cache in entry["caches"]])
+            + [cache["path"] for cache in entry["caches"]]
+            + [os.path.join(tree, name) for tree in build_trees(entry.get("build"))
+               for name in VCS_FOLDERS])
 
 
 def prebuild_scan(state: State, entry: dict) -> dict:

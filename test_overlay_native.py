@@ -1866,6 +1866,36 @@ class RealBuildSystemTest(OverlayTestCase):
                          os.path.join(proj, "libk.so"), "make -j$(nproc)", proj,
                          lambda: quiet(["make", "-q"], proj).returncode == 0)
 
+    def test_a_build_that_refreshes_git_s_index_leaves_the_repository_alone(self) -> None:
+        # A build that stamps its version with `git describe --dirty` (as
+        # setuptools_scm and many CMake and make builds do) makes git rewrite
+        # .git/index when a clean file's stat is stale: that is the
+        # repository's, no build product, and revert must not remove it.
+        files = dict(MAKE_PROJECT)
+        files["Makefile"] = files["Makefile"].replace(
+            "libk.so: a.o b.o\n", "libk.so: a.o b.o\n\tgit describe --always --dirty > /dev/null\n")
+        proj = self.project(files)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", proj]
+        quiet(git + ["init", "-q"], proj).check_returncode()
+        quiet(git + ["add", "-A"], proj).check_returncode()
+        quiet(git + ["commit", "-qm", "base"], proj).check_returncode()
+        quiet(["make"], proj).check_returncode()
+        age_tree(proj)  # every tracked file's stat is now stale in the index
+        before = tree_state(proj)
+        write_text_file(os.path.join(self.tmp, "fast.c"), LIB_SOURCES["b.c"].replace("K", "7"))
+        rc, out, err = self.tool("add-native", "--source", os.path.join(proj, "b.c"), "--patched",
+                                 os.path.join(self.tmp, "fast.c"), "--artifact",
+                                 os.path.join(proj, "libk.so"), "--build-cmd", "make",
+                                 "--build-cwd", proj)
+        self.assertEqual(rc, 0, err)
+        self.assertNotIn(".git", err)
+        self.assertEqual(self.tool("revert")[::2], (0, ""))
+        after = tree_state(proj)
+        self.assertIn(".git/index", after)
+        self.assertEqual({k: v for k, v in after.items() if k.split("/")[0] != ".git"},
+                         {k: v for k, v in before.items() if k.split("/")[0] != ".git"})
+        self.assertEqual(quiet(git + ["status", "--porcelain", "-uno"], proj).stdout, "")
+
     def test_recursive_make(self) -> None:
         # The top Makefile runs `$(MAKE) -C kernels`, whose rules name the
         # source as b.c, not kernels/b.c.
