@@ -2875,11 +2875,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
         print("warning: the build created files that no --artifact or --invalidate-cache covers "
               "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
     rewritten = inexact_products(entry["untracked"])
-    if rewritten:
-        print("warning: the build rewrote files that nothing backed up, so revert cannot give "
-              "them back byte-exact (it removes them, the next build makes them again): %s; "
-              "next time pass %s" % (", ".join(rewritten), protect_flags(rewritten)),
-              file=sys.stderr)
+    compiled = [path for path in rewritten if compiled_output(path)]
+    for paths, fate in ((compiled, "it removes them, the next build makes them again"),
+                        ([path for path in rewritten if path not in compiled],
+                         "it leaves them as the build wrote them")):
+        if paths:
+            print("warning: the build rewrote files that nothing backed up, so revert cannot "
+                  "give them back byte-exact (%s): %s; next time pass %s"
+                  % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
     here = "overlay_setup.py --state %s" % shell_quote(state.root)
     if status is None:
         raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
@@ -3094,6 +3097,23 @@ def stop_leftover_build(entry: dict) -> None:
     stop_process_group(pid)
 
 
+def compiled_output(path: str) -> bool:
+    """An object, library, depfile or program (by its name, or an ELF file):
+    what a later build could link or run stale."""
+    if PRODUCT_RE.search(os.path.basename(path)):
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return os.read(fd, 4) == b"\x7fELF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def inexact_products(products: List[dict]) -> List[str]:
     """Files that were there before and that the build changed without a backup."""
     return [product["path"] for product in products
@@ -3118,6 +3138,12 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
               % (entry["id"], len([p for p in products if p["kind"] != "d"]), aside[0], aside[1],
                  ", ".join(os.path.relpath(p["path"], aside[0]) for p in products
                            if p["kind"] != "d")), file=sys.stderr)
+    if aside is None:
+        # A rewritten file that is no compiled output (a version file every
+        # build writes) stays as the build wrote it: only a stale patched
+        # object or program must not be linked or run again.
+        products = [product for product in products if product["created"]
+                    or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
     for record in entry_files(entry):
         try:

@@ -2158,6 +2158,42 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(proj), before)
 
+    def test_a_version_file_every_build_writes_is_kept_by_revert(self) -> None:
+        # setuptools_scm's version_file and torch's setup.py write the
+        # package's _version.py on every build, with the same content: it is
+        # no compiled output, and revert must not delete it (`import pkg`
+        # would fail until the next build).
+        files = dict(EXTENSION_PROJECT)
+        files["setup.py"] = ("open('pkg/_version.py', 'w').write('version = \"1.0\"\\n')\n"
+                             + files["setup.py"])
+        files["pkg/__init__.py"] = "from ._version import version\n"
+        proj = self.project(files)
+        python = self.setuptools_python()
+        build = [python, "setup.py", "build_ext", "--inplace"]
+        quiet(build, proj).check_returncode()
+        age_tree(proj)
+        before = tree_state(proj)
+        library = [name for name in os.listdir(os.path.join(proj, "pkg")) if name.endswith(".so")]
+        patched = os.path.join(self.tmp, "fast.c")
+        write_text_file(patched, EXTENSION_PROJECT["pkg/_k.c"].replace("(4)", "(7)"))
+        rc, out, err = self.tool("add-native", "--source", os.path.join(proj, "pkg", "_k.c"),
+                                 "--patched", patched, "--artifact",
+                                 os.path.join(proj, "pkg", library[0]), "--build-cmd",
+                                 " ".join(build), "--build-cwd", proj)
+        self.assertEqual(rc, 0, err)
+        version = os.path.join(proj, "pkg", "_version.py")
+        self.assertIn("(it leaves them as the build wrote them): %s;" % version, err)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (overlay_setup.NOT_EXACT, "overlay_setup: E506 not byte-exact: "
+                                     "the build rewrote %s with no backup; the next build makes "
+                                     "it again (to keep it next time, pass --protect %s)\n"
+                                     % (version, version)))
+        after = tree_state(proj)
+        self.assertEqual(after.pop("pkg/_version.py")[:3], before.pop("pkg/_version.py")[:3])
+        self.assertEqual(after, before)
+        self.assertEqual(quiet([python, "-c", "import pkg; print(pkg.version)"], proj).stdout,
+                         "1.0\n")
+
     def test_setuptools_build_ext_inplace(self) -> None:
         proj = self.project(EXTENSION_PROJECT)
         python = self.setuptools_python()
