@@ -177,6 +177,7 @@ OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this lo
 OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 VCS_FOLDERS = (".git", ".hg", ".svn")
+BUILD_TOOLS = ("make", "gmake", "ninja", "ninja-build", "cmake")  # whose plans can be asked
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
 CMAKE_DEPEND_STATE = ("compiler_depend.make", "compiler_depend.internal", "compiler_depend.ts",
@@ -1893,7 +1894,8 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
     if not words or any(word in ("&&", "||", ";", "|", "&", ">", "<") or word.endswith(";")
                         for word in words):
         return None
-    if any("$" in word or "`" in word for word in words):
+    if os.path.basename(words[0]) in BUILD_TOOLS and any("$" in word or "`" in word
+                                                         for word in words):
         words = shell_words(command, cwd)  # make -j$(nproc), ninja -C "$BUILD"
         while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
             words = words[1:]

@@ -2249,6 +2249,16 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
+    def test_dry_run_runs_no_command_substitution_of_a_script_build(self) -> None:
+        # Only a make, ninja or cmake command is read with the shell's
+        # expansions (to ask it for its plan); a script's are the script's.
+        before = tree_state(self.proj)
+        rc, out, err = self.tool("add-native", "--source", self.p("b.c"), "--patched",
+                                 self.patched, "--build-cmd", "sh build.sh $(touch marker)",
+                                 "--build-cwd", self.proj, "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(tree_state(self.proj), before)
+
     def test_apply_dry_run_shows_natives_and_python_modules(self) -> None:
         write_tree(self.proj, {"pkg/__init__.py": "", "pkg/m.py": "X = 1\n"})
         on_python_path(self, self.proj)
