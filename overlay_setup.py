@@ -3516,12 +3516,13 @@ def cmd_add_native(args: argparse.Namespace) -> int:
                              build and build["cwd"])
         entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
                               protected, "add-native")
+    here = "overlay_setup.py --state %s" % shell_quote(state.root)
     if build is None:
-        print("entry %d applied without a build: %s; run `overlay_setup.py revert` to take it "
-              "back" % (entry["id"], source))
+        print("entry %d applied without a build: %s; run `%s revert` to take it back"
+              % (entry["id"], source, here))
     else:
-        print("entry %d applied: %s; run `overlay_setup.py verify-native`, measure, then "
-              "`overlay_setup.py revert`" % (entry["id"], source))
+        print("entry %d applied: %s; run `%s verify-native`, measure, then `%s revert`"
+              % (entry["id"], source, here, here))
     return 0
 
 
@@ -3637,8 +3638,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if modules:
         parts.append("%d Python module(s) overlaid (%s)" % (
             len(modules), ", ".join(module for module, _, _, _ in modules)))
-    print("applied %s: %s; run `overlay_setup.py revert` to take it back"
-          % (name, "; ".join(parts)))
+    print("applied %s: %s; run `overlay_setup.py --state %s revert` to take it back"
+          % (name, "; ".join(parts), shell_quote(state.root)))
     return 0
 
 
@@ -3717,8 +3718,8 @@ def cmd_update(args: argparse.Namespace) -> int:
         print("state: %s" % state.root, flush=True)
         if entry["build"] is not None:
             run_entry_build(state, manifest, entry)
-    print("entry %d updated: %s; the originals stay backed up for `overlay_setup.py revert`"
-          % (entry["id"], ", ".join(sorted(contents))))
+    print("entry %d updated: %s; the originals stay backed up for `overlay_setup.py --state %s "
+          "revert`" % (entry["id"], ", ".join(sorted(contents)), shell_quote(state.root)))
     return 0
 
 

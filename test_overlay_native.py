@@ -788,7 +788,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""), out)
         self.assertIn("cc -O1 -fPIC -c -o kernel_b.o kernel_b.c", out)
         self.assertTrue(out.endswith("entry 1 updated: %s; the originals stay backed up for "
-                                     "`overlay_setup.py revert`\n" % self.p("kernel_b.c")), out)
+                                     "`overlay_setup.py --state %s revert`\n"
+                                     % (self.p("kernel_b.c"), self.state)), out)
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(self.tool("verify-native")[0], 0)
         with open(self.p("kernel_b.c"), "w") as handle:  # fixed in place
@@ -1033,7 +1034,8 @@ class PatchTest(OverlayTestCase):
                                  "--build-cmd", "make -j2", "--build-cwd", self.proj)
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("applied change.diff: entry 1: 1 native file(s); 1 Python module(s) "
-                      "overlaid (pkg.mathops); run `overlay_setup.py revert` to take it back", out)
+                      "overlaid (pkg.mathops); run `overlay_setup.py --state %s revert` to take "
+                      "it back" % self.state, out)
         self.assertEqual(self.tool("verify-native")[0], 0)
 
         env_line = self.tool("env")[1].splitlines()[0]
@@ -1207,7 +1209,8 @@ class PatchTest(OverlayTestCase):
         rc, out, err = self.tool("apply", patch, "--root", self.proj, "--no-build")
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(out.splitlines()[-1], "applied parts.diff: entry 1: 5 native file(s); "
-                                               "run `overlay_setup.py revert` to take it back")
+                                               "run `overlay_setup.py --state %s revert` to take "
+                                               "it back" % self.state)
         p = lambda relative: os.path.join(self.proj, relative)  # noqa: E731
         mode = lambda relative: stat.S_IMODE(os.stat(p(relative)).st_mode)  # noqa: E731
         self.assertEqual(read_text(p("empty_new.c")), "")
