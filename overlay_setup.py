@@ -3264,9 +3264,13 @@ def read_input(path: str, what: str, hint: str = "") -> bytes:
     return data
 
 
-def open_state(args: argparse.Namespace) -> State:
+def state_root(args: argparse.Namespace) -> str:
     root = args.state or os.environ.get("OVERLAY_STATE") or os.path.join(os.getcwd(), ".overlay")
-    state = State(os.path.normpath(os.path.abspath(root)))
+    return os.path.normpath(os.path.abspath(root))
+
+
+def open_state(args: argparse.Namespace) -> State:
+    state = State(state_root(args))
     state.check_safe()
     return state
 
@@ -4448,17 +4452,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + signal.SIGPIPE
         print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
-              "fix the cause, then run `overlay_setup.py revert`"
-              % (written(exc), exc.strerror), file=sys.stderr)
+              "fix the cause, then run `overlay_setup.py --state %s revert`"
+              % (written(exc), exc.strerror, shell_quote(state_root(args))), file=sys.stderr)
         return 1
     except Stopped as exc:
         print("overlay_setup: stopped by %s; the build was stopped with it and the patch stays "
-              "applied: run `overlay_setup.py revert`" % signal.Signals(exc.signum).name,
-              file=sys.stderr)
+              "applied: run `overlay_setup.py --state %s revert`"
+              % (signal.Signals(exc.signum).name, shell_quote(state_root(args))), file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:
-        print("overlay_setup: interrupted; run `overlay_setup.py status`, then "
-              "`overlay_setup.py revert`", file=sys.stderr)
+        here = "overlay_setup.py --state %s" % shell_quote(state_root(args))
+        print("overlay_setup: interrupted; run `%s status`, then `%s revert`" % (here, here),
+              file=sys.stderr)
         return 130
 
 

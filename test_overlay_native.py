@@ -3266,7 +3266,7 @@ class BuildProcessTest(OverlayTestCase):
                 self.assertEqual(result.returncode, 128 + number, result.stderr)
                 self.assertEqual(result.stderr, "overlay_setup: stopped by %s; the build was "
                                  "stopped with it and the patch stays applied: run "
-                                 "`overlay_setup.py revert`\n" % name)
+                                 "`overlay_setup.py --state %s revert`\n" % (name, self.state))
                 time.sleep(1.3)
                 self.assertFalse(os.path.exists(self.late))
                 self.assertOk(call("--state", self.state, "revert"))
