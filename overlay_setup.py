@@ -1147,7 +1147,13 @@ def anything_applied(manifest: dict) -> bool:
     return bool(manifest["entries"] or python.get("modules") or python.get("rebinds"))
 
 
-def claim_owner(manifest: dict, owner_pid: Optional[int]) -> None:
+def tool_at(state: State) -> str:
+    """The command line that reaches `state` from any directory, for the
+    next command a message tells the user to run."""
+    return "overlay_setup.py --state %s" % shell_quote(state.root)
+
+
+def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
     owner = make_owner(owner_pid if owner_pid is not None else default_owner())
     current = manifest.get("owner")
@@ -1156,13 +1162,13 @@ def claim_owner(manifest: dict, owner_pid: Optional[int]) -> None:
             owner["pid"], owner["start_time"], owner["host"]):
         liveness = owner_liveness(current)
         if liveness == "live":
-            hint = ("pass --owner-pid %s to add to it, or run `overlay_setup.py revert` first"
-                    % current["pid"])
+            hint = ("pass --owner-pid %s to add to it, or run `%s revert` first"
+                    % (current["pid"], tool_at(state)))
         elif liveness == "gone":
-            hint = "its owner is gone: run `overlay_setup.py revert` first"
+            hint = "its owner is gone: run `%s revert` first" % tool_at(state)
         else:
-            hint = ("run `overlay_setup.py revert` on %s, or here if that run is over"
-                    % current["host"])
+            hint = ("run `%s revert` on %s, or here if that run is over"
+                    % (tool_at(state), current["host"]))
         raise OverlayError("E205", "this overlay belongs to %s; %s" % (describe_owner(current),
                                                                        hint))
     manifest["owner"] = owner
@@ -1386,8 +1392,8 @@ def stage_python_module(state: State, manifest: dict, name: str, content: Option
                         package_dir: Optional[str], origin: str) -> None:
     """Store a module's overlay content in the state directory and record it."""
     if name in manifest["python"]["modules"]:
-        raise OverlayError("E103", "module %s is already overlaid; run `overlay_setup.py revert` "
-                           "first" % name)
+        raise OverlayError("E103", "module %s is already overlaid; run `%s revert` first"
+                           % (name, tool_at(state)))
     relative = None
     if content is not None:
         makedirs_durable(state.python)
@@ -2458,8 +2464,8 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
     state_real = os.path.realpath(state.root)
     for source in sources:
         if source in overlaid:
-            raise OverlayError("E103", "source %s is already overlaid; run `overlay_setup.py "
-                               "revert` first" % source)
+            raise OverlayError("E103", "source %s is already overlaid; run `%s revert` first"
+                               % (source, tool_at(state)))
         if os.path.islink(source):
             raise OverlayError("E104", "source %s is a symlink; pass the file it points to (%s)"
                                % (source, os.path.realpath(source)))
@@ -2885,7 +2891,7 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
             print("warning: the build rewrote files that nothing backed up, so revert cannot "
                   "give them back byte-exact (%s): %s; next time pass %s"
                   % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
-    here = "overlay_setup.py --state %s" % shell_quote(state.root)
+    here = tool_at(state)
     if status is None:
         raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
                            "patch stays applied: run `%s update --timeout SECONDS` to build again "
@@ -3160,8 +3166,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
             failures.append("%s (%s)" % (cache["path"], exc.strerror))
     if failures:  # the entry stays in the journal: the next revert finishes it
         raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
-                           "is left: fix the cause and run `overlay_setup.py revert` again"
-                           % ", ".join(failures))
+                           "is left: fix the cause and run `%s revert` again"
+                           % (", ".join(failures), tool_at(state)))
     remove_products(products, aside)
     restore_build_dir_links(state, entry)
     restore_build_dir_mtimes(state, entry)
@@ -3311,7 +3317,7 @@ class Locked:
 def cmd_init(args: argparse.Namespace) -> int:
     state = open_state(args)
     with Locked(state, "init") as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         state.save(manifest)
         write_python_overlay(state, manifest)
     print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(manifest["owner"])))
@@ -3323,7 +3329,7 @@ def cmd_add_python(args: argparse.Namespace) -> int:
     state = open_state(args)
     content = read_input(args.file, "", "; pass a readable Python file")
     with Locked(state, "add-python") as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         stage_python_module(state, manifest, args.module, content, None,
                             os.path.abspath(args.file))
         state.save(manifest)
@@ -3342,10 +3348,10 @@ def cmd_rebind(args: argparse.Namespace) -> int:
         check_module_name(module, what)
     state = open_state(args)
     with Locked(state, "rebind") as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         if args.target in manifest["python"]["rebinds"]:
-            raise OverlayError("E103", "%s is already rebound; run `overlay_setup.py revert` first"
-                               % args.target)
+            raise OverlayError("E103", "%s is already rebound; run `%s revert` first"
+                               % (args.target, tool_at(state)))
         manifest["python"]["rebinds"][args.target] = args.replacement
         state.save(manifest)
         write_python_overlay(state, manifest)
@@ -3482,8 +3488,9 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
                 revert_entry(state, manifest, entry, keep_untracked=False)
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
-                           "run `overlay_setup.py revert` once the cause is fixed"
-                           % (written(exc), cause(exc), getattr(second, "strerror", second)))
+                           "run `%s revert` once the cause is fixed"
+                           % (written(exc), cause(exc), getattr(second, "strerror", second),
+                              tool_at(state)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
                        "run the command again" % (written(exc), cause(exc)))
 
@@ -3515,12 +3522,12 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     protected = protected_paths(state, [source], artifacts, caches, build, args.protect,
                                 args.no_protect)
     with Locked(state, "add-native") as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         validate_native_plan(state, manifest, [source], artifacts, caches,
                              build and build["cwd"])
         entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
                               protected, "add-native")
-    here = "overlay_setup.py --state %s" % shell_quote(state.root)
+    here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
               % (entry["id"], source, here))
@@ -3618,11 +3625,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     protected = protected_paths(state, [path for path, _ in natives], artifacts, caches,
                                 build if natives else None, args.protect, args.no_protect)
     with Locked(state, "apply") as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         for module, _content, _package, _origin in modules:
             if module in manifest["python"]["modules"]:
-                raise OverlayError("E103", "module %s is already overlaid; run "
-                                   "`overlay_setup.py revert` first" % module)
+                raise OverlayError("E103", "module %s is already overlaid; run `%s revert` "
+                                   "first" % (module, tool_at(state)))
         validate_native_plan(state, manifest, [path for path, _ in natives], artifacts, caches,
                              build and build["cwd"])
 
@@ -3659,7 +3666,7 @@ def updated_contents(state: State, entry: dict, args: argparse.Namespace) -> Dic
         return {next(iter(sources)): read_input(args.patched, "--patched ",
                                                 "; pass the patched file")}
     if args.patch is None:
-        return {path: read_input(path, "", "; restore it, or run `overlay_setup.py revert`")
+        return {path: read_input(path, "", "; restore it, or run `%s revert`" % tool_at(state))
                 for path in sources}
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     name = os.path.basename(args.patch)
@@ -3694,7 +3701,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     if not state.exists():
         raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
     with Locked(state, "update", create=False) as manifest:
-        claim_owner(manifest, args.owner_pid)
+        claim_owner(state, manifest, args.owner_pid)
         natives = [entry for entry in manifest["entries"]
                    if args.entry is None or entry["id"] == args.entry]
         if not natives:
@@ -3751,7 +3758,7 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
                                         "see the patch" % record["path"])
             continue
         if entry["state"] != "built":
-            here = "overlay_setup.py --state %s" % shell_quote(state.root)
+            here = tool_at(state)
             if entry["state"] in ("build-failed", "build-changed-nothing"):
                 problems.append("entry %d is %s, not built: fix the patch or the source, then run "
                                 "`%s update`, or run `%s revert`"
@@ -3863,7 +3870,7 @@ def entry_in_words(entry: dict, tool_running: bool) -> str:
 
 
 def next_step(state: State, manifest: dict, tool_running: bool) -> str:
-    here = "overlay_setup.py --state %s" % state.root
+    here = tool_at(state)
     states = {entry["state"] for entry in manifest["entries"]}
     if tool_running:
         return "wait for the running command to finish, then `%s status`" % here
@@ -3917,8 +3924,8 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[
             done, inexact = revert_all(state, manifest, force, keep_untracked)
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
-                               "what is left: fix the cause and run `overlay_setup.py revert` "
-                               "again" % (written(exc), exc.strerror))
+                               "what is left: fix the cause and run `%s revert` again"
+                               % (written(exc), exc.strerror, tool_at(state)))
         unregister(state)
     return done, inexact
 

@@ -421,7 +421,7 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
                                    "--patched", self.patched, "--no-build"), (
             1, "", "overlay_setup: E103 source %s is already overlaid; run `overlay_setup.py "
-            "revert` first\n" % self.p("kernel_b.c")))
+            "--state %s revert` first\n" % (self.p("kernel_b.c"), self.state)))
 
     def test_relative_paths_are_resolved_against_the_cwd_and_recorded_absolute(self) -> None:
         os.chdir(self.proj)
@@ -473,8 +473,9 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(rc, 1)
         owner = overlay_setup.default_owner()
         self.assertEqual(err, "overlay_setup: E205 this overlay belongs to pid %d on %s (live); "
-                              "pass --owner-pid %d to add to it, or run `overlay_setup.py revert` "
-                              "first\n" % (owner, overlay_setup.host_name(), owner))
+                              "pass --owner-pid %d to add to it, or run `overlay_setup.py "
+                              "--state %s revert` first\n"
+                         % (owner, overlay_setup.host_name(), owner, self.state))
         self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
                                 self.patched, "--no-build", "--owner-pid", str(owner)))
         self.assertOk(self.tool("revert"))
@@ -489,8 +490,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
                                    self.patched, "--no-build"), (
             1, "", "overlay_setup: E205 this overlay belongs to pid %d on %s (gone); its owner "
-            "is gone: run `overlay_setup.py revert` first\n"
-            % (short.pid, overlay_setup.host_name())))
+            "is gone: run `overlay_setup.py --state %s revert` first\n"
+            % (short.pid, overlay_setup.host_name(), self.state)))
         self.assertOk(self.tool("revert"))
         self.assertOk(self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
                                 self.patched, "--no-build"))
@@ -932,7 +933,7 @@ class RefusalTest(OverlayTestCase):
         self.assertOk(self.tool("add-python", "pkg.mod", self.fast))
         self.assertEqual(self.tool("add-python", "pkg.mod", self.fast), (
             1, "", "overlay_setup: E103 module pkg.mod is already overlaid; run "
-            "`overlay_setup.py revert` first\n"))
+            "`overlay_setup.py --state %s revert` first\n" % self.state))
 
     def test_unreadable_journal_is_refused(self) -> None:
         self.assertOk(self.tool("init"))
@@ -1505,8 +1506,8 @@ class CrashMatrixTest(unittest.TestCase):
                 break
             self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
             self.assertIn("(No space left on device) while reverting; the journal keeps what is "
-                          "left: fix the cause and run `overlay_setup.py revert` again",
-                          result.stderr)
+                          "left: fix the cause and run `overlay_setup.py --state %s revert` again"
+                          % state, result.stderr)
             run_tool(["--state", state, "revert"]).check_returncode()
             self.assertRestored(root, shm, expected, "revert ENOSPC at write %d" % write)
         self.assertGreater(write, 3)
@@ -3051,8 +3052,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         self.assertEqual((failed.returncode, failed.stdout), (1, ""))
         self.assertEqual(failed.stderr, "overlay_setup: E601 could not write %s (No space left on "
                                         "device) while reverting; the journal keeps what is left: "
-                                        "fix the cause and run `overlay_setup.py revert` again\n"
-                         % self.source)
+                                        "fix the cause and run `overlay_setup.py --state %s "
+                                        "revert` again\n" % (self.source, self.state))
         self.assertEqual(read_text(os.path.join(cache, "entry")), "cached\n")
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), before)
