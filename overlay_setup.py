@@ -3459,10 +3459,12 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
         if changes:
             entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
                                        protected, command, modes or {})
-            if entry["protected"]:
-                print("backed up %d build product(s) the build may rewrite: %s" % (
-                    len(entry["protected"]), ", ".join(
-                        "%s (%s)" % (r["path"], r["why"]) for r in entry["protected"])))
+            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
+            if len(shown) > 5:  # a patched common header can reach hundreds of objects
+                shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
+            if shown:
+                print("backed up %d build product(s) the build may rewrite: %s"
+                      % (len(entry["protected"]), ", ".join(shown)))
         if python_update is not None:
             python_update()
     except OSError as exc:

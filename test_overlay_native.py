@@ -2344,6 +2344,30 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert")[0], 0)
         self.assertEqual(read_text(self.p("b.c")), source)
 
+    def test_a_header_many_objects_include_is_summed_up_in_one_short_line(self) -> None:
+        objects = ["f%d.o" % number for number in range(1, 8)]
+        write_tree(self.tmp, dict(
+            {"many/k.h": "#define K 4\n", "many/Makefile": (
+                "libk.so: %s\n\t$(CC) -shared -o $@ $^\n%%.o: %%.c k.h\n"
+                "\t$(CC) -fPIC -c -o $@ $<\n" % " ".join(objects)), "k_fast.h": "#define K 5\n"},
+            **{"many/" + name[:-2] + ".c": '#include "k.h"\nint %s(void) { return K; }\n'
+               % name[:-2] for name in objects}))
+        many = os.path.join(self.tmp, "many")
+        quiet(["make"], many).check_returncode()
+        rc, out, err = self.tool("add-native", "--source", os.path.join(many, "k.h"), "--patched",
+                                 os.path.join(self.tmp, "k_fast.h"), "--artifact",
+                                 os.path.join(many, "libk.so"), "--build-cmd", "make",
+                                 "--build-cwd", many)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("backed up 7 build product(s) the build may rewrite: %s, and 3 more "
+                      "(`status` lists them)\n" % ", ".join(
+                          "%s/%s (predicted by make -n -W)" % (many, name)
+                          for name in objects[:4]), out)
+        listed = self.tool("status")[1]
+        self.assertEqual([name for name in objects if "build product %s/%s\n" % (many, name)
+                          in listed], objects)
+        self.assertOk(self.tool("revert"))
+
     def test_a_rewrite_nothing_backed_up_by_a_killed_run_is_named_by_gc_stale(self) -> None:
         original = overlay_setup.file_sha256(self.p("libk.so"))
         self.kill_during_build(["add-native", "--source", self.p("b.c"), "--patched", self.patched,
