@@ -1902,10 +1902,8 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
         return None
     if os.path.basename(words[0]) in BUILD_TOOLS and any("$" in word or "`" in word
                                                          for word in words):
-        words = shell_words(command, cwd)  # make -j$(nproc), ninja -C "$BUILD"
-        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
-            words = words[1:]
-        if not words:
+        words = expanded_words(command, words)  # make -j$(nproc), ninja -C "$BUILD"
+        if words is None:
             return None
     name = os.path.basename(words[0])
     if name in ("make", "gmake", "ninja", "ninja-build"):
@@ -1927,19 +1925,29 @@ def build_tool(command: str, cwd: str) -> Optional[Tuple[str, List[str], str]]:
     return None
 
 
-def shell_words(command: str, cwd: str) -> List[str]:
-    """The words of one simple command after the shell's expansions, as the
-    build's shell will run it ([] when the shell cannot expand them)."""
-    try:
-        done = subprocess.run(["sh", "-c", "set -- %s; printf '%%s\\0' \"$@\"" % command],
-                              cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, timeout=PREDICT_TIMEOUT)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if done.returncode != 0:
-        return []
-    return done.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
-
+def expanded_words(command: str, words: List[str]) -> Optional[List[str]]:
+    """The words of a build command as its shell will see them, worked out
+    without running any of it (a plan must change nothing): a job count from
+    a command substitution is dropped (the plan is asked with -j1 anyway),
+    and $VAR / ${VAR} come from this environment, which the build inherits.
+    None for anything else: another substitution, a variable that is not
+    set, a `$` in single quotes (literal to the shell)."""
+    if "'" in command:
+        return None
+    kept: List[str] = []
+    for word in words:
+        if re.match(r"^(-j|--jobs=)(\$\(.*\)|`.*`)$", word):
+            continue
+        if re.match(r"^(\$\(.*\)|`.*`)$", word) and kept[-1:] == ["-j"]:
+            kept.pop()
+            continue
+        if "`" in word or "$(" in word:
+            return None
+        word = os.path.expandvars(word)
+        if "$" in word:
+            return None
+        kept.append(word)
+    return kept
 
 def cmake_cache(directory: str) -> Dict[str, str]:
     """NAME -> value of a CMakeCache.txt (empty when there is none)."""

@@ -2263,6 +2263,19 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(tree_state(self.proj), before)
 
+    def test_dry_run_of_a_make_command_runs_nothing_of_it(self) -> None:
+        # The plan of `make -j$(nproc)` is asked of make itself, but no part
+        # of the command line runs before the build does: not a substitution,
+        # not a command chained inside a word.
+        before = tree_state(self.proj)
+        for command in ("make -j$(touch marker1)", "make -j$(nproc);touch marker2",
+                        "make -j`nproc`&&touch marker3", "make -C \"$(touch marker4; pwd)\""):
+            rc, out, err = self.tool("add-native", "--source", self.p("b.c"), "--patched",
+                                     self.patched, "--build-cmd", command, "--build-cwd",
+                                     self.proj, "--dry-run")
+            self.assertEqual((rc, err), (0, ""), command)
+            self.assertEqual(tree_state(self.proj), before, command)
+
     def test_apply_dry_run_shows_natives_and_python_modules(self) -> None:
         write_tree(self.proj, {"pkg/__init__.py": "", "pkg/m.py": "X = 1\n"})
         on_python_path(self, self.proj)
