@@ -3753,21 +3753,9 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     # of a shared library legitimately changes what an earlier one produced.
     seen = set()
     for entry in reversed(manifest["entries"]):
-        if entry["build"] is None and entry["state"] == "applied":
-            # --no-build: the build ran later (a JIT at import), or not yet
-            for record in entry["artifacts"]:
-                if record["path"] not in seen:
-                    seen.add(record["path"])
-                    checked += 1
-                    current = content_sha256(record["path"])
-                    if current is None:
-                        problems.append("artifact %s is missing" % record["path"])
-                    elif current == record.get("sha256"):
-                        problems.append("artifact %s is unchanged since the apply: the build that "
-                                        "rebuilds it (a JIT at import) has not run yet, or did not "
-                                        "see the patch" % record["path"])
-            continue
-        if entry["state"] != "built":
+        # --no-build: the build runs later (a JIT at import), or has not yet
+        later = entry["build"] is None and entry["state"] == "applied"
+        if entry["state"] != "built" and not later:
             here = tool_at(state)
             if entry["state"] in ("build-failed", "build-changed-nothing"):
                 problems.append("entry %d is %s, not built: fix the patch or the source, then run "
@@ -3784,12 +3772,17 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
             checked += 1
             current = content_sha256(record["path"])
             if current is None:
-                problems.append("artifact %s is missing after the build" % record["path"])
+                problems.append("artifact %s is missing%s"
+                                % (record["path"], "" if later else " after the build"))
+            elif current == record.get("sha256") and later:
+                problems.append("artifact %s is unchanged since the apply: the build that "
+                                "rebuilds it (a JIT at import) has not run yet, or did not "
+                                "see the patch" % record["path"])
             elif current == record.get("sha256"):
                 problems.append("artifact %s is unchanged by the build (a silent no-op build?): "
                                 "check the build command and the --invalidate-cache directories"
                                 % record["path"])
-            elif current != record.get("built_sha256"):
+            elif current != record.get("built_sha256") and not later:
                 problems.append("artifact %s changed after the build finished" % record["path"])
     for problem in problems:
         print("overlay_setup: E403 %s" % problem, file=sys.stderr)
