@@ -2908,22 +2908,19 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
         raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
                            "stays applied for inspection: fix the patch or the source, then run "
                            "`%s update`, or run `%s revert`" % (status, seconds, here, here))
-    if noop and headers_build_ext_skips(build["cmd"], entry):
-        raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
-                           "the patch is not in them; it stays applied for inspection: "
-                           "setuptools' build_ext rebuilds an extension when one of its sources "
-                           "changed, not for a header it includes: run `%s revert`, then apply "
-                           "again with --build-cmd %s"
-                           % (seconds, ", ".join(record["path"] for record in entry["artifacts"]),
-                              here, shell_quote(build["cmd"] + " --force")))
     if noop:
-        raise OverlayError("E404", "the build finished in %.1fs but changed no --artifact (%s): "
-                           "the patch is not in them; it stays applied for inspection: if the "
-                           "build skipped it (a compile error that the build script let pass), "
-                           "fix the patch or the source and run `%s update`; else check "
-                           "--build-cmd, --build-cwd and --invalidate-cache, then run `%s revert`"
-                           % (seconds, ", ".join(record["path"] for record in entry["artifacts"]),
-                              here, here))
+        what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not in "
+                "them; it stays applied for inspection: " % (seconds, ", ".join(
+                    record["path"] for record in entry["artifacts"])))
+        if headers_build_ext_skips(build["cmd"], entry):
+            raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension when "
+                               "one of its sources changed, not for a header it includes: run "
+                               "`%s revert`, then apply again with --build-cmd %s"
+                               % (here, shell_quote(build["cmd"] + " --force")))
+        raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
+                           "build script let pass), fix the patch or the source and run `%s "
+                           "update`; else check --build-cmd, --build-cwd and --invalidate-cache, "
+                           "then run `%s revert`" % (here, here))
     print("build finished in %.1fs" % seconds)
     return 0
 

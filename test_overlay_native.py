@@ -1846,12 +1846,20 @@ class RealBuildSystemTest(OverlayTestCase):
         if noop_keeps_tree:
             self.assertEqual(tree_state(proj), before)
 
-    def test_make(self) -> None:
-        proj = self.project(MAKE_PROJECT)
+    def make_round_trips(self, files: dict, build_cmd: str = "make",
+                         artifact: str = "libk.so", under: str = "") -> None:
+        """round_trips of a make project, built first as it comes: b.c (in
+        the folder `under`) patched, and `make -q` there as the no-op test."""
+        proj = self.project(files)
         quiet(["make"], proj).check_returncode()
-        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
-                         os.path.join(proj, "libk.so"), "make", proj,
-                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+        directory = os.path.join(proj, under) if under else proj
+        self.round_trips(proj, os.path.join(directory, "b.c"),
+                         LIB_SOURCES["b.c"].replace("K", "7"), os.path.join(directory, artifact),
+                         build_cmd, proj,
+                         lambda: quiet(["make", "-q"], directory).returncode == 0)
+
+    def test_make(self) -> None:
+        self.make_round_trips(MAKE_PROJECT)
 
     def test_make_with_jobs_from_the_shell(self) -> None:
         # `make -j$(nproc)`, as most people type it: make asked for its plan
@@ -1864,11 +1872,7 @@ class RealBuildSystemTest(OverlayTestCase):
                                          "demo: demo.o libk.so\n"
                                          "\t$(CC) -o $@ demo.o -L. -lk\n"
                                          "libk.so: a.o b.o\n")})
-        proj = self.project(files)
-        quiet(["make"], proj).check_returncode()
-        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
-                         os.path.join(proj, "libk.so"), "make -j$(nproc)", proj,
-                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+        self.make_round_trips(files, build_cmd="make -j$(nproc)")
 
     def test_a_build_that_refreshes_git_s_index_leaves_the_repository_alone(self) -> None:
         # A build that stamps its version with `git describe --dirty` (as
@@ -1905,12 +1909,7 @@ class RealBuildSystemTest(OverlayTestCase):
         # source as b.c, not kernels/b.c.
         files = {"kernels/" + name: text for name, text in MAKE_PROJECT.items()}
         files["Makefile"] = "all:\n\t$(MAKE) -C kernels\n"
-        proj = self.project(files)
-        quiet(["make"], proj).check_returncode()
-        kernels = os.path.join(proj, "kernels")
-        self.round_trips(proj, os.path.join(kernels, "b.c"),
-                         LIB_SOURCES["b.c"].replace("K", "7"), os.path.join(kernels, "libk.so"),
-                         "make", proj, lambda: quiet(["make", "-q"], kernels).returncode == 0)
+        self.make_round_trips(files, under="kernels")
 
     def test_ninja(self) -> None:
         proj = self.project(NINJA_PROJECT)
@@ -1990,11 +1989,7 @@ class RealBuildSystemTest(OverlayTestCase):
             "\tln -s $@ libk.so.1\n"
             "%.o: %.c k.h\n"
             "\t$(CC) -O1 -fPIC -c -o $@ $<\n"))
-        proj = self.project(files)
-        quiet(["make"], proj).check_returncode()
-        self.round_trips(proj, os.path.join(proj, "b.c"), LIB_SOURCES["b.c"].replace("K", "7"),
-                         os.path.join(proj, "libk.so.1.0"), "make", proj,
-                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+        self.make_round_trips(files, artifact="libk.so.1.0")
 
     def test_cmake_shared_library_with_a_version_and_its_links(self) -> None:
         # VERSION and SOVERSION make CMake link libk.so.1.2.3 and make the
