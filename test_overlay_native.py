@@ -1958,14 +1958,19 @@ class RealBuildSystemTest(OverlayTestCase):
         time.sleep(1.5)
         self.assertEqual(tree_state(proj), before)
 
-    def test_cmake_with_ninja(self) -> None:
-        proj = self.project(CMAKE_PROJECT)
+    def cmake_ninja_round_trips(self, files: dict, artifact: str) -> None:
+        """round_trips of a CMake project configured for Ninja in build/:
+        a.c patched, `ninja -n` as the no-op test."""
+        proj = self.project(files)
         build = os.path.join(proj, "build")
         quiet(["cmake", "-S", proj, "-B", build, "-G", "Ninja"], proj).check_returncode()
         quiet(["cmake", "--build", build], proj).check_returncode()
         self.round_trips(proj, os.path.join(proj, "a.c"), LIB_SOURCES["a.c"].replace("1", "2"),
-                         os.path.join(build, "libk.so"), "cmake --build build", proj,
+                         os.path.join(build, artifact), "cmake --build build", proj,
                          lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
+
+    def test_cmake_with_ninja(self) -> None:
+        self.cmake_ninja_round_trips(CMAKE_PROJECT, "libk.so")
 
     def test_cmake_with_makefiles(self) -> None:
         proj = self.project(CMAKE_PROJECT)
@@ -1996,13 +2001,7 @@ class RealBuildSystemTest(OverlayTestCase):
         # links libk.so.1 and libk.so anew at every link.
         files = dict(CMAKE_PROJECT)
         files["CMakeLists.txt"] += "set_target_properties(k PROPERTIES VERSION 1.2.3 SOVERSION 1)\n"
-        proj = self.project(files)
-        build = os.path.join(proj, "build")
-        quiet(["cmake", "-S", proj, "-B", build, "-G", "Ninja"], proj).check_returncode()
-        quiet(["cmake", "--build", build], proj).check_returncode()
-        self.round_trips(proj, os.path.join(proj, "a.c"), LIB_SOURCES["a.c"].replace("1", "2"),
-                         os.path.join(build, "libk.so.1.2.3"), "cmake --build build", proj,
-                         lambda: "no work to do" in quiet(["ninja", "-n"], build).stdout)
+        self.cmake_ninja_round_trips(files, "libk.so.1.2.3")
 
     def test_cmake_build_directory_outside_the_build_cwd(self) -> None:
         # Run from the source directory, as `cmake --build ../build` is: the
