@@ -611,7 +611,7 @@ class BuildScriptTest(TreeTest):
                     "  -o \"$out/lib%s.so\"\n" % (name, cap, name))})
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
-        self.assertEqual(found, [("cuda/b", "B006", None), ("cuda/b", "B007", 4)])
+        self.assertEqual(found, [("cuda/b", "B006", 4), ("cuda/b", "B007", 4)])
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -1333,8 +1333,8 @@ class CommandLineTest(TreeTest):
         self.tree(demo_files())
         for argv, hint in ((["chek"], 'did you mean the command "check"?'),
                            (["lsit"], 'did you mean the command "list"?'),
-                           (["--json", "list"], '"list" is a command: give it before the options '
-                                                "(check_contract.py list ...)"),
+                           (["--strict", "list"], '"list" is a command: give it before the options '
+                                                  "(check_contract.py list ...)"),
                            (["dmeo"], 'did you mean "demo"?')):
             with self.subTest(argv=argv):
                 self.assertEqual(self.check(*argv), (
@@ -1374,7 +1374,7 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("--json")
         self.assertEqual(rc, 1)
         self.assertEqual(json.loads(out), {
-            "checked": ["cpu/demo"], "errors": 1, "warnings": 0,
+            "checked": ["cpu/demo"], "errors": 1, "warnings": 0, "suppressed": [],
             "issues": [{"level": "error", "code": "S004", "backend": "cpu/demo",
                         "path": "backends/cpu/demo/x.c", "line": None,
                         "message": "kernel source x.c is not declared in sources; add it, or list it "
@@ -1975,7 +1975,7 @@ KEY_PATHS = [tuple(key.split(".")) for key, _, _ in check_contract.MANIFEST_KEYS
             [("numerics", "tolerance", "rmsnorm_f32"), ("numerics", "tolerance", "note")]
 SCHEMA_KEYWORDS = {"$schema", "$id", "title", "description", "type", "properties", "required",
                    "additionalProperties", "enum", "minimum", "minItems", "uniqueItems", "items",
-                   "anyOf", "pattern", "minLength"}
+                   "anyOf", "pattern", "minLength", "propertyNames"}
 SHAPE_CODES = {"J003", "M001", "M002"}
 
 
@@ -2014,6 +2014,8 @@ def schema_errors(schema, value, where="$"):
             if key not in value:
                 errors.append(where + ": missing " + key)
         properties = schema.get("properties", {})
+        for key in value if "propertyNames" in schema else ():
+            errors += schema_errors(schema["propertyNames"], key, where + "." + key + " (name)")
         for key, item in value.items():
             if key in properties:
                 errors += schema_errors(properties[key], item, where + "." + key)
