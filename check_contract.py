@@ -312,10 +312,10 @@ class Backend:
         """Record a finding; one with no more precise place points at the
         manifest, at the line of `key` ("build.output", "sources[1]") when
         it names one."""
-        if not path:
-            path = self.rel(self.name + MANIFEST_SUFFIX)
-            if line is None and key is not None:
-                line = self.line_of(key)
+        manifest = self.rel(self.name + MANIFEST_SUFFIX)
+        path = path or manifest
+        if line is None and key is not None and path == manifest:
+            line = self.line_of(key)
         self.diagnostics.append(Diagnostic(level, code, self.key, path, line, message))
 
     def error(self, code, message, path=None, line=None, key=None):
