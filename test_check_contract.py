@@ -4089,6 +4089,102 @@ class CodesTest(unittest.TestCase):
         self.check_codes("overlay_setup", "E[0-9]{3}")
 
 
+def reader_claims():
+    """What the bullets of backends/README.md say the build-script reader
+    follows, and what the ones starting "not" say it does not."""
+    with open(os.path.join(HERE, "backends", "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("What it understands:"):text.index("Two forms that work:")]
+    bullets = [" ".join(b.split()) for b in re.split(r"\n- ", section)[1:]]
+    return (" ".join(b for b in bullets if not b.startswith("not ")),
+            " ".join(b for b in bullets if b.startswith("not ")))
+
+
+class ReaderClaimsTest(unittest.TestCase):
+    """What backends/README.md says the build-script reader follows, it
+    follows; what it says the reader does not follow, the reader says so."""
+
+    # The construct as the bullets name it: a script using it, building sm_80 and sm_90.
+    FOLLOWED = {
+        "`case`": 'case "${2:-}" in\n  "") a=80 ;;\n  *) a=$2 ;;\nesac\n'
+                  'nvcc -shared -arch=sm_$a -gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
+        "`for` loops": 'for a in 80 90; do nvcc -c -arch=sm_$a k.cu -o "$1/k$a.o"; done\n'
+                       'nvcc -shared "$1"/k*.o -o "$1/l.so"\n',
+        "shell functions": 'build() { local arch=$1; nvcc -shared -arch=sm_$arch k.cu -o "$2/l.so"; }\n'
+                           'build 80 "$1"\nbuild 90 "$1"\n',
+        "`until` loops": 'until false; do\n  nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                         '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n  break\ndone\n',
+        "`pushd`/`popd`": 'pushd "$1"\nnvcc -shared -arch=sm_80 k.cu -o a.so\npopd\n'
+                          'nvcc -shared -arch=sm_90 k.cu -o "$1/l.so"\n',
+    }
+
+    def test_the_constructs_said_to_be_followed_are_followed(self):
+        followed, not_followed = reader_claims()
+        for claim, script in self.FOLLOWED.items():
+            with self.subTest(claim=claim):
+                self.assertNotIn(claim, not_followed)
+                self.assertIn(claim, followed)
+                facts = check_contract.ScriptReader(script).facts()
+                self.assertEqual(facts.unfollowed, [])
+                self.assertEqual(sorted({a for call in facts.calls for a in call.targets("cuda")}),
+                                 ["80", "90"])
+
+    def test_what_is_said_not_to_be_followed_is_reported(self):
+        unfollowed = reader_claims()[1].split("not read, and not said")[0]
+        spans = re.findall(r"`([^`]+)`", unfollowed)
+        self.assertGreaterEqual(len(spans), 8, unfollowed)
+        for span in spans:
+            if span in ("trace", "v+=$v"):  # the command to run instead; a value, not a command
+                continue
+            with self.subTest(span=span):
+                facts = check_contract.ScriptReader(span + "\n").facts()
+                self.assertNotEqual(facts.unfollowed, [], span)
+
+
+def emitted_levels(path, code_re):
+    """{code: levels} of the findings a script reports where the call names
+    both: backend.error("A001", ...), warning(...), Diagnostic("error",
+    "R009", ...), report("warning", "X001", ...)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    levels = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        words = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+                 for a in node.args]
+        for index, word in enumerate(words):
+            if word is None or not re.match(code_re + r"\Z", word):
+                continue
+            if index == 0 and name in ("error", "warning"):
+                levels.setdefault(word, set()).add(name)
+            elif index > 0 and words[index - 1] in ("error", "warning"):
+                levels.setdefault(word, set()).add(words[index - 1])
+    return levels
+
+
+class CodeLevelsTest(unittest.TestCase):
+    """The level docs/check_contract.md gives each code is the one the
+    checker prints it at ([error] or [warning])."""
+
+    def test_check_contract_levels_agree(self):
+        code_re = "[DJMSABTORUPX][0-9]{3}"
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+            rows = re.findall(r"^\| (%s) \| ([^|]+) \|" % code_re, f.read(), re.M)
+        names = {"E": "error", "W": "warning"}
+        documented = {code: {names[word] for word in re.findall(r"\b[EW]\b", level)}
+                      for code, level in rows}
+        printed = emitted_levels(CHECKER, code_re)
+        self.assertGreater(len(printed), 50)
+        for code, levels in sorted(printed.items()):
+            with self.subTest(code=code):
+                if len(documented[code]) == 1:
+                    self.assertEqual(levels, documented[code])
+                else:  # "W (E when validated)": the level is worked out when it is reported
+                    self.assertLessEqual(levels, documented[code])
+
+
 class PythonVersionTest(unittest.TestCase):
     @unittest.skipUnless(shutil.which("vermin"), "vermin is not installed (pip install vermin)")
     def test_both_scripts_need_nothing_newer_than_python_3_9_0(self):
