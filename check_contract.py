@@ -1617,6 +1617,7 @@ class ScriptReader:
         self.cwd = None          # None: the directory the script is run from
         self.dirs = []           # pushd's stack
         self.functions = {}
+        self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
         self.unfollowed = []     # (line, what)
@@ -1652,45 +1653,76 @@ class ScriptReader:
         self.unfollowed.append((self.line or line, what))
 
     # -- state, for the branches of a condition the reader cannot decide
-    def snapshot(self):
-        return (dict(self.vars), dict(self.arrays), list(self.args), self.cwd)
+    def change(self, table, name, value):
+        """Set (None: unset) a variable, array or function.  Every change
+        goes through here and onto the trail, so that a branch is undone by
+        what it changed, not by copying every variable (which made the time
+        grow with variables times conditions)."""
+        self.trail.append((table, name, table.get(name)))
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
 
-    def restore(self, state):
-        self.vars, self.arrays = dict(state[0]), dict(state[1])
-        self.args, self.cwd = list(state[2]), state[3]
+    def mark(self):
+        return len(self.trail), list(self.args), self.cwd
+
+    def undo(self, mark):
+        """Back to the state at `mark`; what was changed since, as it is now."""
+        changed = {}
+        while len(self.trail) > mark[0]:
+            table, name, before = self.trail.pop()
+            changed.setdefault((id(table), name), (table, name, table.get(name)))
+            if before is None:
+                table.pop(name, None)
+            else:
+                table[name] = before
+        self.args, self.cwd = list(mark[1]), mark[2]
+        return changed
+
+    def subshell(self, run):
+        """What a ( subshell ) or a pipeline's command sets stays inside."""
+        mark = self.mark()
+        try:
+            return run()
+        except ScriptExit:
+            return None
+        finally:
+            self.undo(mark)
 
     def either(self, label, alternatives):
         """Run each alternative from the same state, then merge what they
-        left: a variable they set differently is UNDECIDED.  Status None."""
-        start = self.snapshot()
+        left: a variable they set differently is UNDECIDED, a function they
+        define differently is each definition in turn.  Status None."""
+        start = self.mark()
         ends = []
         outer = self.condition
         self.condition = outer or label
         try:
             for alternative in alternatives:
-                self.restore(start)
                 try:
                     alternative()
                 except ScriptExit:
+                    self.undo(start)
                     continue
                 except (FunctionReturn, LoopBreak, LoopContinue):
                     pass
-                ends.append(self.snapshot())
+                ends.append((self.undo(start), self.args, self.cwd))
         finally:
             self.condition = outer
         if not ends:
             raise ScriptExit()
-        vars, arrays, args, cwd = ends[0]
-        for end in ends[1:]:
-            for name in set(vars) | set(end[0]):
-                if vars.get(name) != end[0].get(name):
-                    vars[name] = undecided("$%s (%s)" % (name, label))
-            for name in set(arrays) | set(end[1]):
-                if arrays.get(name) != end[1].get(name):
-                    arrays[name] = [undecided("${%s[@]} (%s)" % (name, label))]
-            if cwd != end[3]:
-                cwd = undecided("the directory (%s)" % label)
-        self.restore((vars, arrays, args, cwd))
+        for key in {key for changed, _, _ in ends for key in changed}:
+            table, name = next(c[key] for c, _, _ in ends if key in c)[:2]
+            values = [c[key][2] if key in c else table.get(name) for c, _, _ in ends]
+            if any(v != values[0] for v in values):
+                values[0] = (undecided("$%s (%s)" % (name, label)) if table is self.vars else
+                             [undecided("${%s[@]} (%s)" % (name, label))] if table is self.arrays
+                             else ("either", label, list(values)))
+            self.change(table, name, values[0])
+        self.args, self.cwd = ends[0][1], ends[0][2]
+        if any(cwd != self.cwd for _, _, cwd in ends):
+            self.cwd = undecided("the directory (%s)" % label)
         return None
 
     # -- commands; each returns its status: True, False or None (cannot tell)
@@ -1708,8 +1740,9 @@ class ScriptReader:
             return self.run_andor(node)
         if kind == "pipeline":
             status = True
-            for command in node[3]:
-                status = self.run(command)
+            for command in node[3]:  # bash runs each command of a | pipeline in a subshell
+                status = self.run(command) if len(node[3]) == 1 else self.subshell(
+                    lambda: self.run(command))
             return (None if status is None else not status) if node[2] else status
         if kind == "if":
             return self.run_if(line, node[2], node[3])
@@ -1720,16 +1753,10 @@ class ScriptReader:
         if kind == "while":
             return self.run_while(line, node[2], node[3], node[4])
         if kind == "function":
-            self.functions[node[2]] = node[3]
+            self.change(self.functions, node[2], node[3])
             return True
-        if node[3]:  # ( subshell ): what it sets stays inside
-            state = self.snapshot()
-            try:
-                return self.run_list(node[2])
-            except ScriptExit:
-                return None
-            finally:
-                self.restore(state)
+        if node[3]:
+            return self.subshell(lambda: self.run_list(node[2]))
         return self.run_list(node[2])
 
     def run_andor(self, node):
@@ -1835,8 +1862,8 @@ class ScriptReader:
                 if words[index] == "local" and self.frames:
                     self.frames[-1].setdefault(name, (self.vars.get(name), self.arrays.get(name)))
                     if not assignment:
-                        self.vars.pop(name, None)
-                        self.arrays.pop(name, None)
+                        self.change(self.vars, name, None)
+                        self.change(self.arrays, name, None)
                 if assignment:
                     self.assign_word(word, line)
             return True
@@ -1872,19 +1899,24 @@ class ScriptReader:
         self.frames.append({})
         self.depth += 1
         try:
-            return self.run(self.functions[name])
+            return self.run_function(self.functions[name])
         except FunctionReturn:
             return True
         finally:
             self.depth -= 1
             for local, (value, array) in self.frames.pop().items():
-                self.vars.pop(local, None)
-                self.arrays.pop(local, None)
-                if value is not None:
-                    self.vars[local] = value
-                if array is not None:
-                    self.arrays[local] = array
+                self.change(self.vars, local, value)
+                self.change(self.arrays, local, array)
             self.args, self.origin = saved, origin
+
+    def run_function(self, body):
+        """A function's body; one defined differently on the branches of a
+        condition the reader cannot decide is run as each of them."""
+        if body is None:
+            return None
+        if body[0] != "either":
+            return self.run(body)
+        return self.either(body[1], [lambda b=b: self.run_function(b) for b in body[2]])
 
     # -- builtins
     def builtin_true(self, line, argv):
@@ -1918,8 +1950,8 @@ class ScriptReader:
 
     def builtin_unset(self, line, argv):
         for name in argv[1:]:
-            self.vars.pop(name, None)
-            self.arrays.pop(name, None)
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, None)
         return True
 
     def builtin_cd(self, line, argv):
@@ -2016,9 +2048,9 @@ class ScriptReader:
             items = self.expand_words(array_words(value[1:-1]))
             if append:
                 items = self.arrays.get(name, [self.vars[name]] if name in self.vars else []) + items
-            self.vars.pop(name, None)
-            self.arrays[name] = items if sum(map(len, items)) <= SH_MAX_CHARS else [
-                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))]
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, items if sum(map(len, items)) <= SH_MAX_CHARS else [
+                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))])
             return
         text = self.expand_one(value)
         if index is not None:
@@ -2026,9 +2058,9 @@ class ScriptReader:
             items = list(self.arrays.get(name, []))
             if position.isdigit() and int(position) <= len(items):
                 items[int(position):int(position) + 1] = [text]
-                self.arrays[name] = items
             else:
-                self.arrays[name] = items + [undecided("${%s[%s]}" % (name, position))]
+                items.append(undecided("${%s[%s]}" % (name, position)))
+            self.change(self.arrays, name, items)
             return
         if append:
             text = self.vars.get(name, "") + text
@@ -2037,8 +2069,8 @@ class ScriptReader:
     def assign(self, name, value, line=None):
         if len(value) > SH_MAX_CHARS:
             value = undecided("$%s (longer than %d characters)" % (name, SH_MAX_CHARS))
-        self.arrays.pop(name, None)
-        self.vars[name] = value
+        self.change(self.arrays, name, None)
+        self.change(self.vars, name, value)
 
     def lookup(self, name):
         """The value of a name, or None when the default invocation leaves it unset."""

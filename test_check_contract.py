@@ -1193,6 +1193,34 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
 
+class ReaderHonestyTest(TreeTest):
+    """Constructs the reader once read as certain and wrong: each is read as
+    bash runs it, or said to be what the reader cannot tell."""
+
+    def read(self, script):
+        facts = check_contract.ScriptReader(script).facts()
+        return ([show(o) for call in facts.calls for o in call.outputs],
+                [arch for call in facts.calls for arch in call.sass], facts.unfollowed)
+
+    def test_assignments_in_a_pipeline_stay_in_its_subshell(self):
+        self.assertEqual(self.read('configure() { arch=90; }\narch=80\nconfigure | tee log\n'
+                                   'nvcc -arch=sm_$arch -o "$1/l.so"\n'), (["$1/l.so"], ["80"], []))
+
+    def test_a_function_defined_on_both_branches_is_each_definition(self):
+        self.assertEqual(self.read(
+            'out=$1\nif [ -d /opt/cuda-12 ]; then\n  f() { nvcc -arch=sm_80 -o "$out/l.so"; }\nelse\n'
+            '  f() { nvcc -arch=sm_90 -o "$out/l.so"; }\nfi\nf\n'), (["$1/l.so", "$1/l.so"], ["80", "90"], []))
+        self.cuda_fat('if [ -d /opt/cuda-12 ]; then\n  f() { a=80; }\nelse\n  f() { a=90; }\nfi\n'
+                      'f\nnvcc -shared -arch=sm_$a ops.cu -o "$1/libfat.so"\n')
+        self.assertIssue("B017", "cannot tell whether build.sh builds 80: -arch=sm_$a (if [ -d "
+                         "/opt/cuda-12 ] at line 2) at line 8", "warning")
+
+    def cuda_fat(self, script, architectures=(80,)):
+        files = fat_files(architectures=list(architectures), default_arch=architectures[0])
+        files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
+        self.tree(files)
+
+
 QWEN_BUILD = Executable("""#!/usr/bin/env bash
 # Build the Qwen3.5 CUDA backend: ./build.sh <output-dir> [<compute-capability>]
 set -euo pipefail
