@@ -185,12 +185,25 @@ SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHEL
                                   "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
                                   "BASH_SOURCE", "BASH_VERSION", "OSTYPE", "HOSTTYPE", "PPID"))
 SH_DECLARE_WORDS = frozenset(("export", "local", "declare", "typeset", "readonly"))
-SH_PREFIX_WORDS = frozenset(("exec", "time", "nohup", "builtin", "nice"))
+# Commands that run the command after them: the options of each that take a
+# value, and how many operands come before the command (timeout's duration).
+SH_PREFIX_COMMANDS = {
+    "exec": (("-a",), 0), "time": ((), 0), "nohup": ((), 0), "builtin": ((), 0),
+    "command": ((), 0), "nice": (("-n", "--adjustment"), 0),
+    "timeout": (("-s", "--signal", "-k", "--kill-after"), 1),
+    "stdbuf": (("-i", "-o", "-e", "--input", "--output", "--error"), 0),
+    "env": (("-u", "--unset"), 0)}
+# Options of those that change what runs in a way the reader does not follow.
+SH_PREFIX_UNFOLLOWED = ("-C", "--chdir", "-S", "--split-string")
 # Commands whose success says something about the machine, not the script.
 SH_QUERY_COMMANDS = frozenset(("grep", "egrep", "fgrep", "diff", "cmp", "pkg-config", "nvidia-smi",
                                "rocminfo", "rocm_agent_enumerator", "lspci", "ldconfig", "ls",
                                "stat", "find"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
+# Programs that run commands of their own, which the reader does not see.
+SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
+SH_ARITH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--|(?:[-+*/%&|^]|<<|>>)?=(?!=))"
+                                    r"|(?:\+\+|--)\s*([A-Za-z_][A-Za-z0-9_]*)")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -1371,7 +1384,8 @@ def tokenize(text):
 # -- the tree of commands
 #
 # ("simple", line, words), ("if", line, [(condition, body), ...], else body or
-# None), ("case", line, word, [(patterns, body), ...]), ("for", line, name,
+# None), ("case", line, word, [(patterns, body, ;; or ;& or ;;&), ...]),
+# ("arith", line, expression of (( ))), ("for", line, name,
 # words or None, body), ("while", line, until, condition, body),
 # ("function", line, name, body), ("group", line, body, subshell),
 # ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
@@ -1457,6 +1471,10 @@ class ScriptParser:
 
     def parse_command(self):
         kind, text, line = self.peek()
+        if kind == "op" and text == "(" and self.tokens[self.pos + 1][:2] == ("op", "("):
+            arithmetic = self.parse_arithmetic()
+            if arithmetic is not None:
+                return arithmetic
         if kind == "op" and text == "(":
             self.next()
             body = self.parse_list(())
@@ -1498,6 +1516,23 @@ class ScriptParser:
             self.skip_newlines()
             return ("function", line, text, self.parse_command())
         return self.parse_simple()
+
+    def parse_arithmetic(self):
+        """(( expression )), or None (and nothing taken) when the text is
+        two subshells instead: ( (cd x; make) )."""
+        start, line, depth, words = self.pos, self.peek()[2], 0, []
+        self.pos += 2
+        while not self.at_end():
+            kind, text, _ = self.next()
+            if kind == "newline" or text in (";", "&", "&&", "||", "|"):
+                break
+            if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
+                self.next()
+                return self.redirected(("arith", line, " ".join(words)))
+            depth += {"(": 1, ")": -1}.get(text, 0) if kind == "op" else 0
+            words.append(text)
+        self.pos = start
+        return None
 
     def expect_op(self, op):
         kind, text, line = self.next()
@@ -1592,9 +1627,10 @@ class ScriptParser:
                 if (kind, text) != ("op", "|"):
                     raise ShellSyntax(at, "a case pattern the checker does not read")
             body = self.parse_list(("esac",))
-            items.append((patterns, body))
+            end = ";;"
             if self.peek()[0] == "op" and self.peek()[1] in (";;", ";&", ";;&"):
-                self.next()
+                end = self.next()[1]
+            items.append((patterns, body, end))
 
 
 # -- following the default invocation
@@ -1748,6 +1784,8 @@ class ScriptReader:
             return self.run_if(line, node[2], node[3])
         if kind == "case":
             return self.run_case(line, node[2], node[3])
+        if kind == "arith":
+            return self.arithmetic_status(line, [node[2]])
         if kind == "for":
             return self.run_for(line, node[2], node[3], node[4])
         if kind == "while":
@@ -1785,23 +1823,31 @@ class ScriptReader:
 
     def run_case(self, line, word, items):
         value = self.expand_one(word).replace(NOT_REACHED, "")
-        alternatives = []
-        for patterns, body in items:
-            pieces = [self.expand_one(p) for p in patterns]
-            if not known(value) or not all(known(p) for p in pieces):
-                alternatives.append(body)
-                continue
-            if any(fnmatch.fnmatchcase(value, p) for p in pieces):
-                if not alternatives:
-                    return self.run_list(body)
-                alternatives.append(body)
-                break
-        else:
-            if not alternatives:
-                return True
-            alternatives.append([])
+        paths = self.case_paths(value, items, 0)
+        if len(paths) == 1:
+            for body in paths[0]:
+                self.run_list(body)
+            return True
         label = "case %s at line %d" % (word, line)
-        return self.either(label, [lambda b=b: self.run_list(b) for b in alternatives])
+        return self.either(label, [lambda p=p: [self.run_list(b) for b in p] for p in paths])
+
+    def case_paths(self, value, items, start):
+        """The bodies each possible run of a case runs, testing from item
+        `start`: ;& runs the next body untested, ;;& goes on testing."""
+        for at in range(start, len(items)):
+            pieces = [self.expand_one(p) for p in items[at][0]]
+            matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
+            if not matched and known(value) and all(known(p) for p in pieces):
+                continue
+            end = at
+            while items[end][2] == ";&" and end + 1 < len(items):
+                end += 1
+            rest = self.case_paths(value, items, end + 1) if items[end][2] == ";;&" else [[]]
+            paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
+            if matched and known(value) and all(known(p) for p in pieces):
+                return paths
+            return paths + self.case_paths(value, items, at + 1)
+        return [[]]
 
     def run_for(self, line, name, words, body):
         values = list(self.args) if words is None else self.expand_words(words)
@@ -1867,14 +1913,28 @@ class ScriptReader:
                 if assignment:
                     self.assign_word(word, line)
             return True
+        if words[index] == "[[" and words[-1] == "]]":
+            return self.double_bracket(words[index + 1:-1])
         argv = self.expand_words(words[index:])
         return self.run_argv(line, argv)
 
+    def double_bracket(self, words):
+        """[[ ... ]]: no word splitting, and the right of == or != is a glob
+        pattern, taken literally where quoted."""
+        args = [self.expand_one(w).replace(NOT_REACHED, "") for w in words]
+        if not any(c in a for a in args for c in "*?["):
+            return test_expression(args)
+        if len(args) != 3 or args[1] not in ("=", "==", "!=") or SH_SPECIAL_RE.search(
+                words[2]) or not known(args[0]) or OUT_DIR in args[0]:
+            return None
+        return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
+
     def run_argv(self, line, argv):
-        while argv and argv[0] in SH_PREFIX_WORDS:
-            argv = argv[1:]
+        while argv and argv[0] in SH_PREFIX_COMMANDS and not (
+                argv[0] == "command" and argv[1:2] in (["-v"], ["-V"])):
+            argv = self.after_prefix(line, argv)
         if not argv:
-            return True
+            return True if argv is not None else None
         command = argv[0]
         if command in self.functions:
             return self.call_function(line, command, argv[1:])
@@ -1888,7 +1948,29 @@ class ScriptReader:
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
+            return None
+        name = command.rsplit("/", 1)[-1]
+        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))):
+            self.unfollow(line, "%s, a program whose commands it does not read"
+                          % show_word(" ".join(argv[:2]))[:80])
+            return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True
+
+    def after_prefix(self, line, argv):
+        """The command a prefix command (nice -n 19, timeout 600, env A=1)
+        runs; None after an option the reader does not follow."""
+        valued, operands = SH_PREFIX_COMMANDS[argv[0]]
+        words = argv[1:]
+        while words and (words[0].startswith("-") or (argv[0] == "env" and "=" in words[0])):
+            word = words.pop(0)
+            if word == "--":
+                break
+            if word.split("=")[0] in SH_PREFIX_UNFOLLOWED and argv[0] == "env":
+                self.unfollow(line, "env %s" % word)
+                return None
+            if word in valued:
+                words = words[1:]
+        return words[operands:]
 
     def call_function(self, line, name, args):
         if self.depth >= SH_MAX_DEPTH:
@@ -1932,12 +2014,14 @@ class ScriptReader:
 
     def builtin_lookup(self, line, argv):
         names = [a for a in argv[1:] if not a.startswith("-")]
-        if argv[0] == "command" and "-v" not in argv and "-V" not in argv:
-            return self.run_argv(line, argv[1:])
         return True if names and all(is_compiler_name(n) for n in names) else None
 
     def builtin_shift(self, line, argv):
-        count = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 1
+        count = argv[1] if len(argv) > 1 else "1"
+        if not count.isdigit():
+            self.args, self.origin = [undecided("the arguments after shift %s" % show_word(count))], None
+            return None
+        count = int(count)
         self.args = self.args[count:]
         if self.origin is not None:
             self.origin += count
@@ -1950,6 +2034,10 @@ class ScriptReader:
 
     def builtin_unset(self, line, argv):
         for name in argv[1:]:
+            if "[" in name:  # one element: the others keep their indices, which are not modelled
+                array = name.split("[")[0]
+                self.change(self.arrays, array, [undecided("${%s[@]} (after unset %s)" % (array, name))])
+                continue
             self.change(self.vars, name, None)
             self.change(self.arrays, name, None)
         return True
@@ -2026,6 +2114,8 @@ class ScriptReader:
             elif not word.startswith("-"):
                 names.append(word)
         if command == "getopts":
+            if len(argv) == 3 and self.vars.get("OPTIND", "1") == "1" and self.args[:1] in ([], [OUT_DIR]):
+                return False  # the default invocation passes no option: <output-dir> ends them
             names = names[1:2]
         elif command in ("mapfile", "readarray"):
             names = names[-1:] or ["MAPFILE"]
@@ -2033,6 +2123,28 @@ class ScriptReader:
             if SH_NAME_RE.match(name):
                 self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
+
+    def builtin_printf(self, line, argv):
+        if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
+            value = printf_value(argv[3], argv[4:])
+            self.assign(argv[2], value if value is not None else runtime(
+                "$%s (printf -v at line %d)" % (argv[2], line)))
+        return True
+
+    def builtin_let(self, line, argv):
+        return self.arithmetic_status(line, argv[1:])
+
+    def arithmetic_status(self, line, expressions):
+        """(( ... )) and let: true when the last expression is not 0; a name
+        they assign to is what the reader cannot tell afterwards."""
+        status = None
+        for expression in expressions:
+            assigned = [a or b for a, b in SH_ARITH_ASSIGNMENT_RE.findall(expression)]
+            for name in assigned:
+                self.assign(name, undecided("$%s (assigned in arithmetic at line %d)" % (name, line)))
+            value = None if assigned else self.arithmetic(expression)
+            status = None if value is None else value != 0
+        return status
 
     def builtin_eval(self, line, argv):
         self.unfollow(line, "eval")
@@ -2196,13 +2308,36 @@ class ScriptReader:
 
     def substitute(self, source, command):
         """$(...) or `...`: the value is the command's output, unknown here,
-        unless it names the <output-dir> argument (cd "$1" && pwd)."""
+        unless it names the <output-dir> argument (cd "$1" && pwd); and
+        $((...)), arithmetic, when every name in it is known."""
+        if source.startswith("$((") and source.endswith("))"):
+            value = self.arithmetic(source[3:-2])
+            return undecided(source) if value is None else str(value)
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
             if target == OUT_DIR:
                 return OUT_DIR
         return runtime(source)
+
+    def arithmetic(self, expression):
+        """The value of a shell arithmetic expression (an unset name is 0),
+        or None when a name in it holds no number the reader knows."""
+        def value(match):
+            found = self.lookup(match.group(1) or match.group(2))
+            found = "1" if found is None and match.group() == "OPTIND" else found or "0"
+            if not re.match(r"-?[0-9]+\Z", found):
+                raise Unevaluable()
+            return "(%s)" % found
+        expression = self.expand_one(expression)
+        if not known(expression):
+            return None
+        try:
+            text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*|[0-9#])\}?|([A-Za-z_][A-Za-z0-9_]*)",
+                          value, expression)
+        except Unevaluable:
+            return None
+        return if_value(text)
 
     def parameter(self, body, source, in_double):
         """The value of ${body}; a list for ${a[@]} in double quotes."""
@@ -2230,6 +2365,13 @@ class ScriptReader:
                 value = items[int(position)] if position.isdigit() and int(position) < len(items) else None
         elif name == "@" and in_double and op is None:
             return list(self.args)
+        elif name in ("@", "*") and op == ":":  # ${@:N:L}: arguments, not characters
+            numbers = rest.split(":")
+            if not all(n.strip().isdigit() for n in numbers):
+                return undecided(source)
+            start = int(numbers[0])
+            items = ([runtime("$0")] + self.args)[start:start + int(numbers[1]) if len(numbers) > 1 else None]
+            return list(items) if in_double and name == "@" else " ".join(items)
         else:
             value = self.lookup(name)
         if op is None:
@@ -2279,6 +2421,21 @@ def array_words(text):
     """The words of an array value's text (between its parentheses)."""
     return [token[1] for token in tokenize(text) if token[0] == "word"]
 
+
+
+def printf_value(form, args):
+    """What printf writes for a format whose only directive is %s (used
+    again for the arguments left over); None for any other format."""
+    if re.search(r"%[^s]|%\Z|\\", form):
+        return None
+    count = form.count("%s")
+    if count == 0:
+        return form
+    written = []
+    for at in range(0, max(len(args), 1), count):
+        chunk = iter(args[at:at + count] + [""] * count)
+        written.append(re.sub("%s", lambda _: next(chunk), form))
+    return "".join(written)
 
 
 def remove_pattern(value, pattern, op):
@@ -2370,7 +2527,8 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval,
+    "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "let": ScriptReader.builtin_let,
 }
 
 

@@ -1215,6 +1215,70 @@ class ReaderHonestyTest(TreeTest):
         self.assertIssue("B017", "cannot tell whether build.sh builds 80: -arch=sm_$a (if [ -d "
                          "/opt/cuda-12 ] at line 2) at line 8", "warning")
 
+    def test_arithmetic_commands_are_evaluated_or_unknown(self):
+        self.assertEqual(self.read('if (( 0 )); then a=90; else a=80; fi\n'
+                                   'if (( a > 70 )); then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["80", "86"], []))
+        for assigns in ('let "a = 1"\n', '((a++))\n', 'let a+=2\n'):
+            with self.subTest(assigns=assigns):
+                call, = check_contract.ScriptReader(
+                    'a=80\n' + assigns + 'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+                self.assertEqual((call.sass, call.unknown),
+                                 ([], ["-arch=sm_$a (assigned in arithmetic at line 2)"]))
+
+    def test_double_bracket_patterns_match_as_globs(self):
+        self.assertEqual(self.read('x=90\nif [[ $x == 9* ]]; then a=90; else a=80; fi\n'
+                                   'if [[ $x != 8? ]]; then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["90", "86"], []))
+        call, = check_contract.ScriptReader('x=90\nif [[ $x == "9*" ]]; then a=90; else a=80; fi\n'
+                                            'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ['-arch=sm_$a (if [[ $x == "9*" ]] at line 2)'])
+
+    def test_argument_slices_and_printf_v(self):
+        self.assertEqual(self.read('out=$1\nrun() { "${@:2}"; }\nprintf -v lib "lib%s.so" fat\n'
+                                   'run label nvcc -arch=sm_80 -o "$out/$lib"\n'),
+                         (["$1/libfat.so"], ["80"], []))
+        call, = check_contract.ScriptReader('printf -v a "%d" 80\nnvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ["-arch=sm_$a (printf -v at line 1)"])
+
+    def test_unset_of_an_array_element_makes_the_array_unknown(self):
+        call, = check_contract.ScriptReader('a=(-arch=sm_80 -arch=sm_90)\nunset "a[1]"\n'
+                                            'nvcc "${a[@]}" -o "$1/l.so"\n').facts().calls
+        self.assertEqual((call.sass, call.unknown), ([], ["${a[@]} (after unset a[1])"]))
+
+    def test_shift_after_getopts_keeps_the_output_directory(self):
+        self.assertEqual(self.read('while getopts "va:" opt; do\n  case $opt in v) set -x ;; esac\ndone\n'
+                                   'shift $((OPTIND-1))\nout=$1\nnvcc -arch=sm_80 -o "$out/l.so"\n'),
+                         (["$1/l.so"], ["80"], []))
+        call, = check_contract.ScriptReader('shift $(nproc)\nnvcc -arch=sm_80 -o "$1/l.so"\n').facts().calls
+        self.assertEqual(show(call.outputs[0]), "the arguments after shift $(nproc)/l.so")
+
+    def test_prefix_commands_are_read_through(self):
+        for prefix in ("nice -n 19", "nice -5", "timeout 600", "timeout -s KILL 10m", "stdbuf -oL",
+                       "env CCACHE_DIR=/tmp/c -u OMP", "time -p", "command -p", "exec", "nohup"):
+            with self.subTest(prefix=prefix):
+                self.assertEqual(self.read(prefix + ' nvcc -arch=sm_80 -o "$1/l.so"\n'),
+                                 (["$1/l.so"], ["80"], []))
+        self.assertEqual(self.read('env -C /tmp nvcc -arch=sm_80 -o "$1/l.so"\n'), ([], [], [(1, "env -C")]))
+
+    def test_case_fall_through(self):
+        reader = check_contract.ScriptReader('case 80 in 80) a=80 ;& 90) b=90 ;; *) c=70 ;; esac\n'
+                                             'case 80 in 80) d=80 ;;& 90) e=90 ;; 8*) f=70 ;; esac\n')
+        self.assertEqual(reader.vars, {"a": "80", "b": "90", "d": "80", "f": "70"})
+
+    def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
+        for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
+                     "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
+            with self.subTest(line=line):
+                self.cuda_fat(line + "\n")
+                self.assertEqual(self.codes(), ["B017"])
+        self.assertIssue("B017", "cannot tell which library build.sh writes: it has no compiler "
+                         "command with -o that the checker can see; the checker does not follow "
+                         "line 2 (bash $(dirname \"$0\")/compile.sh, a program whose commands it "
+                         "does not read)", "warning")
+
     def cuda_fat(self, script, architectures=(80,)):
         files = fat_files(architectures=list(architectures), default_arch=architectures[0])
         files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
