@@ -73,7 +73,7 @@ Diagnostic codes (stable; never reused):
                      tree, B003 not executable in the git index, B004 output
                      differs from build.output, B005 no compiler -o found,
                      B006 claimed architecture not built, B007 built
-                     architecture not claimed (warning), B008 default_arch not
+                     architecture not claimed, B008 default_arch not
                      in architectures, B009 default_arch differs from the
                      script's default, B010 architecture below min_capability,
                      B011 architecture is not a valid target for the platform,
@@ -1155,8 +1155,9 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
                           "%s does not build it" % (said, arch, rel), where)
     for arch in sorted(built):
         if arch not in backend.architectures:
-            backend.warning("B007", "%s%s also builds %s, which build.architectures does not list"
-                            % (said, rel, arch), where, built[arch])
+            backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
+                          "list it (the build tier rejects a library with targets the manifest does "
+                          "not name, R008)" % (said, rel, arch), where, built[arch])
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -4328,7 +4329,7 @@ def trace_backend(repo, run, backend, args, stream, shims):
                 report("error", "B006", "the single-target invocation does not build %s" % target)
             for other in built["targets"]:
                 if other != target:
-                    report("warning", "B007", "the single-target invocation for %s also builds "
+                    report("error", "B007", "the single-target invocation for %s also builds "
                            "%s" % (target, other))
     result = TierResult(key, "failed" if any(d.level == "error" for d in found) else "passed",
                         trace_summary(runs[0]), sum(r["elapsed"] for r in runs), found)

@@ -726,9 +726,11 @@ class BuildScriptTest(TreeTest):
         self.assertIssue("B006", "build.architectures lists 100 but the default invocation of build.sh "
                          "does not build it")
 
-    def test_built_arch_not_claimed_is_a_warning(self):
+    def test_built_arch_not_claimed_is_an_error(self):
         self.tree(fat_files(architectures=[80, 90]))
-        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list", "warning")
+        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list; "
+                         "list it (the build tier rejects a library with targets the manifest does "
+                         "not name, R008)")
 
     def test_arch_branch_before_default_branch_is_not_reached(self):
         files = fat_files()
@@ -808,7 +810,9 @@ class BuildScriptTest(TreeTest):
         self.assertEqual(found, [
             ("cuda/b", "B006", "build.architectures lists 90 but the default invocation of build.sh "
                                "does not build it"),
-            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list"),
+            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list; "
+                               "list it (the build tier rejects a library with targets the "
+                               "manifest does not name, R008)"),
             ("cuda/d", "B005", "build script build.sh has no compiler command with -o; the script "
                                "must write build.output into its <output-dir> argument"),
         ])
@@ -1983,8 +1987,8 @@ class NoTracebackTest(TreeTest):
         shutil.rmtree(self.path("backends"))
         self.tree(dict(fat_files(), **{"backends/cuda/fat/build.sh": Executable(build)}))
         rc, out, err = self.check()
-        self.assertEqual((rc, err), (0, ""))
-        self.assertIn("[warning] B007 cuda/fat: build.sh also builds 1000", out)
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("[error] B007 cuda/fat: build.sh also builds 1000", out)
 
     def test_values_nested_a_thousand_deep_are_findings(self):
         for depth in (900, 1000, 5000):
@@ -2715,7 +2719,7 @@ class TraceTierTest(TreeTest):
         self.assertEqual([(i["level"], i["code"], i["message"]) for i in result["issues"]], [
             ("error", "B006", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation does not build 89"),
-            ("warning", "B007", "running build.sh <output-dir> 89 shows: the single-target "
+            ("error", "B007", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation for 89 also builds 80")])
 
     def test_the_repository_stays_byte_identical(self):
@@ -2780,8 +2784,9 @@ class TraceTierTest(TreeTest):
              "\"libfat.so\" but build.output is \"libother.so\""),
             ("error", "B006", "running build.sh <output-dir> shows: build.architectures lists 86 "
              "but the default invocation of build.sh does not build it"),
-            ("warning", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
-             "which build.architectures does not list")])
+            ("error", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
+             "which build.architectures does not list; list it (the build tier rejects a library "
+             "with targets the manifest does not name, R008)")])
 
     def test_backend_without_a_build_script_is_skipped(self):
         self.backend("#!/bin/sh\n")
