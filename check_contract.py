@@ -81,7 +81,8 @@ Diagnostic codes (stable; never reused):
                      written under <output-dir>, B014 no #! line or an interpreter
                      not on a standard system, B015 build.output absolute or
                      with .., B016 -D<PREFIX>_ABI_VERSION differs from
-                     abi_version, B017 the script reader cannot tell (warning)
+                     abi_version, B017 the script reader cannot tell (warning),
+                     B018 a target flag the compiler rejects
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -847,7 +848,15 @@ ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z", re.S)
 GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
+CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
+# Options that make a compiler build something else than machine code: a
+# probe (-E, -M, -fsyntax-only, nvcc --dryrun) builds nothing, nvcc -ptx
+# builds PTX only.
+COMPILER_MODES = {
+    "-E": "probe", "--preprocess": "probe", "-M": "probe", "-MM": "probe",
+    "--generate-dependencies": "probe", "--generate-nonsystem-dependencies": "probe",
+    "-fsyntax-only": "probe", "--dryrun": "probe", "-ptx": "ptx", "--ptx": "ptx"}
 # What compiler_call() reads of each option, given as `-x v` or `-x=v`.
 COMPILER_OPTIONS = {
     "-o": "output", "--output-file": "output", "-D": "define", "--define-macro": "define",
@@ -862,34 +871,39 @@ class CompilerCall:
 
     outputs: the files its -o names (probes to /dev/null apart), relative
     paths joined to the directory it ran in when that is known; sass, ptx,
-    hip and march: the targets it builds (nvcc machine code, nvcc PTX only,
-    AMD gfx targets, CPU -march values); open_targets: -arch=all, all-major
-    or native, which are no fixed list; abi_defines: (PREFIX, value) of each
+    hip, march and mcpu: the targets it builds (nvcc machine code, nvcc PTX
+    only, AMD gfx targets, CPU -march and -mcpu values, of which the last
+    counts); open_targets: -arch=all, all-major or native, which are no
+    fixed list; abi_defines: (PREFIX, value) of each
     -D<PREFIX>_ABI_VERSION=value; unknown: its words the reader cannot tell
     (a target flag whose value it cannot know, a word that may hold target
-    flags); condition: None when the default invocation surely makes this
+    flags); rejected: why the compiler refuses a target flag, with its right
+    spelling; condition: None when the default invocation surely makes this
     call, else why it may not (a condition the reader cannot decide).
     """
 
-    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march",
-                 "open_targets", "abi_defines", "unknown", "condition")
+    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
         self.probes = 0
-        self.sass, self.ptx, self.hip, self.march = [], [], [], []
+        self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
         self.abi_defines = []
         self.unknown = []
+        self.rejected = []
         self.condition = None
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
-        (on any, for a platform the checker does not know)."""
-        targets = {"cuda": self.sass, "hip": self.hip, "cpu": self.march}
-        return targets.get(platform, self.sass + self.hip + self.march)
+        (on any, for a platform the checker does not know).  gcc and clang
+        take the last -march (else the last -mcpu: aarch64, ppc64le)."""
+        cpu = self.march[-1:] or self.mcpu[-1:]
+        targets = {"cuda": self.sass, "hip": self.hip, "cpu": cpu}
+        return targets.get(platform, self.sass + self.hip + cpu)
 
 
 def might_hold_targets(word):
@@ -942,6 +956,7 @@ def compiler_call(words, line=None, cwd=None):
     call = CompilerCall(command.rsplit("/", 1)[-1], line)
     arch = code = None
     genco = "--genco" in args
+    modes = {COMPILER_MODES.get(arg) for arg in args}
     index = 0
     while index < len(args):
         arg = args[index]
@@ -978,8 +993,9 @@ def compiler_call(words, line=None, cwd=None):
             continue
         if kind == "mcpu":
             if not value.startswith("gfx"):
-                continue
-            kind = "offload"
+                kind = "cpu"
+            else:
+                kind = "offload"
         if kind == "targets" and not genco:
             continue
         if not known(value):
@@ -1000,22 +1016,30 @@ def compiler_call(words, line=None, cwd=None):
                     call.hip.append(target)
         elif kind == "march":
             call.march.append(value)
+        elif kind == "cpu":
+            call.mcpu.append(value)
         elif kind == "define":
             define = ABI_DEFINE_FLAG_RE.match(value)
             if define:
                 call.abi_defines.append((define.group(1), define.group(2)))
     if code is not None:
-        cuda_codes(call, code.split(","), "-code=" + code)
+        virtual = cuda_target(call, arch, "-arch=%s" % arch) if arch is not None else None
+        if virtual is not None and virtual[0] == "sm":
+            call.rejected.append("-arch=%s with -code: nvcc takes a virtual architecture there; "
+                                 "write -arch=compute_%s" % (arch, virtual[1]))
+        cuda_codes(call, code.split(","), "-code=" + code, virtual)
     elif arch in OPEN_TARGETS:
         call.open_targets.append("-arch=" + arch)
     elif arch is not None:
-        item = CUDA_CODE_ITEM_RE.match(arch)
-        if item is None:
-            call.unknown.append("-arch=%s, which nvcc does not read" % arch)
-        else:
-            call.ptx.append(item.group(2))
-            if item.group(1) == "sm":
-                call.sass.append(item.group(2))
+        item = cuda_target(call, arch, "-arch=" + arch)
+        if item is not None:
+            call.ptx.append(item[1])
+            if item[0] == "sm":
+                call.sass.append(item[1])
+    if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
+        call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
+    elif "ptx" in modes:
+        call.ptx, call.sass = call.ptx + [t for t in call.sass if t not in call.ptx], []
     return call
 
 
@@ -1026,18 +1050,61 @@ def gencode(call, value):
         call.unknown.append("-gencode %s, which nvcc does not read (a list of codes is written "
                             "code=[sm_80,sm_90])" % value)
         return
-    cuda_codes(call, match.group(2).strip('[]"').split(","), "-gencode " + value)
+    flag = "-gencode " + value
+    virtual = cuda_target(call, match.group(1), flag)
+    if virtual is not None and virtual[0] == "sm":
+        call.rejected.append("%s: nvcc takes a virtual architecture after arch=; write "
+                             "arch=compute_%s" % (flag, virtual[1]))
+    cuda_codes(call, match.group(2).strip('[]"').split(","), flag, virtual)
 
 
-def cuda_codes(call, codes, flag):
+def cuda_target(call, item, flag):
+    """(sm or compute, number) of an nvcc target name; None for a name nvcc
+    rejects (noted with its right spelling) or does not know."""
+    target = CUDA_CODE_ITEM_RE.match(item.strip())
+    if target is not None:
+        return target.groups()
+    typo = CUDA_TARGET_TYPO_RE.match(item.strip())
+    if typo is not None:
+        call.rejected.append("%s: nvcc knows no target %s; write %s_%s"
+                             % (flag, item.strip(), typo.group(1), typo.group(2)))
+    else:
+        call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
+    return None
+
+
+def cuda_codes(call, codes, flag, virtual=None):
+    """The codes of -gencode code=... or -code=..., each checked against the
+    virtual architecture it is generated from."""
     for item in codes:
-        code = CUDA_CODE_ITEM_RE.match(item.strip())
+        code = cuda_target(call, item, flag)
         if code is None:
-            call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
-        elif code.group(1) == "sm":
-            call.sass.append(code.group(2))
+            continue
+        refused = virtual is not None and virtual[0] == "compute" and nvcc_refuses(virtual[1], code)
+        if refused:
+            call.rejected.append("%s: nvcc refuses it (incompatible code generation: %s_%s cannot "
+                                 "be built from compute_%s); write %s" % (flag, code[0], code[1],
+                                                                         virtual[1], refused))
+        elif code[0] == "sm":
+            call.sass.append(code[1])
         else:
-            call.ptx.append(code.group(2))
+            call.ptx.append(code[1])
+
+
+def nvcc_refuses(virtual, code):
+    """The spelling nvcc takes, when it refuses to generate `code` (sm or
+    compute, number) from compute_<virtual>; None when it generates it.
+    As nvcc 13 does: PTX only of its own architecture; machine code of the
+    same number or higher, of an arch-specific (a) architecture only
+    arch-specific, of a family (f) one only in that family."""
+    kind, target = code
+    number, base = int(DIGITS_RE.match(target).group()), int(DIGITS_RE.match(virtual).group())
+    if kind == "compute":
+        ok = target == virtual
+    else:
+        ok = number >= base and (not virtual.endswith("a") or target.endswith("a")) and (
+            not virtual.endswith("f") or number // 10 == base // 10)
+    return None if ok else "arch=compute_%s,code=%s_%s" % (target, kind, target)
 
 
 class ScriptFacts:
@@ -1110,6 +1177,9 @@ def check_build_facts(backend, rel, facts, traced=False):
                           % (said, rel, show_path(output), backend.output, backend.output),
                           where, call.line)
     check_build_defines(backend, rel, facts, said, where)
+    for call in facts.calls:
+        for why in call.rejected:
+            backend.error("B018", "%s%s builds with %s" % (said, rel, why), where, call.line)
     if backend.architectures is not None:
         check_built_targets(backend, rel, facts, said, where, unfollowed)
     default = backend.default_arch

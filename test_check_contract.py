@@ -1009,6 +1009,58 @@ class CompilerCallTest(unittest.TestCase):
                     call = self.call("nvcc", "-arch=" + arch)
                     self.assertEqual((call.sass, call.open_targets), ([], ["-arch=" + arch]))
 
+    @unittest.skipUnless(shutil.which("nvcc"), "nvcc is not installed, so its refusals cannot be "
+                                                "compared")
+    def test_nvcc_refusals_and_modes_are_what_nvcc_dryrun_does(self):
+        # Each form against the real nvcc: whether `nvcc --dryrun` refuses it,
+        # and the machine code (ptxas) and PTX (cicc) it would build.
+        forms = [["-gencode", "arch=compute_90,code=sm_89"], ["-gencode", "arch=compute_80,code=sm_90"],
+                 ["-gencode", "arch=compute_90a,code=sm_90"], ["-gencode", "arch=compute_90,code=sm_90a"],
+                 ["-gencode", "arch=compute_90a,code=sm_100a"], ["-gencode", "arch=compute_100f,code=sm_100f"],
+                 ["-gencode", "arch=compute_100f,code=sm_103f"], ["-gencode", "arch=compute_100f,code=sm_110f"],
+                 ["-gencode", "arch=compute_100a,code=sm_100f"], ["-gencode", "arch=compute_100,code=sm_100f"],
+                 ["-gencode", "arch=compute_90,code=compute_89"], ["-gencode", "arch=compute_90,code=compute_90a"],
+                 ["-gencode", "arch=compute_90,code=sm90"], ["-gencode", "arch=compute90,code=sm_90"],
+                 ["-gencode", "arch=sm_90,code=sm_90"], ["-arch=sm90"], ["-arch=compute90"],
+                 ["-arch=sm_90", "-code=sm_90"], ["-arch=compute_90", "-code=sm_89"], ["-arch=sm_90a"],
+                 ["-arch=sm_100f"], ["-ptx", "-arch=sm_80"], ["-ptx", "-gencode", "arch=compute_80,code=sm_80"],
+                 ["-cubin", "-arch=sm_80"], ["-fatbin", "-arch=sm_80"], ["-E", "-arch=sm_80"],
+                 ["-M", "-arch=sm_80"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.cu"), "w") as handle:
+                handle.write("__global__ void k() {}\n")
+            for flags in forms:
+                with self.subTest(flags=flags):
+                    done = subprocess.run(["nvcc", "--dryrun"] + flags + ["-c", "k.cu", "-o", "k.o"],
+                                          cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          universal_newlines=True)
+                    sass = sorted(set(re.findall(r"--image3=kind=elf,sm=(\w+)", done.stdout) or
+                                      re.findall(r"ptxas\"? .*-arch=sm_(\w+)", done.stdout)))
+                    ptx = set(re.findall(r"cicc\"? .*-arch compute_(\w+)", done.stdout))
+                    call = self.call("nvcc", *flags)
+                    self.assertEqual((done.returncode != 0, bool(call.rejected)), (bool(call.rejected),) * 2,
+                                     done.stdout[-300:])
+                    if done.returncode == 0:
+                        self.assertEqual(sass, sorted(set(call.sass)))
+                        self.assertLessEqual(set(call.ptx), ptx | set(call.sass))
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm_89").rejected, [
+            "-gencode arch=compute_90,code=sm_89: nvcc refuses it (incompatible code generation: "
+            "sm_89 cannot be built from compute_90); write arch=compute_89,code=sm_89"])
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm90").rejected, [
+            "-gencode arch=compute_90,code=sm90: nvcc knows no target sm90; write sm_90"])
+        self.assertEqual(self.call("nvcc", "-arch=sm_90", "-code=sm_90").rejected, [
+            "-arch=sm_90 with -code: nvcc takes a virtual architecture there; write -arch=compute_90"])
+
+    def test_the_last_march_counts_and_probes_build_nothing(self):
+        self.assertEqual(self.call("gcc", "-march=x86-64-v3", "-march=x86-64", "-shared").targets("cpu"),
+                         ["x86-64"])
+        self.assertEqual(self.call("gcc", "-mcpu=neoverse-v1", "-shared").targets("cpu"), ["neoverse-v1"])
+        self.assertEqual(self.call("gcc", "-mcpu=power9", "-march=x", "-shared").targets("cpu"), ["x"])
+        for probe in (["-E"], ["-fsyntax-only"], ["-M"], ["-MM"], ["-o", "/dev/null"]):
+            with self.subTest(probe=probe):
+                self.assertEqual(self.call("gcc", "-march=znver4", "k.c", *probe).targets("cpu"), [])
+        self.assertEqual(self.call("gcc", "-march=znver4", "-MD", "-c", "k.c").targets("cpu"), ["znver4"])
+
     def test_hip_and_cpu_targets(self):
         call = self.call("hipcc", "--offload-arch=gfx90a:xnack+,gfx942", "--offload-arch", "gfx1100",
                          "--amdgpu-target=gfx908", "-c", "k.hip")
@@ -1282,6 +1334,18 @@ class ReaderHonestyTest(TreeTest):
                          "command with -o that the checker can see; the checker does not follow "
                          "line 2 (bash $(dirname \"$0\")/compile.sh, a program whose commands it "
                          "does not read)", "warning")
+
+    def test_a_target_nvcc_rejects_is_an_error_read_and_traced(self):
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm90 '
+                      'ops.cu -o "$1/libfat.so"\n', architectures=(80, 90))
+        message = ("build.sh builds with -gencode arch=compute_90,code=sm90: nvcc knows no target "
+                   "sm90; write sm_90")
+        self.assertIssue("B018", message)
+        rc, out, err = self.check("trace", "--format", "json")
+        (result,) = json.loads(out)["results"]
+        self.assertEqual(rc, 1)
+        self.assertIn(("error", "B018", "running build.sh <output-dir> shows: " + message),
+                      [(i["level"], i["code"], i["message"]) for i in result["issues"]])
 
     def cuda_fat(self, script, architectures=(80,)):
         files = fat_files(architectures=list(architectures), default_arch=architectures[0])
