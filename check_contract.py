@@ -83,7 +83,7 @@ Diagnostic codes (stable; never reused):
                      tree, B003 not executable in the git index, B004 output
                      differs from build.output, B005 no compiler -o found,
                      B006 claimed architecture not built, B007 built
-                     architecture not claimed (warning), B008 default_arch not
+                     architecture not claimed, B008 default_arch not
                      in architectures, B009 default_arch differs from the
                      script's default, B010 architecture below min_capability,
                      B011 architecture is not a valid target for the platform,
@@ -91,7 +91,8 @@ Diagnostic codes (stable; never reused):
                      written under <output-dir>, B014 no #! line or an interpreter
                      not on a standard system, B015 build.output absolute or
                      with .., B016 -D<PREFIX>_ABI_VERSION differs from
-                     abi_version, B017 the script reader cannot tell (warning)
+                     abi_version, B017 the script reader cannot tell (warning),
+                     B018 a target flag the compiler rejects
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -197,12 +198,25 @@ SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHEL
                                   "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
                                   "BASH_SOURCE", "BASH_VERSION", "OSTYPE", "HOSTTYPE", "PPID"))
 SH_DECLARE_WORDS = frozenset(("export", "local", "declare", "typeset", "readonly"))
-SH_PREFIX_WORDS = frozenset(("exec", "time", "nohup", "builtin", "nice"))
+# Commands that run the command after them: the options of each that take a
+# value, and how many operands come before the command (timeout's duration).
+SH_PREFIX_COMMANDS = {
+    "exec": (("-a",), 0), "time": ((), 0), "nohup": ((), 0), "builtin": ((), 0),
+    "command": ((), 0), "nice": (("-n", "--adjustment"), 0),
+    "timeout": (("-s", "--signal", "-k", "--kill-after"), 1),
+    "stdbuf": (("-i", "-o", "-e", "--input", "--output", "--error"), 0),
+    "env": (("-u", "--unset"), 0)}
+# Options of those that change what runs in a way the reader does not follow.
+SH_PREFIX_UNFOLLOWED = ("-C", "--chdir", "-S", "--split-string")
 # Commands whose success says something about the machine, not the script.
 SH_QUERY_COMMANDS = frozenset(("grep", "egrep", "fgrep", "diff", "cmp", "pkg-config", "nvidia-smi",
                                "rocminfo", "rocm_agent_enumerator", "lspci", "ldconfig", "ls",
                                "stat", "find"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
+# Programs that run commands of their own, which the reader does not see.
+SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
+SH_ARITH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--|(?:[-+*/%&|^]|<<|>>)?=(?!=))"
+                                    r"|(?:\+\+|--)\s*([A-Za-z_][A-Za-z0-9_]*)")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -864,7 +878,15 @@ ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z", re.S)
 GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
+CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
+# Options that make a compiler build something else than machine code: a
+# probe (-E, -M, -fsyntax-only, nvcc --dryrun) builds nothing, nvcc -ptx
+# builds PTX only.
+COMPILER_MODES = {
+    "-E": "probe", "--preprocess": "probe", "-M": "probe", "-MM": "probe",
+    "--generate-dependencies": "probe", "--generate-nonsystem-dependencies": "probe",
+    "-fsyntax-only": "probe", "--dryrun": "probe", "-ptx": "ptx", "--ptx": "ptx"}
 # What compiler_call() reads of each option, given as `-x v` or `-x=v`.
 COMPILER_OPTIONS = {
     "-o": "output", "--output-file": "output", "-D": "define", "--define-macro": "define",
@@ -879,34 +901,39 @@ class CompilerCall:
 
     outputs: the files its -o names (probes to /dev/null apart), relative
     paths joined to the directory it ran in when that is known; sass, ptx,
-    hip and march: the targets it builds (nvcc machine code, nvcc PTX only,
-    AMD gfx targets, CPU -march values); open_targets: -arch=all, all-major
-    or native, which are no fixed list; abi_defines: (PREFIX, value) of each
+    hip, march and mcpu: the targets it builds (nvcc machine code, nvcc PTX
+    only, AMD gfx targets, CPU -march and -mcpu values, of which the last
+    counts); open_targets: -arch=all, all-major or native, which are no
+    fixed list; abi_defines: (PREFIX, value) of each
     -D<PREFIX>_ABI_VERSION=value; unknown: its words the reader cannot tell
     (a target flag whose value it cannot know, a word that may hold target
-    flags); condition: None when the default invocation surely makes this
+    flags); rejected: why the compiler refuses a target flag, with its right
+    spelling; condition: None when the default invocation surely makes this
     call, else why it may not (a condition the reader cannot decide).
     """
 
-    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march",
-                 "open_targets", "abi_defines", "unknown", "condition")
+    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
         self.probes = 0
-        self.sass, self.ptx, self.hip, self.march = [], [], [], []
+        self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
         self.abi_defines = []
         self.unknown = []
+        self.rejected = []
         self.condition = None
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
-        (on any, for a platform the checker does not know)."""
-        targets = {"cuda": self.sass, "hip": self.hip, "cpu": self.march}
-        return targets.get(platform, self.sass + self.hip + self.march)
+        (on any, for a platform the checker does not know).  gcc and clang
+        take the last -march (else the last -mcpu: aarch64, ppc64le)."""
+        cpu = self.march[-1:] or self.mcpu[-1:]
+        targets = {"cuda": self.sass, "hip": self.hip, "cpu": cpu}
+        return targets.get(platform, self.sass + self.hip + cpu)
 
 
 def might_hold_targets(word):
@@ -959,6 +986,7 @@ def compiler_call(words, line=None, cwd=None):
     call = CompilerCall(command.rsplit("/", 1)[-1], line)
     arch = code = None
     genco = "--genco" in args
+    modes = {COMPILER_MODES.get(arg) for arg in args}
     index = 0
     while index < len(args):
         arg = args[index]
@@ -995,8 +1023,9 @@ def compiler_call(words, line=None, cwd=None):
             continue
         if kind == "mcpu":
             if not value.startswith("gfx"):
-                continue
-            kind = "offload"
+                kind = "cpu"
+            else:
+                kind = "offload"
         if kind == "targets" and not genco:
             continue
         if not known(value):
@@ -1017,22 +1046,30 @@ def compiler_call(words, line=None, cwd=None):
                     call.hip.append(target)
         elif kind == "march":
             call.march.append(value)
+        elif kind == "cpu":
+            call.mcpu.append(value)
         elif kind == "define":
             define = ABI_DEFINE_FLAG_RE.match(value)
             if define:
                 call.abi_defines.append((define.group(1), define.group(2)))
     if code is not None:
-        cuda_codes(call, code.split(","), "-code=" + code)
+        virtual = cuda_target(call, arch, "-arch=%s" % arch) if arch is not None else None
+        if virtual is not None and virtual[0] == "sm":
+            call.rejected.append("-arch=%s with -code: nvcc takes a virtual architecture there; "
+                                 "write -arch=compute_%s" % (arch, virtual[1]))
+        cuda_codes(call, code.split(","), "-code=" + code, virtual)
     elif arch in OPEN_TARGETS:
         call.open_targets.append("-arch=" + arch)
     elif arch is not None:
-        item = CUDA_CODE_ITEM_RE.match(arch)
-        if item is None:
-            call.unknown.append("-arch=%s, which nvcc does not read" % arch)
-        else:
-            call.ptx.append(item.group(2))
-            if item.group(1) == "sm":
-                call.sass.append(item.group(2))
+        item = cuda_target(call, arch, "-arch=" + arch)
+        if item is not None:
+            call.ptx.append(item[1])
+            if item[0] == "sm":
+                call.sass.append(item[1])
+    if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
+        call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
+    elif "ptx" in modes:
+        call.ptx, call.sass = call.ptx + [t for t in call.sass if t not in call.ptx], []
     return call
 
 
@@ -1043,18 +1080,61 @@ def gencode(call, value):
         call.unknown.append("-gencode %s, which nvcc does not read (a list of codes is written "
                             "code=[sm_80,sm_90])" % value)
         return
-    cuda_codes(call, match.group(2).strip('[]"').split(","), "-gencode " + value)
+    flag = "-gencode " + value
+    virtual = cuda_target(call, match.group(1), flag)
+    if virtual is not None and virtual[0] == "sm":
+        call.rejected.append("%s: nvcc takes a virtual architecture after arch=; write "
+                             "arch=compute_%s" % (flag, virtual[1]))
+    cuda_codes(call, match.group(2).strip('[]"').split(","), flag, virtual)
 
 
-def cuda_codes(call, codes, flag):
+def cuda_target(call, item, flag):
+    """(sm or compute, number) of an nvcc target name; None for a name nvcc
+    rejects (noted with its right spelling) or does not know."""
+    target = CUDA_CODE_ITEM_RE.match(item.strip())
+    if target is not None:
+        return target.groups()
+    typo = CUDA_TARGET_TYPO_RE.match(item.strip())
+    if typo is not None:
+        call.rejected.append("%s: nvcc knows no target %s; write %s_%s"
+                             % (flag, item.strip(), typo.group(1), typo.group(2)))
+    else:
+        call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
+    return None
+
+
+def cuda_codes(call, codes, flag, virtual=None):
+    """The codes of -gencode code=... or -code=..., each checked against the
+    virtual architecture it is generated from."""
     for item in codes:
-        code = CUDA_CODE_ITEM_RE.match(item.strip())
+        code = cuda_target(call, item, flag)
         if code is None:
-            call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
-        elif code.group(1) == "sm":
-            call.sass.append(code.group(2))
+            continue
+        refused = virtual is not None and virtual[0] == "compute" and nvcc_refuses(virtual[1], code)
+        if refused:
+            call.rejected.append("%s: nvcc refuses it (incompatible code generation: %s_%s cannot "
+                                 "be built from compute_%s); write %s" % (flag, code[0], code[1],
+                                                                         virtual[1], refused))
+        elif code[0] == "sm":
+            call.sass.append(code[1])
         else:
-            call.ptx.append(code.group(2))
+            call.ptx.append(code[1])
+
+
+def nvcc_refuses(virtual, code):
+    """The spelling nvcc takes, when it refuses to generate `code` (sm or
+    compute, number) from compute_<virtual>; None when it generates it.
+    As nvcc 13 does: PTX only of its own architecture; machine code of the
+    same number or higher, of an arch-specific (a) architecture only
+    arch-specific, of a family (f) one only in that family."""
+    kind, target = code
+    number, base = int(DIGITS_RE.match(target).group()), int(DIGITS_RE.match(virtual).group())
+    if kind == "compute":
+        ok = target == virtual
+    else:
+        ok = number >= base and (not virtual.endswith("a") or target.endswith("a")) and (
+            not virtual.endswith("f") or number // 10 == base // 10)
+    return None if ok else "arch=compute_%s,code=%s_%s" % (target, kind, target)
 
 
 class ScriptFacts:
@@ -1127,6 +1207,9 @@ def check_build_facts(backend, rel, facts, traced=False):
                           % (said, rel, show_path(output), backend.output, backend.output),
                           where, call.line)
     check_build_defines(backend, rel, facts, said, where)
+    for call in facts.calls:
+        for why in call.rejected:
+            backend.error("B018", "%s%s builds with %s" % (said, rel, why), where, call.line)
     if backend.architectures is not None:
         check_built_targets(backend, rel, facts, said, where, unfollowed)
     default = backend.default_arch
@@ -1180,8 +1263,9 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
                           "%s does not build it" % (said, arch, rel), where, (writes + [None])[0])
     for arch in sorted(built):
         if arch not in backend.architectures:
-            backend.warning("B007", "%s%s also builds %s, which build.architectures does not list"
-                            % (said, rel, arch), where, built[arch])
+            backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
+                          "list it (the build tier rejects a library with targets the manifest does "
+                          "not name, R008)" % (said, rel, arch), where, built[arch])
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -1409,7 +1493,8 @@ def tokenize(text):
 # -- the tree of commands
 #
 # ("simple", line, words), ("if", line, [(condition, body), ...], else body or
-# None), ("case", line, word, [(patterns, body), ...]), ("for", line, name,
+# None), ("case", line, word, [(patterns, body, ;; or ;& or ;;&), ...]),
+# ("arith", line, expression of (( ))), ("for", line, name,
 # words or None, body), ("while", line, until, condition, body),
 # ("function", line, name, body), ("group", line, body, subshell),
 # ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
@@ -1495,6 +1580,10 @@ class ScriptParser:
 
     def parse_command(self):
         kind, text, line = self.peek()
+        if kind == "op" and text == "(" and self.tokens[self.pos + 1][:2] == ("op", "("):
+            arithmetic = self.parse_arithmetic()
+            if arithmetic is not None:
+                return arithmetic
         if kind == "op" and text == "(":
             self.next()
             body = self.parse_list(())
@@ -1536,6 +1625,23 @@ class ScriptParser:
             self.skip_newlines()
             return ("function", line, text, self.parse_command())
         return self.parse_simple()
+
+    def parse_arithmetic(self):
+        """(( expression )), or None (and nothing taken) when the text is
+        two subshells instead: ( (cd x; make) )."""
+        start, line, depth, words = self.pos, self.peek()[2], 0, []
+        self.pos += 2
+        while not self.at_end():
+            kind, text, _ = self.next()
+            if kind == "newline" or text in (";", "&", "&&", "||", "|"):
+                break
+            if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
+                self.next()
+                return self.redirected(("arith", line, " ".join(words)))
+            depth += {"(": 1, ")": -1}.get(text, 0) if kind == "op" else 0
+            words.append(text)
+        self.pos = start
+        return None
 
     def expect_op(self, op):
         kind, text, line = self.next()
@@ -1630,9 +1736,10 @@ class ScriptParser:
                 if (kind, text) != ("op", "|"):
                     raise ShellSyntax(at, "a case pattern the checker does not read")
             body = self.parse_list(("esac",))
-            items.append((patterns, body))
+            end = ";;"
             if self.peek()[0] == "op" and self.peek()[1] in (";;", ";&", ";;&"):
-                self.next()
+                end = self.next()[1]
+            items.append((patterns, body, end))
 
 
 # -- following the default invocation
@@ -1655,6 +1762,7 @@ class ScriptReader:
         self.cwd = None          # None: the directory the script is run from
         self.dirs = []           # pushd's stack
         self.functions = {}
+        self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
         self.unfollowed = []     # (line, what)
@@ -1690,45 +1798,76 @@ class ScriptReader:
         self.unfollowed.append((self.line or line, what))
 
     # -- state, for the branches of a condition the reader cannot decide
-    def snapshot(self):
-        return (dict(self.vars), dict(self.arrays), list(self.args), self.cwd)
+    def change(self, table, name, value):
+        """Set (None: unset) a variable, array or function.  Every change
+        goes through here and onto the trail, so that a branch is undone by
+        what it changed, not by copying every variable (which made the time
+        grow with variables times conditions)."""
+        self.trail.append((table, name, table.get(name)))
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
 
-    def restore(self, state):
-        self.vars, self.arrays = dict(state[0]), dict(state[1])
-        self.args, self.cwd = list(state[2]), state[3]
+    def mark(self):
+        return len(self.trail), list(self.args), self.cwd
+
+    def undo(self, mark):
+        """Back to the state at `mark`; what was changed since, as it is now."""
+        changed = {}
+        while len(self.trail) > mark[0]:
+            table, name, before = self.trail.pop()
+            changed.setdefault((id(table), name), (table, name, table.get(name)))
+            if before is None:
+                table.pop(name, None)
+            else:
+                table[name] = before
+        self.args, self.cwd = list(mark[1]), mark[2]
+        return changed
+
+    def subshell(self, run):
+        """What a ( subshell ) or a pipeline's command sets stays inside."""
+        mark = self.mark()
+        try:
+            return run()
+        except ScriptExit:
+            return None
+        finally:
+            self.undo(mark)
 
     def either(self, label, alternatives):
         """Run each alternative from the same state, then merge what they
-        left: a variable they set differently is UNDECIDED.  Status None."""
-        start = self.snapshot()
+        left: a variable they set differently is UNDECIDED, a function they
+        define differently is each definition in turn.  Status None."""
+        start = self.mark()
         ends = []
         outer = self.condition
         self.condition = outer or label
         try:
             for alternative in alternatives:
-                self.restore(start)
                 try:
                     alternative()
                 except ScriptExit:
+                    self.undo(start)
                     continue
                 except (FunctionReturn, LoopBreak, LoopContinue):
                     pass
-                ends.append(self.snapshot())
+                ends.append((self.undo(start), self.args, self.cwd))
         finally:
             self.condition = outer
         if not ends:
             raise ScriptExit()
-        vars, arrays, args, cwd = ends[0]
-        for end in ends[1:]:
-            for name in set(vars) | set(end[0]):
-                if vars.get(name) != end[0].get(name):
-                    vars[name] = undecided("$%s (%s)" % (name, label))
-            for name in set(arrays) | set(end[1]):
-                if arrays.get(name) != end[1].get(name):
-                    arrays[name] = [undecided("${%s[@]} (%s)" % (name, label))]
-            if cwd != end[3]:
-                cwd = undecided("the directory (%s)" % label)
-        self.restore((vars, arrays, args, cwd))
+        for key in {key for changed, _, _ in ends for key in changed}:
+            table, name = next(c[key] for c, _, _ in ends if key in c)[:2]
+            values = [c[key][2] if key in c else table.get(name) for c, _, _ in ends]
+            if any(v != values[0] for v in values):
+                values[0] = (undecided("$%s (%s)" % (name, label)) if table is self.vars else
+                             [undecided("${%s[@]} (%s)" % (name, label))] if table is self.arrays
+                             else ("either", label, list(values)))
+            self.change(table, name, values[0])
+        self.args, self.cwd = ends[0][1], ends[0][2]
+        if any(cwd != self.cwd for _, _, cwd in ends):
+            self.cwd = undecided("the directory (%s)" % label)
         return None
 
     # -- commands; each returns its status: True, False or None (cannot tell)
@@ -1746,28 +1885,25 @@ class ScriptReader:
             return self.run_andor(node)
         if kind == "pipeline":
             status = True
-            for command in node[3]:
-                status = self.run(command)
+            for command in node[3]:  # bash runs each command of a | pipeline in a subshell
+                status = self.run(command) if len(node[3]) == 1 else self.subshell(
+                    lambda: self.run(command))
             return (None if status is None else not status) if node[2] else status
         if kind == "if":
             return self.run_if(line, node[2], node[3])
         if kind == "case":
             return self.run_case(line, node[2], node[3])
+        if kind == "arith":
+            return self.arithmetic_status(line, [node[2]])
         if kind == "for":
             return self.run_for(line, node[2], node[3], node[4])
         if kind == "while":
             return self.run_while(line, node[2], node[3], node[4])
         if kind == "function":
-            self.functions[node[2]] = node[3]
+            self.change(self.functions, node[2], node[3])
             return True
-        if node[3]:  # ( subshell ): what it sets stays inside
-            state = self.snapshot()
-            try:
-                return self.run_list(node[2])
-            except ScriptExit:
-                return None
-            finally:
-                self.restore(state)
+        if node[3]:
+            return self.subshell(lambda: self.run_list(node[2]))
         return self.run_list(node[2])
 
     def run_andor(self, node):
@@ -1796,23 +1932,31 @@ class ScriptReader:
 
     def run_case(self, line, word, items):
         value = self.expand_one(word).replace(NOT_REACHED, "")
-        alternatives = []
-        for patterns, body in items:
-            pieces = [self.expand_one(p) for p in patterns]
-            if not known(value) or not all(known(p) for p in pieces):
-                alternatives.append(body)
-                continue
-            if any(fnmatch.fnmatchcase(value, p) for p in pieces):
-                if not alternatives:
-                    return self.run_list(body)
-                alternatives.append(body)
-                break
-        else:
-            if not alternatives:
-                return True
-            alternatives.append([])
+        paths = self.case_paths(value, items, 0)
+        if len(paths) == 1:
+            for body in paths[0]:
+                self.run_list(body)
+            return True
         label = "case %s at line %d" % (word, line)
-        return self.either(label, [lambda b=b: self.run_list(b) for b in alternatives])
+        return self.either(label, [lambda p=p: [self.run_list(b) for b in p] for p in paths])
+
+    def case_paths(self, value, items, start):
+        """The bodies each possible run of a case runs, testing from item
+        `start`: ;& runs the next body untested, ;;& goes on testing."""
+        for at in range(start, len(items)):
+            pieces = [self.expand_one(p) for p in items[at][0]]
+            matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
+            if not matched and known(value) and all(known(p) for p in pieces):
+                continue
+            end = at
+            while items[end][2] == ";&" and end + 1 < len(items):
+                end += 1
+            rest = self.case_paths(value, items, end + 1) if items[end][2] == ";;&" else [[]]
+            paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
+            if matched and known(value) and all(known(p) for p in pieces):
+                return paths
+            return paths + self.case_paths(value, items, at + 1)
+        return [[]]
 
     def run_for(self, line, name, words, body):
         values = list(self.args) if words is None else self.expand_words(words)
@@ -1873,19 +2017,33 @@ class ScriptReader:
                 if words[index] == "local" and self.frames:
                     self.frames[-1].setdefault(name, (self.vars.get(name), self.arrays.get(name)))
                     if not assignment:
-                        self.vars.pop(name, None)
-                        self.arrays.pop(name, None)
+                        self.change(self.vars, name, None)
+                        self.change(self.arrays, name, None)
                 if assignment:
                     self.assign_word(word, line)
             return True
+        if words[index] == "[[" and words[-1] == "]]":
+            return self.double_bracket(words[index + 1:-1])
         argv = self.expand_words(words[index:])
         return self.run_argv(line, argv)
 
+    def double_bracket(self, words):
+        """[[ ... ]]: no word splitting, and the right of == or != is a glob
+        pattern, taken literally where quoted."""
+        args = [self.expand_one(w).replace(NOT_REACHED, "") for w in words]
+        if not any(c in a for a in args for c in "*?["):
+            return test_expression(args)
+        if len(args) != 3 or args[1] not in ("=", "==", "!=") or SH_SPECIAL_RE.search(
+                words[2]) or not known(args[0]) or OUT_DIR in args[0]:
+            return None
+        return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
+
     def run_argv(self, line, argv):
-        while argv and argv[0] in SH_PREFIX_WORDS:
-            argv = argv[1:]
+        while argv and argv[0] in SH_PREFIX_COMMANDS and not (
+                argv[0] == "command" and argv[1:2] in (["-v"], ["-V"])):
+            argv = self.after_prefix(line, argv)
         if not argv:
-            return True
+            return True if argv is not None else None
         command = argv[0]
         if command in self.functions:
             return self.call_function(line, command, argv[1:])
@@ -1899,7 +2057,29 @@ class ScriptReader:
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
+            return None
+        name = command.rsplit("/", 1)[-1]
+        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))):
+            self.unfollow(line, "%s, a program whose commands it does not read"
+                          % show_word(" ".join(argv[:2]))[:80])
+            return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True
+
+    def after_prefix(self, line, argv):
+        """The command a prefix command (nice -n 19, timeout 600, env A=1)
+        runs; None after an option the reader does not follow."""
+        valued, operands = SH_PREFIX_COMMANDS[argv[0]]
+        words = argv[1:]
+        while words and (words[0].startswith("-") or (argv[0] == "env" and "=" in words[0])):
+            word = words.pop(0)
+            if word == "--":
+                break
+            if word.split("=")[0] in SH_PREFIX_UNFOLLOWED and argv[0] == "env":
+                self.unfollow(line, "env %s" % word)
+                return None
+            if word in valued:
+                words = words[1:]
+        return words[operands:]
 
     def call_function(self, line, name, args):
         if self.depth >= SH_MAX_DEPTH:
@@ -1910,19 +2090,24 @@ class ScriptReader:
         self.frames.append({})
         self.depth += 1
         try:
-            return self.run(self.functions[name])
+            return self.run_function(self.functions[name])
         except FunctionReturn:
             return True
         finally:
             self.depth -= 1
             for local, (value, array) in self.frames.pop().items():
-                self.vars.pop(local, None)
-                self.arrays.pop(local, None)
-                if value is not None:
-                    self.vars[local] = value
-                if array is not None:
-                    self.arrays[local] = array
+                self.change(self.vars, local, value)
+                self.change(self.arrays, local, array)
             self.args, self.origin = saved, origin
+
+    def run_function(self, body):
+        """A function's body; one defined differently on the branches of a
+        condition the reader cannot decide is run as each of them."""
+        if body is None:
+            return None
+        if body[0] != "either":
+            return self.run(body)
+        return self.either(body[1], [lambda b=b: self.run_function(b) for b in body[2]])
 
     # -- builtins
     def builtin_true(self, line, argv):
@@ -1938,12 +2123,14 @@ class ScriptReader:
 
     def builtin_lookup(self, line, argv):
         names = [a for a in argv[1:] if not a.startswith("-")]
-        if argv[0] == "command" and "-v" not in argv and "-V" not in argv:
-            return self.run_argv(line, argv[1:])
         return True if names and all(is_compiler_name(n) for n in names) else None
 
     def builtin_shift(self, line, argv):
-        count = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 1
+        count = argv[1] if len(argv) > 1 else "1"
+        if not count.isdigit():
+            self.args, self.origin = [undecided("the arguments after shift %s" % show_word(count))], None
+            return None
+        count = int(count)
         self.args = self.args[count:]
         if self.origin is not None:
             self.origin += count
@@ -1956,8 +2143,12 @@ class ScriptReader:
 
     def builtin_unset(self, line, argv):
         for name in argv[1:]:
-            self.vars.pop(name, None)
-            self.arrays.pop(name, None)
+            if "[" in name:  # one element: the others keep their indices, which are not modelled
+                array = name.split("[")[0]
+                self.change(self.arrays, array, [undecided("${%s[@]} (after unset %s)" % (array, name))])
+                continue
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, None)
         return True
 
     def builtin_cd(self, line, argv):
@@ -2032,6 +2223,8 @@ class ScriptReader:
             elif not word.startswith("-"):
                 names.append(word)
         if command == "getopts":
+            if len(argv) == 3 and self.vars.get("OPTIND", "1") == "1" and self.args[:1] in ([], [OUT_DIR]):
+                return False  # the default invocation passes no option: <output-dir> ends them
             names = names[1:2]
         elif command in ("mapfile", "readarray"):
             names = names[-1:] or ["MAPFILE"]
@@ -2039,6 +2232,28 @@ class ScriptReader:
             if SH_NAME_RE.match(name):
                 self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
+
+    def builtin_printf(self, line, argv):
+        if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
+            value = printf_value(argv[3], argv[4:])
+            self.assign(argv[2], value if value is not None else runtime(
+                "$%s (printf -v at line %d)" % (argv[2], line)))
+        return True
+
+    def builtin_let(self, line, argv):
+        return self.arithmetic_status(line, argv[1:])
+
+    def arithmetic_status(self, line, expressions):
+        """(( ... )) and let: true when the last expression is not 0; a name
+        they assign to is what the reader cannot tell afterwards."""
+        status = None
+        for expression in expressions:
+            assigned = [a or b for a, b in SH_ARITH_ASSIGNMENT_RE.findall(expression)]
+            for name in assigned:
+                self.assign(name, undecided("$%s (assigned in arithmetic at line %d)" % (name, line)))
+            value = None if assigned else self.arithmetic(expression)
+            status = None if value is None else value != 0
+        return status
 
     def builtin_eval(self, line, argv):
         self.unfollow(line, "eval")
@@ -2054,9 +2269,9 @@ class ScriptReader:
             items = self.expand_words(array_words(value[1:-1]))
             if append:
                 items = self.arrays.get(name, [self.vars[name]] if name in self.vars else []) + items
-            self.vars.pop(name, None)
-            self.arrays[name] = items if sum(map(len, items)) <= SH_MAX_CHARS else [
-                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))]
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, items if sum(map(len, items)) <= SH_MAX_CHARS else [
+                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))])
             return
         text = self.expand_one(value)
         if index is not None:
@@ -2064,9 +2279,9 @@ class ScriptReader:
             items = list(self.arrays.get(name, []))
             if position.isdigit() and int(position) <= len(items):
                 items[int(position):int(position) + 1] = [text]
-                self.arrays[name] = items
             else:
-                self.arrays[name] = items + [undecided("${%s[%s]}" % (name, position))]
+                items.append(undecided("${%s[%s]}" % (name, position)))
+            self.change(self.arrays, name, items)
             return
         if append:
             text = self.vars.get(name, "") + text
@@ -2075,8 +2290,8 @@ class ScriptReader:
     def assign(self, name, value, line=None):
         if len(value) > SH_MAX_CHARS:
             value = undecided("$%s (longer than %d characters)" % (name, SH_MAX_CHARS))
-        self.arrays.pop(name, None)
-        self.vars[name] = value
+        self.change(self.arrays, name, None)
+        self.change(self.vars, name, value)
 
     def lookup(self, name):
         """The value of a name, or None when the default invocation leaves it unset."""
@@ -2202,13 +2417,36 @@ class ScriptReader:
 
     def substitute(self, source, command):
         """$(...) or `...`: the value is the command's output, unknown here,
-        unless it names the <output-dir> argument (cd "$1" && pwd)."""
+        unless it names the <output-dir> argument (cd "$1" && pwd); and
+        $((...)), arithmetic, when every name in it is known."""
+        if source.startswith("$((") and source.endswith("))"):
+            value = self.arithmetic(source[3:-2])
+            return undecided(source) if value is None else str(value)
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
             if target == OUT_DIR:
                 return OUT_DIR
         return runtime(source)
+
+    def arithmetic(self, expression):
+        """The value of a shell arithmetic expression (an unset name is 0),
+        or None when a name in it holds no number the reader knows."""
+        def value(match):
+            found = self.lookup(match.group(1) or match.group(2))
+            found = "1" if found is None and match.group() == "OPTIND" else found or "0"
+            if not re.match(r"-?[0-9]+\Z", found):
+                raise Unevaluable()
+            return "(%s)" % found
+        expression = self.expand_one(expression)
+        if not known(expression):
+            return None
+        try:
+            text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*|[0-9#])\}?|([A-Za-z_][A-Za-z0-9_]*)",
+                          value, expression)
+        except Unevaluable:
+            return None
+        return if_value(text)
 
     def parameter(self, body, source, in_double):
         """The value of ${body}; a list for ${a[@]} in double quotes."""
@@ -2236,6 +2474,13 @@ class ScriptReader:
                 value = items[int(position)] if position.isdigit() and int(position) < len(items) else None
         elif name == "@" and in_double and op is None:
             return list(self.args)
+        elif name in ("@", "*") and op == ":":  # ${@:N:L}: arguments, not characters
+            numbers = rest.split(":")
+            if not all(n.strip().isdigit() for n in numbers):
+                return undecided(source)
+            start = int(numbers[0])
+            items = ([runtime("$0")] + self.args)[start:start + int(numbers[1]) if len(numbers) > 1 else None]
+            return list(items) if in_double and name == "@" else " ".join(items)
         else:
             value = self.lookup(name)
         if op is None:
@@ -2285,6 +2530,21 @@ def array_words(text):
     """The words of an array value's text (between its parentheses)."""
     return [token[1] for token in tokenize(text) if token[0] == "word"]
 
+
+
+def printf_value(form, args):
+    """What printf writes for a format whose only directive is %s (used
+    again for the arguments left over); None for any other format."""
+    if re.search(r"%[^s]|%\Z|\\", form):
+        return None
+    count = form.count("%s")
+    if count == 0:
+        return form
+    written = []
+    for at in range(0, max(len(args), 1), count):
+        chunk = iter(args[at:at + count] + [""] * count)
+        written.append(re.sub("%s", lambda _: next(chunk), form))
+    return "".join(written)
 
 
 def remove_pattern(value, pattern, op):
@@ -2376,7 +2636,8 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval,
+    "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "let": ScriptReader.builtin_let,
 }
 
 
@@ -4332,7 +4593,7 @@ def trace_backend(repo, run, backend, args, stream, shims):
                 report("error", "B006", "the single-target invocation does not build %s" % target)
             for other in built["targets"]:
                 if other != target:
-                    report("warning", "B007", "the single-target invocation for %s also builds "
+                    report("error", "B007", "the single-target invocation for %s also builds "
                            "%s" % (target, other))
     result = TierResult(key, "failed" if any(d.level == "error" for d in found) else "passed",
                         trace_summary(runs[0]), sum(r["elapsed"] for r in runs), found)

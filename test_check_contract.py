@@ -726,9 +726,11 @@ class BuildScriptTest(TreeTest):
         self.assertIssue("B006", "build.architectures lists 100 but the default invocation of build.sh "
                          "does not build it")
 
-    def test_built_arch_not_claimed_is_a_warning(self):
+    def test_built_arch_not_claimed_is_an_error(self):
         self.tree(fat_files(architectures=[80, 90]))
-        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list", "warning")
+        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list; "
+                         "list it (the build tier rejects a library with targets the manifest does "
+                         "not name, R008)")
 
     def test_arch_branch_before_default_branch_is_not_reached(self):
         files = fat_files()
@@ -808,7 +810,9 @@ class BuildScriptTest(TreeTest):
         self.assertEqual(found, [
             ("cuda/b", "B006", "build.architectures lists 90 but the default invocation of build.sh "
                                "does not build it"),
-            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list"),
+            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list; "
+                               "list it (the build tier rejects a library with targets the "
+                               "manifest does not name, R008)"),
             ("cuda/d", "B005", "build script build.sh has no compiler command with -o; the script "
                                "must write build.output into its <output-dir> argument"),
         ])
@@ -1005,6 +1009,58 @@ class CompilerCallTest(unittest.TestCase):
                     call = self.call("nvcc", "-arch=" + arch)
                     self.assertEqual((call.sass, call.open_targets), ([], ["-arch=" + arch]))
 
+    @unittest.skipUnless(shutil.which("nvcc"), "nvcc is not installed, so its refusals cannot be "
+                                                "compared")
+    def test_nvcc_refusals_and_modes_are_what_nvcc_dryrun_does(self):
+        # Each form against the real nvcc: whether `nvcc --dryrun` refuses it,
+        # and the machine code (ptxas) and PTX (cicc) it would build.
+        forms = [["-gencode", "arch=compute_90,code=sm_89"], ["-gencode", "arch=compute_80,code=sm_90"],
+                 ["-gencode", "arch=compute_90a,code=sm_90"], ["-gencode", "arch=compute_90,code=sm_90a"],
+                 ["-gencode", "arch=compute_90a,code=sm_100a"], ["-gencode", "arch=compute_100f,code=sm_100f"],
+                 ["-gencode", "arch=compute_100f,code=sm_103f"], ["-gencode", "arch=compute_100f,code=sm_110f"],
+                 ["-gencode", "arch=compute_100a,code=sm_100f"], ["-gencode", "arch=compute_100,code=sm_100f"],
+                 ["-gencode", "arch=compute_90,code=compute_89"], ["-gencode", "arch=compute_90,code=compute_90a"],
+                 ["-gencode", "arch=compute_90,code=sm90"], ["-gencode", "arch=compute90,code=sm_90"],
+                 ["-gencode", "arch=sm_90,code=sm_90"], ["-arch=sm90"], ["-arch=compute90"],
+                 ["-arch=sm_90", "-code=sm_90"], ["-arch=compute_90", "-code=sm_89"], ["-arch=sm_90a"],
+                 ["-arch=sm_100f"], ["-ptx", "-arch=sm_80"], ["-ptx", "-gencode", "arch=compute_80,code=sm_80"],
+                 ["-cubin", "-arch=sm_80"], ["-fatbin", "-arch=sm_80"], ["-E", "-arch=sm_80"],
+                 ["-M", "-arch=sm_80"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.cu"), "w") as handle:
+                handle.write("__global__ void k() {}\n")
+            for flags in forms:
+                with self.subTest(flags=flags):
+                    done = subprocess.run(["nvcc", "--dryrun"] + flags + ["-c", "k.cu", "-o", "k.o"],
+                                          cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          universal_newlines=True)
+                    sass = sorted(set(re.findall(r"--image3=kind=elf,sm=(\w+)", done.stdout) or
+                                      re.findall(r"ptxas\"? .*-arch=sm_(\w+)", done.stdout)))
+                    ptx = set(re.findall(r"cicc\"? .*-arch compute_(\w+)", done.stdout))
+                    call = self.call("nvcc", *flags)
+                    self.assertEqual((done.returncode != 0, bool(call.rejected)), (bool(call.rejected),) * 2,
+                                     done.stdout[-300:])
+                    if done.returncode == 0:
+                        self.assertEqual(sass, sorted(set(call.sass)))
+                        self.assertLessEqual(set(call.ptx), ptx | set(call.sass))
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm_89").rejected, [
+            "-gencode arch=compute_90,code=sm_89: nvcc refuses it (incompatible code generation: "
+            "sm_89 cannot be built from compute_90); write arch=compute_89,code=sm_89"])
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm90").rejected, [
+            "-gencode arch=compute_90,code=sm90: nvcc knows no target sm90; write sm_90"])
+        self.assertEqual(self.call("nvcc", "-arch=sm_90", "-code=sm_90").rejected, [
+            "-arch=sm_90 with -code: nvcc takes a virtual architecture there; write -arch=compute_90"])
+
+    def test_the_last_march_counts_and_probes_build_nothing(self):
+        self.assertEqual(self.call("gcc", "-march=x86-64-v3", "-march=x86-64", "-shared").targets("cpu"),
+                         ["x86-64"])
+        self.assertEqual(self.call("gcc", "-mcpu=neoverse-v1", "-shared").targets("cpu"), ["neoverse-v1"])
+        self.assertEqual(self.call("gcc", "-mcpu=power9", "-march=x", "-shared").targets("cpu"), ["x"])
+        for probe in (["-E"], ["-fsyntax-only"], ["-M"], ["-MM"], ["-o", "/dev/null"]):
+            with self.subTest(probe=probe):
+                self.assertEqual(self.call("gcc", "-march=znver4", "k.c", *probe).targets("cpu"), [])
+        self.assertEqual(self.call("gcc", "-march=znver4", "-MD", "-c", "k.c").targets("cpu"), ["znver4"])
+
     def test_hip_and_cpu_targets(self):
         call = self.call("hipcc", "--offload-arch=gfx90a:xnack+,gfx942", "--offload-arch", "gfx1100",
                          "--amdgpu-target=gfx908", "-c", "k.hip")
@@ -1192,6 +1248,110 @@ class ScriptReaderTest(TreeTest):
                                              '    done\n  done\ndone\n')
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
+
+class ReaderHonestyTest(TreeTest):
+    """Constructs the reader once read as certain and wrong: each is read as
+    bash runs it, or said to be what the reader cannot tell."""
+
+    def read(self, script):
+        facts = check_contract.ScriptReader(script).facts()
+        return ([show(o) for call in facts.calls for o in call.outputs],
+                [arch for call in facts.calls for arch in call.sass], facts.unfollowed)
+
+    def test_assignments_in_a_pipeline_stay_in_its_subshell(self):
+        self.assertEqual(self.read('configure() { arch=90; }\narch=80\nconfigure | tee log\n'
+                                   'nvcc -arch=sm_$arch -o "$1/l.so"\n'), (["$1/l.so"], ["80"], []))
+
+    def test_a_function_defined_on_both_branches_is_each_definition(self):
+        self.assertEqual(self.read(
+            'out=$1\nif [ -d /opt/cuda-12 ]; then\n  f() { nvcc -arch=sm_80 -o "$out/l.so"; }\nelse\n'
+            '  f() { nvcc -arch=sm_90 -o "$out/l.so"; }\nfi\nf\n'), (["$1/l.so", "$1/l.so"], ["80", "90"], []))
+        self.cuda_fat('if [ -d /opt/cuda-12 ]; then\n  f() { a=80; }\nelse\n  f() { a=90; }\nfi\n'
+                      'f\nnvcc -shared -arch=sm_$a ops.cu -o "$1/libfat.so"\n')
+        self.assertIssue("B017", "cannot tell whether build.sh builds 80: -arch=sm_$a (if [ -d "
+                         "/opt/cuda-12 ] at line 2) at line 8", "warning")
+
+    def test_arithmetic_commands_are_evaluated_or_unknown(self):
+        self.assertEqual(self.read('if (( 0 )); then a=90; else a=80; fi\n'
+                                   'if (( a > 70 )); then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["80", "86"], []))
+        for assigns in ('let "a = 1"\n', '((a++))\n', 'let a+=2\n'):
+            with self.subTest(assigns=assigns):
+                call, = check_contract.ScriptReader(
+                    'a=80\n' + assigns + 'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+                self.assertEqual((call.sass, call.unknown),
+                                 ([], ["-arch=sm_$a (assigned in arithmetic at line 2)"]))
+
+    def test_double_bracket_patterns_match_as_globs(self):
+        self.assertEqual(self.read('x=90\nif [[ $x == 9* ]]; then a=90; else a=80; fi\n'
+                                   'if [[ $x != 8? ]]; then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["90", "86"], []))
+        call, = check_contract.ScriptReader('x=90\nif [[ $x == "9*" ]]; then a=90; else a=80; fi\n'
+                                            'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ['-arch=sm_$a (if [[ $x == "9*" ]] at line 2)'])
+
+    def test_argument_slices_and_printf_v(self):
+        self.assertEqual(self.read('out=$1\nrun() { "${@:2}"; }\nprintf -v lib "lib%s.so" fat\n'
+                                   'run label nvcc -arch=sm_80 -o "$out/$lib"\n'),
+                         (["$1/libfat.so"], ["80"], []))
+        call, = check_contract.ScriptReader('printf -v a "%d" 80\nnvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ["-arch=sm_$a (printf -v at line 1)"])
+
+    def test_unset_of_an_array_element_makes_the_array_unknown(self):
+        call, = check_contract.ScriptReader('a=(-arch=sm_80 -arch=sm_90)\nunset "a[1]"\n'
+                                            'nvcc "${a[@]}" -o "$1/l.so"\n').facts().calls
+        self.assertEqual((call.sass, call.unknown), ([], ["${a[@]} (after unset a[1])"]))
+
+    def test_shift_after_getopts_keeps_the_output_directory(self):
+        self.assertEqual(self.read('while getopts "va:" opt; do\n  case $opt in v) set -x ;; esac\ndone\n'
+                                   'shift $((OPTIND-1))\nout=$1\nnvcc -arch=sm_80 -o "$out/l.so"\n'),
+                         (["$1/l.so"], ["80"], []))
+        call, = check_contract.ScriptReader('shift $(nproc)\nnvcc -arch=sm_80 -o "$1/l.so"\n').facts().calls
+        self.assertEqual(show(call.outputs[0]), "the arguments after shift $(nproc)/l.so")
+
+    def test_prefix_commands_are_read_through(self):
+        for prefix in ("nice -n 19", "nice -5", "timeout 600", "timeout -s KILL 10m", "stdbuf -oL",
+                       "env CCACHE_DIR=/tmp/c -u OMP", "time -p", "command -p", "exec", "nohup"):
+            with self.subTest(prefix=prefix):
+                self.assertEqual(self.read(prefix + ' nvcc -arch=sm_80 -o "$1/l.so"\n'),
+                                 (["$1/l.so"], ["80"], []))
+        self.assertEqual(self.read('env -C /tmp nvcc -arch=sm_80 -o "$1/l.so"\n'), ([], [], [(1, "env -C")]))
+
+    def test_case_fall_through(self):
+        reader = check_contract.ScriptReader('case 80 in 80) a=80 ;& 90) b=90 ;; *) c=70 ;; esac\n'
+                                             'case 80 in 80) d=80 ;;& 90) e=90 ;; 8*) f=70 ;; esac\n')
+        self.assertEqual(reader.vars, {"a": "80", "b": "90", "d": "80", "f": "70"})
+
+    def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
+        for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
+                     "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
+            with self.subTest(line=line):
+                self.cuda_fat(line + "\n")
+                self.assertEqual(self.codes(), ["B017"])
+        self.assertIssue("B017", "cannot tell which library build.sh writes: it has no compiler "
+                         "command with -o that the checker can see; the checker does not follow "
+                         "line 2 (bash $(dirname \"$0\")/compile.sh, a program whose commands it "
+                         "does not read)", "warning")
+
+    def test_a_target_nvcc_rejects_is_an_error_read_and_traced(self):
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm90 '
+                      'ops.cu -o "$1/libfat.so"\n', architectures=(80, 90))
+        message = ("build.sh builds with -gencode arch=compute_90,code=sm90: nvcc knows no target "
+                   "sm90; write sm_90")
+        self.assertIssue("B018", message)
+        rc, out, err = self.check("trace", "--format", "json")
+        (result,) = json.loads(out)["results"]
+        self.assertEqual(rc, 1)
+        self.assertIn(("error", "B018", "running build.sh <output-dir> shows: " + message),
+                      [(i["level"], i["code"], i["message"]) for i in result["issues"]])
+
+    def cuda_fat(self, script, architectures=(80,)):
+        files = fat_files(architectures=list(architectures), default_arch=architectures[0])
+        files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
+        self.tree(files)
+
 
 QWEN_BUILD = Executable("""#!/usr/bin/env bash
 # Build the Qwen3.5 CUDA backend: ./build.sh <output-dir> [<compute-capability>]
@@ -2122,9 +2282,8 @@ class AbiReadingTest(TreeTest):
     def test_a_long_one_line_header_is_read_in_linear_time(self):
         line = "int x; #if 0 /* c */ \"s\" " * 110000
         self.with_header(OPS_H + line + "\n")
-        start = time.monotonic()
-        self.assertClean()
-        self.assertLess(time.monotonic() - start, 10)
+        with hang_guard("reading a 2.9 MB one-line header"):  # quadratic would take hours
+            self.assertClean()
 
 
 
@@ -2172,8 +2331,8 @@ class NoTracebackTest(TreeTest):
         shutil.rmtree(self.path("backends"))
         self.tree(dict(fat_files(), **{"backends/cuda/fat/build.sh": Executable(build)}))
         rc, out, err = self.check()
-        self.assertEqual((rc, err), (0, ""))
-        self.assertIn("[warning] B007 cuda/fat: build.sh also builds 1000", out)
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("[error] B007 cuda/fat: build.sh also builds 1000", out)
 
     def test_values_nested_a_thousand_deep_are_findings(self):
         for depth in (900, 1000, 5000):
@@ -2464,34 +2623,77 @@ def fuzz_case(rng):
     return files, links, list(rng.choice(FUZZ_ARGV))
 
 
+# A long run (LONG_TESTS=1) checks ten times as many fuzz cases; the default
+# number keeps the suite fast enough to run before every commit.
+FUZZ_CASES = 3000 if os.environ.get("LONG_TESTS") == "1" else 300
+
+
+class Hung(BaseException):
+    """Raised by hang_guard; not an Exception, so no handler of the code under test takes it."""
+
+
+@contextlib.contextmanager
+def hang_guard(what, seconds=120):
+    """Turn a hang of the block into a failure that names `what`.  The bound
+    is far above what the block takes on any machine (milliseconds to a few
+    seconds): it measures no speed, it only stops a run that would not end."""
+    def hung(signum, frame):
+        raise Hung("%s did not end within %d s: a hang" % (what, seconds))
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class FuzzTest(TreeTest):
+    def assertFuzzOutcome(self, case, argv, rc, out, err):
+        """A usage error is one line on stderr (exit 2); a report is all on
+        stdout, and its verdict is the exit status: 1 exactly when it counts
+        an error, or any finding under --strict."""
+        context = (case, argv, out[-500:], err)
+        self.assertIn(rc, (0, 1, 2), context)
+        self.assertNotIn("Traceback", err, context)
+        if rc == 2:
+            self.assertTrue(err.startswith("check_contract.py: error: "), context)
+            self.assertEqual(err.count("\n"), 1, context)
+            return
+        self.assertEqual(err, "", context)
+        if "list" in argv or "github" in argv:
+            return
+        if "json" in argv:
+            issues = json.loads(out)["issues"]
+            errors = sum(i["level"] == "error" for i in issues)
+            warnings = len(issues) - errors
+        else:
+            summary = re.search(r" ([0-9]+) error\(s\), ([0-9]+) warning\(s\)\n\Z", out)
+            self.assertIsNotNone(summary, context)
+            errors, warnings = int(summary.group(1)), int(summary.group(2))
+        self.assertEqual(rc, int(bool(errors or ("--strict" in argv and warnings))), context)
+
     def test_mutated_manifests_and_trees_never_crash_or_hang(self):
-        """Several thousand mutated trees, checked in-process with a fixed
-        seed: every run ends with exit status 0, 1 or 2, in under 10 s."""
+        """FUZZ_CASES mutated trees from a fixed seed, checked in-process:
+        each ends in a usage error or a report whose exit status is its
+        verdict, never in a traceback or a hang."""
         rng = random.Random(20261130)
-        runs = 0
-        started = time.monotonic()
-        while runs < 2500 and time.monotonic() - started < 50:
+        for case in range(FUZZ_CASES):
             files, links, argv = fuzz_case(rng)
-            root = os.path.join(self.root, "r%d" % runs)
+            root = os.path.join(self.root, "r%d" % case)
             write_tree(root, files)
             for target, link in links:
                 path = os.path.join(root, link)
                 if os.path.lexists(path):
                     os.unlink(path)
                 os.symlink(target, path)
-            start = time.monotonic()
             try:
-                rc, out, err = run_main(["--repo-root", root] + argv)
+                with hang_guard("case %d (%r)" % (case, argv)):
+                    rc, out, err = run_main(["--repo-root", root] + argv)
             except BaseException as exc:  # a traceback: name the case that caused it
-                self.fail("run %d (%r) raised %r" % (runs, argv, exc))
-            elapsed = time.monotonic() - start
-            self.assertIn(rc, (0, 1, 2), (runs, argv, out[-500:], err))
-            self.assertNotIn("Traceback", err, (runs, argv))
-            self.assertLess(elapsed, 10, (runs, argv))
+                self.fail("case %d (%r) raised %r" % (case, argv, exc))
+            self.assertFuzzOutcome(case, argv, rc, out, err)
             shutil.rmtree(root)
-            runs += 1
-        self.assertGreaterEqual(runs, 2000, "the fuzzer ran only %d cases in its time" % runs)
 
 
 class SchemaTest(unittest.TestCase):
@@ -2584,18 +2786,22 @@ def tiny_files(version="TINY_ABI_VERSION", build=TINY_BUILD, c_source=None, stat
 ELAPSED_LINE = re.compile(r"^\[ *[0-9]+\.[0-9]s\] ", re.M)
 
 
-def running(pid):
-    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
-    for _ in range(50):
+def ends(pid, timeout=60):
+    """Whether process pid ends (a zombie awaiting its reaper has) within
+    `timeout` seconds: a bound only a process nobody stopped reaches, however
+    busy the machine."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
             with open("/proc/%d/stat" % pid) as handle:
                 state = handle.read().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
-            return False
+            return True
         if state == "Z":
+            return True
+        if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
-    return True
 
 
 class BuildTierTest(TreeTest):
@@ -2657,7 +2863,7 @@ class BuildTierTest(TreeTest):
                       "finish within 1s; it was stopped\n", out)
         with open(pid_file) as handle:
             sleeper = int(handle.read())
-        self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
+        self.assertTrue(ends(sleeper), "the build's background process outlived the time limit")
 
     def test_output_that_is_not_a_shared_object_is_an_error(self):
         self.tree(tiny_files(build=Executable(
@@ -2906,7 +3112,7 @@ class TraceTierTest(TreeTest):
         self.assertEqual([(i["level"], i["code"], i["message"]) for i in result["issues"]], [
             ("error", "B006", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation does not build 89"),
-            ("warning", "B007", "running build.sh <output-dir> 89 shows: the single-target "
+            ("error", "B007", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation for 89 also builds 80")])
 
     def test_the_repository_stays_byte_identical(self):
@@ -2940,23 +3146,15 @@ class TraceTierTest(TreeTest):
     def test_timeout_stops_the_script_and_what_it_started(self):
         pid_file = self.path("pid")
         self.backend('#!/usr/bin/env bash\nsleep 300 &\necho $! > %s\nwait\n' % pid_file)
-        start = time.monotonic()
         rc, report, err = self.trace("--timeout", "1")
-        self.assertLess(time.monotonic() - start, 30)
         (result,) = report["results"]
         self.assertEqual(rc, 1)
-        self.assertEqual(result["issues"][0]["code"], "R002")
+        self.assertEqual((result["issues"][0]["code"], result["issues"][0]["message"]),
+                         ("R002", "running build.sh <output-dir> 80 shows: the script did not "
+                                  "finish within 1s; it was stopped"))
         with open(pid_file) as handle:
             pid = int(handle.read())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            self.fail("the script's background sleep (pid %d) outlived the trace" % pid)
+        self.assertTrue(ends(pid), "the script's background sleep (pid %d) outlived the trace" % pid)
 
     def test_manifest_disagreeing_with_the_trace_is_reported(self):
         self.tree(fat_files(output="libother.so", architectures=[80, 86, 90]))
@@ -2971,8 +3169,9 @@ class TraceTierTest(TreeTest):
              "\"libfat.so\" but build.output is \"libother.so\""),
             ("error", "B006", "running build.sh <output-dir> shows: build.architectures lists 86 "
              "but the default invocation of build.sh does not build it"),
-            ("warning", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
-             "which build.architectures does not list")])
+            ("error", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
+             "which build.architectures does not list; list it (the build tier rejects a library "
+             "with targets the manifest does not name, R008)")])
 
     def test_backend_without_a_build_script_is_skipped(self):
         self.backend("#!/bin/sh\n")
