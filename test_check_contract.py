@@ -4315,6 +4315,10 @@ class ReaderClaimsTest(unittest.TestCase):
                          '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n  break\ndone\n',
         "`pushd`/`popd`": 'pushd "$1"\nnvcc -shared -arch=sm_80 k.cu -o a.so\npopd\n'
                           'nvcc -shared -arch=sm_90 k.cu -o "$1/l.so"\n',
+        "`$((...))`": 'a=$((40 * 2))\nnvcc -shared -arch=sm_$a -gencode arch=compute_$((a + 10)),'
+                      'code=sm_$((a + 10)) k.cu -o "$1/l.so"\n',
+        "`timeout`": 'timeout 600 nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                     '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
     }
 
     def test_the_constructs_said_to_be_followed_are_followed(self):
@@ -4327,6 +4331,13 @@ class ReaderClaimsTest(unittest.TestCase):
                 self.assertEqual(facts.unfollowed, [])
                 self.assertEqual(sorted({a for call in facts.calls for a in call.targets("cuda")}),
                                  ["80", "90"])
+
+    def test_what_is_said_not_to_be_read_is_not_read(self):
+        unread = reader_claims()[1].split("not read, and not said")[1]
+        self.assertIn("`trap '...' EXIT`", unread)
+        facts = check_contract.ScriptReader("trap 'nvcc -shared -arch=sm_80 k.cu -o \"$1/l.so\"' "
+                                            "EXIT\n").facts()
+        self.assertEqual((facts.calls, facts.unfollowed), ([], []))
 
     def test_what_is_said_not_to_be_followed_is_reported(self):
         unfollowed = reader_claims()[1].split("not read, and not said")[0]
