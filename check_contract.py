@@ -43,9 +43,10 @@ else to the repository root; `<path>: [...]` when the finding has no line
 (a whole file or directory), and `[<level>] <CODE> <backend>: <message>`
 when it has no place at all.  Then `checked <backend>: status=<status>
 abi=<n>` per backend checked, and last `N backend(s), N error(s), N
-warning(s)` (then `, N suppressed ...` when ignore entries accepted some).  Control characters in names and messages (a newline in a
-file name) are written as backslash escapes (\n, \x1b), so every line of
-the report is one finding.
+warning(s)` (then `, N suppressed ...` when ignore entries accepted some).
+Control characters in names and messages (a newline in a file name) are
+written as backslash escapes (\n, \x1b), so every line of the report is
+one finding.
 
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
@@ -3374,7 +3375,7 @@ def check_build_script(repo, backend):
         backend.error("B012", "build script %s has Windows (CRLF) line ends, which bash reads as "
                       "part of each command; convert it (dos2unix %s), and if git converts it on "
                       "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
-                      rel_path)
+                      rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
     check_build_facts(backend, rel, ScriptReader(text, backend.dir).facts())
@@ -5079,7 +5080,8 @@ def add_check_parser(sub, common, formatter):
                            epilog="examples:\n"
                            "  python3 check_contract.py --root .\n"
                            "  python3 check_contract.py check --format json cpu/llm_ops\n"
-                           "  python3 check_contract.py check --strict --format github\n")
+                           "  python3 check_contract.py check --strict --format github\n"
+                           "  python3 check_contract.py check --ignore B017 --format sarif > check.sarif\n")
     add_format(check, "check", "output format; sarif: SARIF 2.1.0 for GitHub code scanning "
                "(default: github when GITHUB_ACTIONS=true, else text)")
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")

@@ -2014,6 +2014,12 @@ class FindingLinesTest(TreeTest):
         rc, issues = self.issues()
         self.assertEqual({(i["code"], i["line"]) for i in issues}, {("B017", 4)})
 
+    def test_windows_line_ends_point_at_the_first(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            CPU_BUILD.replace("set -euo pipefail\n", "set -euo pipefail\r\n"))}))
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"]) for i in issues], [("B012", 3)])
+
 
 class OptionOrderTest(TreeTest):
     """What the docs say of option order and suggestions holds."""
