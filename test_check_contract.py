@@ -4293,6 +4293,32 @@ class CodesTest(unittest.TestCase):
     def test_overlay_setup_codes_agree(self):
         self.check_codes("overlay_setup", "E[0-9]{3}")
 
+    def test_check_contract_levels_agree(self):
+        """The level the reference's table and the docstring give each code
+        is the one the checker prints it at: [error], or [warning]."""
+        code_re = "[DJMSABTORUPX][0-9]{3}"
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+            rows = re.findall(r"^\| (%s) \| ([^|]+) \|" % code_re, f.read(), re.M)
+        names = {"E": "error", "W": "warning"}
+        in_table = {code: {names[word] for word in re.findall(r"\b[EW]\b", level)}
+                    for code, level in rows}
+        docstring = check_contract.__doc__
+        parts = re.split(r"\b(%s)\b" % code_re, docstring[docstring.index("Diagnostic codes"):])
+        in_docstring = {}
+        for code, text in zip(parts[1::2], parts[2::2]):  # "B017 the reader cannot tell (warning)"
+            text = " ".join(text.split())
+            in_docstring.setdefault(code, {"error", "warning"} if "when" in text else
+                                    {"warning"} if "(warning" in text else {"error"})
+        printed = emitted_levels(CHECKER, code_re)
+        self.assertGreater(len(printed), 50)
+        for code, levels in sorted(printed.items()):
+            for where, documented in (("docs", in_table[code]), ("docstring", in_docstring[code])):
+                with self.subTest(code=code, where=where):
+                    if len(documented) == 1:
+                        self.assertEqual(levels, documented)
+                    else:  # "W (E when validated)": the level is worked out when it is reported
+                        self.assertLessEqual(levels, documented)
+
 
 def reader_claims():
     """What the bullets of backends/README.md say the build-script reader
@@ -4378,27 +4404,6 @@ def emitted_levels(path, code_re):
             elif index > 0 and words[index - 1] in ("error", "warning"):
                 levels.setdefault(word, set()).add(words[index - 1])
     return levels
-
-
-class CodeLevelsTest(unittest.TestCase):
-    """The level docs/check_contract.md gives each code is the one the
-    checker prints it at ([error] or [warning])."""
-
-    def test_check_contract_levels_agree(self):
-        code_re = "[DJMSABTORUPX][0-9]{3}"
-        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
-            rows = re.findall(r"^\| (%s) \| ([^|]+) \|" % code_re, f.read(), re.M)
-        names = {"E": "error", "W": "warning"}
-        documented = {code: {names[word] for word in re.findall(r"\b[EW]\b", level)}
-                      for code, level in rows}
-        printed = emitted_levels(CHECKER, code_re)
-        self.assertGreater(len(printed), 50)
-        for code, levels in sorted(printed.items()):
-            with self.subTest(code=code):
-                if len(documented[code]) == 1:
-                    self.assertEqual(levels, documented[code])
-                else:  # "W (E when validated)": the level is worked out when it is reported
-                    self.assertLessEqual(levels, documented[code])
 
 
 class PythonVersionTest(unittest.TestCase):
