@@ -143,6 +143,14 @@ def run_main(argv, env=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+def terminal_env(**extra):
+    """The environment, as in a terminal: without GITHUB_ACTIONS, under which
+    the checker prints annotations instead of the text the tests expect."""
+    env = dict(os.environ, **extra)
+    env.pop("GITHUB_ACTIONS", None)
+    return env
+
+
 class TreeTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="check-contract-")
@@ -4013,7 +4021,7 @@ class RepositoryTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
             # overlay_setup.py records applied overlays under $XDG_STATE_HOME
-            env = dict(os.environ, XDG_STATE_HOME=home)
+            env = terminal_env(XDG_STATE_HOME=home)
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
@@ -4072,8 +4080,8 @@ class RepositoryTest(unittest.TestCase):
             user = os.path.join(tmp, "user")
             write_tree(user, {"backends/cuda/k/k.cu": "__global__ void k() {}\n"})
             proc = subprocess.run([os.path.join(clone, entry[0])] + entry[1:], cwd=user,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  universal_newlines=True)
+                                  env=terminal_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, universal_newlines=True)
             self.assertEqual(proc.returncode, 1, proc.stdout)
             self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
                           "k.backend.json manifest",
