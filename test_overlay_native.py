@@ -865,14 +865,13 @@ class CProjectTest(OverlayTestCase):
 
     def test_trial_stopped_by_sigterm_or_sigint_reverts_first(self) -> None:
         before = tree_state(self.proj)
-        slow = "%s -c '%s' %s | grep -qx 4.0 || exec sleep 30" % (sys.executable, CALL_B,
-                                                                  self.lib)
+        slow = "%s -c '%s' %s | grep -qx 4.0 || { echo the candidate waits >&2; exec sleep 30; }" % (
+            sys.executable, CALL_B, self.lib)
         for signum, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
             trial = self.trial("--", "sh", "-c", slow, start_new_session=True)
             for line in trial.stderr:
-                if line.startswith("trial: candidate run 1"):
+                if line == "the candidate waits\n":
                     break
-            time.sleep(0.3)
             os.killpg(trial.pid, signum) if signum == signal.SIGINT else trial.send_signal(signum)
             out, err = trial.communicate(timeout=60)
             self.assertEqual(trial.returncode, status, err)
@@ -1402,6 +1401,16 @@ def processes_working_in(root: str) -> list:
     return found
 
 
+def wait_for_no_process_in(root: str) -> list:
+    """Wait until no process works in `root`: what a build left running would
+    write there, it has written once it ends.  [] then, or what still runs
+    there after a minute, far more than any build of these tests takes."""
+    deadline = time.monotonic() + 60
+    while processes_working_in(root) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return processes_working_in(root)
+
+
 # The crash matrices' builds first sleep $CRASH_BUILD_DELAY seconds (none
 # unless set): a build that must be running when its run is killed takes real
 # time, the others need not.
@@ -1504,11 +1513,8 @@ class CrashMatrixTest(unittest.TestCase):
                 in_build: bool) -> None:
         gc = forked_tool(["gc-stale", "--root", os.path.dirname(root)])
         self.assertEqual(gc.returncode, 0, gc.stderr)
-        if in_build:  # what a build left running would write, it has written once it ends
-            deadline = time.monotonic() + 60
-            while processes_working_in(root) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.assertEqual(processes_working_in(root), [], "a build outlived gc-stale: " + context)
+        if in_build:
+            self.assertEqual(wait_for_no_process_in(root), [], "a build outlived gc-stale: " + context)
         self.assertRestored(root, shm, expected, context)
         again = forked_tool(["--state", state, "revert"])
         self.assertEqual(again.returncode, 0, again.stderr)
@@ -2021,7 +2027,10 @@ class RealBuildSystemTest(OverlayTestCase):
                 os.kill(pid, signal.SIGKILL)
         rc, out, err = call("gc-stale", "--root", self.tmp)
         self.assertEqual(rc, 0, err)
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # a job left running writes late.o before it ends
+        while session_processes(session) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(session_processes(session), [])
         self.assertEqual(tree_state(proj), before)
 
     def cmake_ninja_round_trips(self, files: dict, artifact: str) -> None:
@@ -2570,7 +2579,7 @@ class GcStaleTest(OverlayTestCase):
         self.assertIn("): reverted\n", out)
         self.assertRegex(err, r"^stopping the build that entry 1 left running \(process group "
                               r"\d+\)\n$")
-        time.sleep(1.5)
+        self.assertEqual(wait_for_no_process_in(self.proj), [])
         self.assertFalse(os.path.exists(late))
         self.assertEqual(tree_state(self.proj), self.original)
 
@@ -3342,7 +3351,8 @@ class BuildProcessTest(OverlayTestCase):
             point += 1
             self.assertLess(point, 100)
             shutil.rmtree(self.state, ignore_errors=True)
-            result = run_tool(self.add_args(build), {"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
+            result = forked_tool(self.add_args(build), {"OVERLAY_TEST_KILL_AT": str(point)},
+                                 own=True)
             self.assertEqual(result.returncode, -9, result.stderr)
             if "building in" in result.stdout:
                 break
@@ -3351,7 +3361,7 @@ class BuildProcessTest(OverlayTestCase):
         rc, out, err = call("gc-stale")
         self.assertEqual(rc, 0, err)
         self.assertIn("): reverted\n", out)
-        time.sleep(0.8)
+        self.assertEqual(wait_for_no_process_in(self.proj), [])
         self.assertFalse(os.path.exists(self.late))
         self.assertEqual(tree_state(self.proj), self.original)
 
@@ -3365,7 +3375,7 @@ class BuildProcessTest(OverlayTestCase):
                 self.assertEqual(result.stderr, "overlay_setup: stopped by %s; the build was "
                                  "stopped with it and the patch stays applied: run "
                                  "`overlay_setup.py --state %s revert`\n" % (name, self.state))
-                time.sleep(1.3)
+                self.assertEqual(wait_for_no_process_in(self.proj), [])
                 self.assertFalse(os.path.exists(self.late))
                 self.assertOk(call("--state", self.state, "revert"))
                 self.assertEqual(tree_state(self.proj), self.original)
@@ -3396,7 +3406,9 @@ class BuildProcessTest(OverlayTestCase):
 
     def test_output_without_newlines_is_shown_as_it_comes(self) -> None:
         done = os.path.join(self.tmp, "build-done")
-        build = "printf 'step 1/2\\r'; sleep 2; printf 'step 2/2\\r'; touch %s" % done
+        go = os.path.join(self.tmp, "go")  # the build goes on once the first step was seen
+        build = "printf 'step 1/2\\r'; until [ -e %s ]; do sleep 0.01; done; printf 'step 2/2\\r'; " \
+                "touch %s" % (go, done)
         process = subprocess.Popen([sys.executable, TOOL] + self.add_args(build)
                                    + ["--owner-pid", str(os.getpid())],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -3407,7 +3419,8 @@ class BuildProcessTest(OverlayTestCase):
             self.assertTrue(block, shown)
             shown += block
         self.assertFalse(os.path.exists(done), "shown only when the build ended")
-        out, err = process.communicate(timeout=30)
+        write_text_file(go, "")
+        out, err = process.communicate(timeout=60)
         self.assertEqual(process.returncode, 0, err)
         self.assertRegex((shown + out).decode(),
                          r"\] step 1/2\n\[ *[0-9.]+s\] step 2/2\nbuild finished")
