@@ -3284,45 +3284,63 @@ class HostileArgumentTest(OverlayTestCase):
         self.assertFalse(os.path.exists(self.state))
 
     def test_ctrl_c_during_start_up_exits_130_without_a_traceback(self) -> None:
-        # SIGINT from the process start to past the time a run takes: while
-        # the interpreter starts, while the tool's modules load, and in main().
-        # What the interpreter does before the script's first line runs
-        # ("Fatal Python error", the bare "KeyboardInterrupt" of the script's
-        # compilation or at its "line 0", an interrupt it ignores) no script
-        # can change; from the first line on, every interrupt ends with 130
-        # and no traceback.
-        command = [sys.executable, TOOL, "--state", self.state, "init", "--owner-pid",
-                   str(os.getpid())]
-        # An interrupt that arrives while the interpreter compiles the script is
-        # raised at its first statement (3.9 names the docstring's line): up to
-        # the line that sets the start-up handler, nothing can catch it.
+        # SIGINT at lines spread over the whole run, from the one after the
+        # line that sets the start-up handler (what the interpreter does
+        # before the script's first lines no script can change) to the last,
+        # under a line tracer that sends the signal at the N-th line the tool
+        # executes: the run ends with 130 and no traceback, or at one of its
+        # last three lines (the command returned, main flushes and returns;
+        # nothing checks for a signal there) it ends as if not interrupted.
         with open(TOOL, encoding="utf-8") as handle:
             handler_line = next(number for number, text in enumerate(handle, 1)
                                 if "_signal.signal(_signal.SIGINT" in text)
-        chance = random.Random(13)
-        reached = attempts = 0
-        span = 0.0
-        while reached < 6:
-            attempts += 1
-            self.assertLess(attempts, 200, "the signal never reached the script")
-            if attempts % 20 == 1:  # how long a whole run takes now, under today's load
-                began = time.monotonic()
-                subprocess.run(command, stdout=subprocess.DEVNULL, check=True)
-                span = time.monotonic() - began
-            delay = chance.uniform(0.2, 1.1) * span
-            with self.subTest(delay=delay):
-                process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           universal_newlines=True)
-                time.sleep(delay)
-                process.send_signal(signal.SIGINT)
-                out, err = process.communicate(timeout=20)
-                lines = [int(n) for n in re.findall(r'overlay_setup.py", line (\d+)', err)]
-                if process.returncode != 130 and "overlay_setup:" not in err and not any(
-                        n > handler_line for n in lines):
-                    continue  # too late, or the interrupt came before the handler could be set
-                reached += 1
-                self.assertIn(process.returncode, (130, -signal.SIGINT), err)
-                self.assertNotIn("Traceback", err)
+
+        def run(at: int) -> subprocess.CompletedProcess:
+            shutil.rmtree(self.state, ignore_errors=True)
+            return subprocess.run([sys.executable, "-c", INTERRUPT_AT_LINE, TOOL, str(handler_line),
+                                   str(at), "--state", self.state, "init", "--owner-pid",
+                                   str(os.getpid())], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+        counted = run(0)
+        self.assertEqual(counted.returncode, 0, counted.stderr)
+        first, last = map(int, counted.stderr.split())
+        self.assertGreater(last, first + 100, counted.stderr)
+        interrupted = ("overlay_setup: interrupted; run `overlay_setup.py --state %s status`, "
+                       "then `overlay_setup.py --state %s revert`\n" % (self.state, self.state))
+        for at in sorted({first + (last - first) * i // 15 for i in range(16)}):
+            with self.subTest(line_number=at):
+                done = run(at)
+                if done.returncode == 0 and at > last - 3:
+                    self.assertEqual((done.stdout, done.stderr), (counted.stdout, ""))
+                    continue
+                self.assertEqual(done.returncode, 130, done.stderr)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertIn(done.stderr, ("", interrupted))
+
+
+# Runs the tool (argv[1]) with argv[4:] as its arguments and sends itself
+# SIGINT just before the argv[3]-th line of the tool it executes; with 0, it
+# writes instead how many lines the run executed and which of them was the
+# first after line argv[2] (the one that sets the start-up handler).
+INTERRUPT_AT_LINE = """
+import os, runpy, signal, sys
+tool, handler_line, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sys.argv = [tool] + sys.argv[4:]
+lines = [0, 0]
+def line(frame, event, arg):
+    if event == "line":
+        lines[0] += 1
+        if not lines[1] and frame.f_code.co_name == "<module>" and frame.f_lineno > handler_line:
+            lines[1] = lines[0]
+        if lines[0] == at:
+            os.kill(os.getpid(), signal.SIGINT)
+    return line
+if not at:
+    import atexit
+    atexit.register(lambda: os.write(2, b"%d %d" % (lines[1], lines[0])))
+sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename == tool else None)
+runpy.run_path(tool, run_name="__main__")
+"""
 
 
 class BuildProcessTest(OverlayTestCase):
