@@ -1634,8 +1634,10 @@ class RootTest(TreeTest):
         self.tree(demo_files(**{"backends/cpu/demo/extra.c": "", "docs/x.md": ""}))
         git_in(self.root, "init", "-q")
         rc, out, err = self.in_directory("docs", "--format", "json")
-        self.assertEqual(rc, 1)
+        self.assertEqual((rc, err), (1, ""))
         self.assertEqual(json.loads(out)["checked"], ["cpu/demo"])
+        self.assertEqual([(i["code"], i["path"]) for i in json.loads(out)["issues"]],
+                         [("S004", "backends/cpu/demo/extra.c")])
 
     def test_repo_root_without_a_backends_directory_is_a_usage_error(self):
         self.tree(demo_files())
@@ -1881,7 +1883,8 @@ class NoTracebackTest(TreeTest):
         self.tree(fat_files(architectures=[80, 89, huge]))
         rc, issues = self.issues()
         self.assertEqual(rc, 1)
-        self.assertIn("B011", [i["code"] for i in issues])
+        self.assertIn(("B011", 'architecture "%s... is not a compute capability such as 89 or '
+                       '"90a"' % huge[:36]), [(i["code"], i["message"]) for i in issues])
         shutil.rmtree(self.path("backends"))
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json":
                                 json.dumps(demo_manifest()).replace('"x86-64"]', '"x86-64", %s]' % huge, 1)}))
@@ -1902,6 +1905,11 @@ class NoTracebackTest(TreeTest):
                     rc, out, err = self.check("--format", fmt)
                     self.assertEqual((rc, err), (1, ""))
                     self.assertTrue(re.search(r'J001|description\\?" must be a string', out), out[:300])
+                # Which of the two depends on the interpreter's recursion limit.
+                (issue,) = self.issues()[1]
+                self.assertIn((issue["code"], issue["message"][:40]), [
+                    ("J001", "invalid JSON: nested too deeply"),
+                    ("M002", '"description" must be a string, not [[[[')])
 
     def test_report_to_a_full_disk_is_exit_2_with_the_reason(self):
         self.tree(demo_files())
@@ -2098,6 +2106,13 @@ class RobustnessTest(TreeTest):
                 self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": json.dumps(value)}))
                 rc, out, err = self.check()
                 self.assertEqual((rc, err), (1, ""))
+                found = [(i["code"], i["message"]) for i in self.issues()[1]]
+                if isinstance(value, dict):  # an object, without the keys a manifest needs
+                    self.assertEqual(found, [("M001", 'missing required key "%s"' % key) for key in
+                                             ("abi_version", "build", "name", "sources", "status")])
+                else:
+                    self.assertEqual(found, [("J003", "the manifest must be a JSON object, not %s"
+                                              % json.dumps(value))])
 
     def test_binary_garbage_everywhere(self):
         garbage = bytes(range(256)) * 4
@@ -3494,6 +3509,8 @@ class ParityTierTest(TreeTest):
     def test_skip_line_with_failure_exit_is_a_failure(self):
         rc, out, err = self.parity("import sys\nprint('SKIP: pretending')\nsys.exit(2)\n")
         self.assertEqual(rc, 1)
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: backends/cpu/tiny/parity.py "
+                      "failed (exit status 2)\n", out)
 
     def test_only_validated_backends_run_unless_named(self):
         self.assertEqual(self.parity("print('x')\n", status="experimental"),
