@@ -250,7 +250,11 @@ class DiscoveryTest(TreeTest):
         rc, out, err = self.check("--backends-dir", "src/backends")
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("checked cpu/demo: status=validated abi=1\n", out)
-        self.assertEqual(self.check()[0], 2)
+        self.assertEqual(self.check(), (2, "", "check_contract.py: error: no backends directory: "
+                                       "%s/backends is not there (the root is %s, given by --root); "
+                                       "give --root DIR (the directory that holds backends/) or "
+                                       "--backends-dir DIR, or run from inside the repository\n"
+                                       % (self.root, self.root)))
 
     def test_backends_dir_that_is_not_there_is_a_usage_error(self):
         self.tree(demo_files(**{"README.md": "x\n"}))
@@ -1319,7 +1323,9 @@ class CommandLineTest(TreeTest):
                     2, "", 'check_contract.py: error: no backend named "%s" under backends/ (known: '
                     'cpu/demo, metal/k); "%s" is a platform directory: name its backends as %s/<name>\n'
                     % (platform, platform, platform)))
-        self.assertEqual(self.check("check", "tpu")[0], 2)
+        self.assertEqual(self.check("check", "tpu"), (
+            2, "", 'check_contract.py: error: no backend named "tpu" under backends/ (known: '
+            'cpu/demo, metal/k)\n'))
 
     def test_a_backend_directory_with_a_trailing_slash_names_it(self):
         self.tree(demo_files())
@@ -1349,7 +1355,10 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("fat")
         self.assertEqual((rc, out), (0, "checked cuda/fat: status=experimental abi=2\n"
                                         "1 backend(s), 0 error(s), 0 warning(s)\n"))
-        self.assertEqual(self.check("check", "cpu/demo")[0], 1)
+        rc, out, err = self.check("check", "cpu/demo")
+        self.assertEqual((rc, err), (1, ""))
+        self.assertTrue(out.startswith("backends/cpu/demo/extra.c: [error] S004 cpu/demo: kernel "
+                                       "source extra.c is not declared in sources"), out)
 
     def test_missing_repo_root_is_a_usage_error(self):
         missing = self.path("nowhere")

@@ -299,7 +299,10 @@ class CProjectTest(OverlayTestCase):
                                  "--build-cwd", self.proj)
         self.assertEqual(rc, 1)
         self.assertIn("overlay_setup: E404 the build finished in", err)
-        self.assertEqual(self.tool("verify-native")[0], 1)
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E403 entry 1 is build-changed-nothing, not built: fix the "
+            "patch or the source, then run `overlay_setup.py --state %s update`, or run "
+            "`overlay_setup.py --state %s revert`\n" % (self.state, self.state)))
         self.assertEqual(self.tool("revert")[0], 0)
         self.assertEqual(tree_state(self.proj), before)
 
@@ -410,7 +413,11 @@ class CProjectTest(OverlayTestCase):
                                 "--patched", self.patched, "--no-build"))
         os.unlink(self.p("kernel_b.c"))
         os.symlink(victim, self.p("kernel_b.c"))
-        self.assertEqual(self.tool("revert")[0], 1)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
+            "original nor the patched content); nothing was reverted: if another overlay patched "
+            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
+            "restore the original anyway\n" % self.p("kernel_b.c")))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(victim), "precious\n")
         self.assertFalse(os.path.islink(self.p("kernel_b.c")))
@@ -444,10 +451,14 @@ class CProjectTest(OverlayTestCase):
             2, "", "overlay_setup: E101 --source must be a normalised path (got "
             "'proj/../proj/kernel_b.c'); pass it as e.g. %s\n" % self.p("kernel_b.c")))
         self.assertEqual(self.tool("add-native", "--source", self.proj + "/../proj/kernel_b.c",
-                                   "--patched", self.patched, "--no-build")[0], 2)
+                                   "--patched", self.patched, "--no-build"), (
+            2, "", "overlay_setup: E101 --source must be a normalised path (got '%s/../proj/"
+            "kernel_b.c'); pass it as e.g. %s\n" % (self.proj, self.p("kernel_b.c"))))
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
                                    self.patched, "--artifact", "proj/./libkernels.so",
-                                   "--no-build")[0], 2)
+                                   "--no-build"), (
+            2, "", "overlay_setup: E101 --artifact must be a normalised path (got "
+            "'proj/./libkernels.so'); pass it as e.g. %s\n" % self.lib))
 
     def test_build_command_or_no_build_is_required(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
@@ -633,7 +644,8 @@ class CProjectTest(OverlayTestCase):
         before = tree_state(self.proj)
         refused = self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
                             self.patched, "--artifact", self.p("kernel_b.c"), "--no-build")
-        self.assertEqual(refused[0], 1)
+        self.assertEqual(refused, (1, "", "overlay_setup: E106 %s is both the source and an "
+                                          "--artifact; drop the --artifact\n" % self.p("kernel_b.c")))
         self.assertEqual(registry_entries(), [], "a refused command leaves no registry record")
         for point in range(1, 40):
             killed = run_tool(["--state", self.state, "add-native", "--source",
@@ -775,7 +787,11 @@ class CProjectTest(OverlayTestCase):
                     % (state, record))
         self.assertEqual(call("revert"), (1, "", vanished))
         self.assertEqual(call("status"), (1, "", vanished))
-        self.assertEqual(call("gc-stale", "--root", self.proj)[0], 1)
+        rc, out, err = call("gc-stale", "--root", self.proj)
+        self.assertEqual((rc, out), (1, ""))
+        self.assertTrue(err.endswith(vanished[len("overlay_setup: E209 "):]
+                                     + "overlay_setup: 1 state directory refused or failed; see "
+                                       "above\n"), err)
         subprocess.run(git + ["checkout", "-q", "proj"], check=True)
         os.unlink(record)
         self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n" % state, ""))
@@ -2634,7 +2650,7 @@ class GcStaleTest(OverlayTestCase):
                 write_json(path, manifest)
                 for command in (["status"], ["revert"]):
                     rc, out, err = call("--state", self.state, *command)
-                    self.assertNotEqual(rc, 0)
+                    self.assertEqual(rc, 1)
                     self.assertEqual(err, "overlay_setup: E202 journal %s has a missing or "
                                           "mistyped %s; it was edited or damaged, and nothing was "
                                           "changed: restore it, or move the state directory away "
@@ -2670,7 +2686,7 @@ class GcStaleTest(OverlayTestCase):
                             os.path.join(self.proj, "k.c"), "--patched",
                             os.path.join(self.proj, "fast.c"), "--no-build",
                             "--owner-pid", str(os.getpid()))
-        self.assertNotEqual(rc, 0)
+        self.assertEqual(rc, 1)
         self.assertEqual(err, "overlay_setup: E206 state directory %s already holds python, site "
                               "and no journal; it is not an overlay state directory: pass a new "
                               "or empty --state\n" % mine)
@@ -2683,7 +2699,7 @@ class GcStaleTest(OverlayTestCase):
         os.remove(os.path.join(self.state, "manifest.json"))
         for command in ("revert", "status"):
             rc, out, err = call("--state", self.state, command)
-            self.assertNotEqual(rc, 0)
+            self.assertEqual(rc, 1)
             self.assertEqual(err, "overlay_setup: E202 journal %s is missing, but %s holds the "
                                   "backups of entries that may still be applied; restore the "
                                   "journal, or put the files back from there by hand\n"
@@ -2739,7 +2755,10 @@ class GcStaleTest(OverlayTestCase):
             "overlay_setup: 1 state directory refused or failed; see above\n"
             % (self.state, self.state)))
         self.assertNotEqual(tree_state(self.proj), self.original)
-        self.assertEqual(self.tool("revert")[0], 1)
+        self.assertEqual(self.tool("revert"), (
+            1, "", "overlay_setup: E204 state directory %s is writable by group or others (mode "
+            "770); refusing to use it: run `chmod go-w %s` if you trust its contents\n"
+            % (self.state, self.state)))
 
     @unittest.skipUnless(os.geteuid() == 0, "changing a directory's owner needs root")
     def test_state_owned_by_another_user_is_refused_and_reported(self) -> None:
@@ -2807,7 +2826,7 @@ class TarSnapshotTest(OverlayTestCase):
         rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
                                  "--patched", os.path.join(self.proj, "fast.c"),
                                  "--invalidate-cache", self.cache, "--no-build")
-        self.assertNotEqual(rc, 0)
+        self.assertEqual(rc, 1)
         self.assertEqual(err, "overlay_setup: E106 cache %s holds %s, which is neither a file, a "
                               "directory nor a symlink; clear it before the overlay\n"
                               % (self.cache, os.path.join(self.cache, "pipe")))
