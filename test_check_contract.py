@@ -3605,9 +3605,6 @@ class RepositoryTest(unittest.TestCase):
     def test_readme_walkthrough_runs_as_written(self):
         self.run_shown("README.md", "## Walkthrough")
 
-    def test_overlay_examples_run_as_written(self):
-        self.run_shown("docs/overlay_setup.md")
-
     def test_check_contract_reference_commands_run_as_written(self):
         self.run_shown("docs/check_contract.md")
 
@@ -3719,12 +3716,6 @@ class ConventionsTest(unittest.TestCase):
                 options = {o for action in parser._actions for o in action.option_strings}
                 with self.subTest(tool=tool.__name__, command=name):
                     self.assertEqual("--json" in options, "--format" in options)
-
-    def test_build_command_or_no_build_shows_as_required(self):
-        commands = subcommands(overlay_setup.build_parser())
-        for name in ("add-native", "apply"):
-            usage = " ".join(commands[name].format_usage().split())
-            self.assertIn("(--build-cmd CMD | --no-build)", usage)
 
     def test_parity_says_what_it_runs_by_default(self):
         help_text = " ".join(subcommands(check_contract.build_parser())["parity"].format_help().split())

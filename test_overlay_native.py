@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "overlay_setup.py")
 sys.path.insert(0, HERE)
 import overlay_setup  # noqa: E402
+import test_check_contract  # noqa: E402  (its readers of the docs' shell blocks)
 
 KERNELS = {
     "kernels.h": "double kernel_a(void);\ndouble kernel_b(void);\ndouble kernel_c(void);\n"
@@ -3672,6 +3673,20 @@ class RandomKillTrialTest(unittest.TestCase):
             again = run_tool(["--state", state, "revert"])
             self.assertEqual(again.returncode, 0, context + again.stderr)
             self.assertEqual(full_tree(root), expected, context)
+
+
+class OverlayDocsTest(unittest.TestCase):
+    """What the overlay tool's reference and usage lines show (moved here
+    from test_check_contract.py, whose readers of the docs they use)."""
+
+    def test_overlay_examples_run_as_written(self):
+        test_check_contract.RepositoryTest.run_shown(self, "docs/overlay_setup.md")
+
+    def test_build_command_or_no_build_shows_as_required(self):
+        commands = test_check_contract.subcommands(overlay_setup.build_parser())
+        for name in ("add-native", "apply"):
+            usage = " ".join(commands[name].format_usage().split())
+            self.assertIn("(--build-cmd CMD | --no-build)", usage)
 
 
 if __name__ == "__main__":
