@@ -1534,15 +1534,6 @@ class CommandLineTest(TreeTest):
         self.assertEqual((done.returncode, done.stderr), (1, b""))
         self.assertIn(b"kernel source k\\xe9.cu is not declared", done.stdout)
 
-    def test_version_and_help(self):
-        rc, out, err = run_main(["--version"])
-        self.assertEqual((rc, out), (0, "check_contract.py %s\n" % check_contract.VERSION))
-        for command in ([], ["check"], ["list"], ["init"], ["build"], ["test"], ["parity"]):
-            with self.subTest(command=command):
-                rc, out, err = run_main(command + ["--help"])
-                self.assertEqual(rc, 0)
-                self.assertIn("examples:\n  python3 check_contract.py", out)
-
     def test_repository_itself_passes(self):
         self.assertEqual(run_main(["--repo-root", HERE])[0], 0)
 
@@ -3709,6 +3700,17 @@ class ConventionsTest(unittest.TestCase):
                         if needs_default:
                             self.assertIn("default", action.help, action.option_strings
                                           or action.metavar)
+
+    def test_version_and_every_help_name_the_tool_and_show_an_example_in_both_tools(self):
+        for tool, prog, example in (
+                (check_contract, "check_contract.py", r"\nexamples:\n  python3 check_contract\.py "),
+                (overlay_setup, "overlay_setup.py", r"\nexamples?:\n  (.*\n)*.*overlay_setup\.py ")):
+            self.assertEqual(self.call(tool, "--version"), (0, "%s %s\n" % (prog, tool.VERSION), ""))
+            for name in [None] + sorted(subcommands(tool.build_parser())):
+                with self.subTest(tool=prog, command=name):
+                    rc, out, err = self.call(tool, *([name] if name else []), "--help")
+                    self.assertEqual((rc, err), (0, ""))
+                    self.assertRegex(out, example)
 
     def test_every_command_with_json_takes_format_too(self):
         for tool, _, _ in self.TOOLS:

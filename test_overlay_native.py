@@ -896,18 +896,6 @@ class CProjectTest(OverlayTestCase):
             self.assertEqual(tree_state(self.proj), before)
 
 
-class HelpTest(unittest.TestCase):
-    def test_every_command_help_shows_an_example(self) -> None:
-        for command in overlay_setup.COMMANDS:
-            rc, out, err = call(command, "--help")
-            self.assertEqual((rc, err), (0, ""), command)
-            self.assertIn("\nexample:\n  ", out, command)
-            self.assertIn("overlay_setup.py ", out.split("\nexample:\n", 1)[1], command)
-
-    def test_version_names_the_tool(self) -> None:
-        self.assertEqual(call("--version"), (0, "overlay_setup.py %s\n" % overlay_setup.VERSION, ""))
-
-
 class RefusalTest(OverlayTestCase):
     """Each remaining refusal, with its exact message; nothing changes."""
 
