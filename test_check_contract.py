@@ -3790,6 +3790,9 @@ class ConventionsTest(unittest.TestCase):
             for line in proc.stdout:
                 if "started" in line:
                     break
+            else:
+                self.fail("the build never printed 'started' (exit status %s): %s"
+                          % (proc.wait(), proc.stderr.read()))
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
