@@ -2740,6 +2740,13 @@ def candidate_dirs(repo):
             rel = platform_rel + "/" + child.name
             if is_dir:
                 candidates.append(Backend(child.name, platform, child.path, rel))
+            elif child.name.endswith(MANIFEST_SUFFIX):
+                name = child.name[:-len(MANIFEST_SUFFIX)]
+                strays.append(Diagnostic(
+                    "error", "D002", platform, rel, None,
+                    "manifest %s is never discovered: a backend is a directory %s/<name>/ holding "
+                    "<name>%s; move it to %s/%s/%s" % (child.name, platform_rel, MANIFEST_SUFFIX,
+                                                       platform_rel, name, child.name)))
             elif is_kernel_source(child.name):
                 strays.append(Diagnostic(
                     "error", "D005", platform, rel, None,
@@ -2766,7 +2773,9 @@ def listed_dirs(repo, path, rel, key, files=False):
     try:
         with os.scandir(path) as entries:
             for entry in entries:
-                if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:
+                # In a platform directory (`files`), a hidden directory is seen:
+                # a build compiles backends/cpu/.wip/x.c as well as any other.
+                if entry.name in SKIPPED_DIRS or (entry.name.startswith(".") and not files):
                     continue
                 is_dir = _is_dir(entry)
                 if ignored and ignored(entry.name + ("/" if is_dir else "")):
@@ -2817,17 +2826,29 @@ def classify(repo, backend):
     # A manifest under another name: <other>.backend.json, or the likely
     # slips backend.json and <name>.json.
     slips = ("backend.json", backend.name + ".json")
-    stray = [p for p in files if p != manifest_name and (
-        p.endswith(MANIFEST_SUFFIX) and "/" not in p or p in slips)]
+    stray = [p for p in files if p != manifest_name and (p.endswith(MANIFEST_SUFFIX) or p in slips)]
     for name in stray:
+        if "/" not in name:
+            where = "the manifest of directory %s must be named %s" % (backend.name, manifest_name)
+        else:  # a manifest counts only directly in <platform>/<name>/, named after <name>
+            where = ("a backend is a directory %s/<name>/ holding <name>%s; move %s/ there"
+                     % (posixpath.dirname(backend.rel_dir), MANIFEST_SUFFIX,
+                        backend.rel(posixpath.dirname(name))))
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
-            "manifest %s is never discovered: the manifest of directory %s must be "
-            "named %s" % (name, backend.name, manifest_name)))
+            "manifest %s is never discovered: %s" % (name, where)))
     if has_manifest or os.path.lexists(backend.manifest_path):
         return True, relevant, diagnostics
+    if backend.name in ("test", "tests"):  # a platform's own tests, with their fixtures
+        return False, relevant, diagnostics
     kernels = sorted(p for p in files if is_kernel_source(p))
-    if kernels and not stray:
+    if kernels and not stray and backend.name.startswith("."):
+        diagnostics.append(Diagnostic(
+            "error", "D001", backend.key, backend.rel_dir, None,
+            "is a hidden directory with kernel sources (%s) that no manifest declares, which a "
+            "build can still compile; move them into a backend directory, or out of the backends "
+            "directory" % ", ".join(kernels[:3])))
+    elif kernels and not stray:
         diagnostics.append(Diagnostic(
             "error", "D001", backend.key, backend.rel_dir, None,
             "has kernel sources (%s) but no %s manifest"
@@ -3239,6 +3260,11 @@ def check_build_script(repo, backend):
         backend.error("S002", "build.script %s %s" % (describe(script), problem))
         return
     path = backend.dir + "/" + rel
+    if not repo.inside(path):
+        backend.error("S002", "build script %s is a symbolic link to %s, outside the repository; "
+                      "keep it in the repository, where CI and the trace run it"
+                      % (rel, os.path.realpath(path)), rel_path)
+        return
     data, problem, mode = read_bytes(path)  # the mode comes with the read
     if mode is None:
         try:
@@ -3392,6 +3418,11 @@ def check_index_modes(repo, backends):
 
 
 def check_backend(repo, backend):
+    if not repo.inside(backend.manifest_path):
+        backend.error("S002", "%s is a symbolic link to %s, outside the repository; the check does "
+                      "not follow it (replace the link with the file it stands for)"
+                      % (backend.name + MANIFEST_SUFFIX, os.path.realpath(backend.manifest_path)))
+        return
     load(backend)
     if backend.manifest is None:
         return
@@ -4632,7 +4663,11 @@ def cmd_init(args):
         raise UsageError("init: %s already exists; use --force to overwrite it"
                          % os.path.relpath(manifest_path))
     files = walk_files(target)
-    sources = sorted(p for p in files if files[p] == "file" and is_kernel_source(p)
+    real_target = os.path.realpath(target)
+    # A link to a file inside the directory is a source like any other (the check wants it declared).
+    sources = sorted(p for p in files if (files[p] == "file" or files[p] == "link" and os.path.isfile(
+        target + "/" + p) and os.path.realpath(target + "/" + p).startswith(real_target + "/"))
+                     and is_kernel_source(p)
                      and not p.rsplit("/", 1)[-1].startswith("test_")
                      and "tests" not in p.split("/")[:-1])
     if not sources:

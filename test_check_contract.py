@@ -285,6 +285,65 @@ class DiscoveryTest(TreeTest):
                               "check cannot see what it holds" % (rel, key, rel), out)
 
 
+class DiscoveryHolesTest(TreeTest):
+    """What discovery once missed, or misnamed."""
+
+    def test_a_hidden_directory_in_a_platform_directory_is_seen(self):
+        self.tree(demo_files(**{"backends/cpu/.wip/wip.c": "int wip(void) { return 1; }\n"}))
+        self.assertIssue("D001", "is a hidden directory with kernel sources (wip.c) that no manifest "
+                         "declares, which a build can still compile; move them into a backend "
+                         "directory, or out of the backends directory")
+
+    def test_a_platform_level_tests_directory_is_no_backend(self):
+        self.tree(demo_files(**{"backends/cpu/tests/fixture.c": "int main(void) { return 0; }\n",
+                                "backends/cpu/test/lib.rs": "#[test] fn t() {}\n",
+                                "backends/cpu/test/fixture.h": "\n"}))
+        self.assertClean()
+
+    def test_a_manifest_in_an_unsupported_place_is_named_with_the_layout(self):
+        manifest = dict(demo_manifest(), name="foo")
+        self.tree({"backends/cpu/group/foo/foo.backend.json": manifest,
+                   "backends/cpu/group/foo/ops.c": "", "backends/cpu/bar.backend.json": manifest})
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["path"], i["message"]) for i in issues], [
+            ("D002", "backends/cpu/bar.backend.json", "manifest bar.backend.json is never discovered: "
+             "a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; move it to "
+             "backends/cpu/bar/bar.backend.json"),
+            ("D002", "backends/cpu/group/foo/foo.backend.json", "manifest foo/foo.backend.json is never "
+             "discovered: a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; "
+             "move backends/cpu/group/foo/ there")])
+
+    def test_a_build_script_or_manifest_linked_out_of_the_repository_is_s002(self):
+        outside = tempfile.mkdtemp(prefix="check-contract-outside-")
+        self.addCleanup(shutil.rmtree, outside, True)
+        files = demo_files()
+        with open(os.path.join(outside, "build.sh"), "w") as handle:
+            handle.write(str(files.pop("backends/cpu/demo/build.sh")))
+        os.chmod(os.path.join(outside, "build.sh"), 0o755)
+        self.tree(files)
+        os.symlink(os.path.join(outside, "build.sh"), self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("S002", "build script build.sh is a symbolic link to %s/build.sh, outside "
+                         "the repository; keep it in the repository, where CI and the trace run it"
+                         % os.path.realpath(outside))
+        os.replace(self.path("backends/cpu/demo/demo.backend.json"), os.path.join(outside, "m.json"))
+        os.symlink(os.path.join(outside, "m.json"), self.path("backends/cpu/demo/demo.backend.json"))
+        self.assertIssue("S002", "demo.backend.json is a symbolic link to %s/m.json, outside the "
+                         "repository; the check does not follow it (replace the link with the file "
+                         "it stands for)" % os.path.realpath(outside))
+
+    def test_init_declares_a_source_linked_inside_the_directory(self):
+        self.tree({"backends/cpu/demo/include/ops_impl.h": OPS_H,
+                   "backends/cpu/demo/ops.c": '#include "ops.h"\n',
+                   "backends/cpu/demo/build.sh": CPU_BUILD})
+        os.symlink("include/ops_impl.h", self.path("backends/cpu/demo/ops.h"))
+        rc, out, err = run_main(["--repo-root", self.root, "init", "--no-trace",
+                                 self.path("backends/cpu/demo")])
+        self.assertEqual((rc, err), (0, ""), out)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["sources"], ["include/ops_impl.h", "ops.c", "ops.h"])
+        self.assertClean()
+
+
 class ManifestFileTest(TreeTest):
     def test_invalid_json_gives_line_and_column(self):
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": '{\n  "name": "demo"\n  "x": 1\n}'}))
