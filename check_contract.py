@@ -14,14 +14,23 @@ its arguments, and checks the manifest against what the script really does.
 
 Usage:
     check_contract.py [--root DIR] [--backends-dir DIR] [check]
-                      [--format text|json|github] [--json] [--strict] [NAME ...]
+                      [--format text|json|github|sarif] [--json] [--strict]
+                      [--ignore CODE] [NAME ...]
     check_contract.py list [--buildable] [--format text|json|github-matrix] [--json]
-    check_contract.py init DIR [--force]
+    check_contract.py init DIR [--force] [--no-trace] [--format text|json|github] [--json]
     check_contract.py build [NAME ...] [--out DIR] [--arch A] [--timeout S]
-                            [--format text|json] [--json]
-    check_contract.py test [NAME ...] [--timeout S] [--format text|json] [--json]
-    check_contract.py parity [NAME ...] [--timeout S] [--format text|json] [--json]
-    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json] [--json]
+                            [--format text|json|github] [--json] [--ignore CODE]
+    check_contract.py test [NAME ...] [--timeout S] [--format text|json|github] [--json]
+                           [--ignore CODE]
+    check_contract.py parity [NAME ...] [--timeout S] [--format text|json|github] [--json]
+                             [--ignore CODE]
+    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json|github]
+                            [--json] [--ignore CODE]
+
+--format github (GitHub Actions annotations) is the default of every command
+that offers it when GITHUB_ACTIONS=true.  A warning is accepted on purpose by
+the manifest's "ignore": {"B017": "<why>"} or by --ignore B017: it is counted
+in the summary line as suppressed and listed by --format json, never dropped.
 
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
@@ -34,7 +43,7 @@ else to the repository root; `<path>: [...]` when the finding has no line
 (a whole file or directory), and `[<level>] <CODE> <backend>: <message>`
 when it has no place at all.  Then `checked <backend>: status=<status>
 abi=<n>` per backend checked, and last `N backend(s), N error(s), N
-warning(s)`.  Control characters in names and messages (a newline in a
+warning(s)` (then `, N suppressed ...` when ignore entries accepted some).  Control characters in names and messages (a newline in a
 file name) are written as backslash escapes (\n, \x1b), so every line of
 the report is one finding.
 
@@ -58,7 +67,8 @@ Diagnostic codes (stable; never reused):
                      not an object, J004 manifest cannot be read
     M  manifest keys M001 required key missing, M002 wrong type or value,
                      M003 unknown key (warning), M004 name differs from the
-                     directory, M005 platform differs from the directory
+                     directory, M005 platform differs from the directory,
+                     M006 an ignore entry matches no warning (warning)
     S  sources       S001 declared source missing, S002 path escapes the
                      backend directory, S003 duplicate source, S004 kernel
                      source not declared, S005 source cannot be read,
@@ -125,6 +135,8 @@ SKIPPED_DIRS = (".git", "__pycache__")
 
 
 NAME_RE = re.compile(r"[a-z0-9_]+\Z")
+CODE_RE = re.compile(r"[DJMSABTORUPX][0-9]{3}\Z")  # a diagnostic code, as B017
+CHECK_FAMILIES = "DJMSABTO"  # the codes `check` reports; the others are the tiers'
 ARCH_FORMS = {
     "cuda": (re.compile(r"[1-9][0-9]{1,2}[a-z]?\Z"), 'a compute capability such as 89 or "90a"'),
     # A processor (gfx90a) or a generic target (gfx11-generic), feature settings after it.
@@ -243,7 +255,7 @@ examples:
 class Diagnostic:
     """One finding: what is wrong, where, and how bad."""
 
-    __slots__ = ("level", "code", "backend", "path", "line", "message")
+    __slots__ = ("level", "code", "backend", "path", "line", "message", "suppressed")
 
     def __init__(self, level, code, backend, path, line, message):
         self.level = level
@@ -252,6 +264,7 @@ class Diagnostic:
         self.path = path
         self.line = line
         self.message = message
+        self.suppressed = None  # why the finding is accepted, when an ignore entry matches it
 
     def sort_key(self):
         return (self.backend, self.path or "", self.line or 0, self.code, self.message)
@@ -260,8 +273,11 @@ class Diagnostic:
         return (self.level, self.code, self.backend, self.path, self.line, self.message)
 
     def as_dict(self):
-        return {"level": self.level, "code": self.code, "backend": self.backend,
-                "path": self.path, "line": self.line, "message": self.message}
+        found = {"level": self.level, "code": self.code, "backend": self.backend,
+                 "path": self.path, "line": self.line, "message": self.message}
+        if self.suppressed is not None:
+            found["reason"] = self.suppressed
+        return found
 
 
 class Backend:
@@ -274,7 +290,7 @@ class Backend:
     __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
                  "status", "abi_version", "abi_prefix", "build_script", "output",
                  "architectures", "default_arch", "files", "diagnostics", "index_path",
-                 "sources")
+                 "sources", "ignore", "manifest_text", "key_lines")
 
     def __init__(self, name, platform, dir, rel_dir):
         self.name = name
@@ -294,6 +310,9 @@ class Backend:
         self.diagnostics = []
         self.index_path = None  # the build script, when its git index mode is to be checked
         self.sources = ()  # (as written, normalized or None, problem) per non-empty string
+        self.ignore = {}  # code -> why its warnings are accepted, from the manifest's "ignore"
+        self.manifest_text = None  # the manifest as read, for the lines of its keys
+        self.key_lines = None  # manifest_lines() of it, worked out for the first finding that asks
 
     @property
     def key(self):
@@ -303,16 +322,27 @@ class Backend:
         """Repository-relative path of a path relative to the backend directory."""
         return self.rel_dir + "/" + path
 
-    def report(self, level, code, message, path=None, line=None):
-        """Record a finding; one with no more precise place points at the manifest."""
-        path = path or self.rel(self.name + MANIFEST_SUFFIX)
+    def report(self, level, code, message, path=None, line=None, key=None):
+        """Record a finding; one with no more precise place points at the
+        manifest, at the line of `key` ("build.output", "sources[1]") when
+        it names one."""
+        manifest = self.rel(self.name + MANIFEST_SUFFIX)
+        path = path or manifest
+        if line is None and key is not None and path == manifest:
+            line = self.line_of(key)
         self.diagnostics.append(Diagnostic(level, code, self.key, path, line, message))
 
-    def error(self, code, message, path=None, line=None):
-        self.report("error", code, message, path, line)
+    def error(self, code, message, path=None, line=None, key=None):
+        self.report("error", code, message, path, line, key)
 
-    def warning(self, code, message, path=None, line=None):
-        self.report("warning", code, message, path, line)
+    def warning(self, code, message, path=None, line=None, key=None):
+        self.report("warning", code, message, path, line, key)
+
+    def line_of(self, key):
+        """The manifest's line of a key or list item, or None."""
+        if self.key_lines is None:
+            self.key_lines = manifest_lines(self.manifest_text) if self.manifest_text else {}
+        return self.key_lines.get(key)
 
 
 class UsageError(Exception):
@@ -1151,7 +1181,7 @@ def check_build_facts(backend, rel, facts, traced=False):
         if facts.unfollowed:
             backend.warning("B017", "%scannot tell which library %s writes: it has no compiler "
                             "command with -o that the checker can see%s"
-                            % (said, rel, unfollowed), where)
+                            % (said, rel, unfollowed), where, facts.unfollowed[0][0])
         else:
             backend.error("B005", "%sbuild script %s has no compiler command with -o; the script "
                           "must write build.output into its <output-dir> argument" % (said, rel),
@@ -1193,6 +1223,10 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
     """B006, B007, B011 and B017 for build.architectures."""
     platform = backend.platform
     built, maybe, ptx, unknown = {}, set(), set(), []
+    # A target not built points at the call that writes the library; one the
+    # reader cannot tell of, at the first place it cannot tell.
+    writes = [call.line for call in facts.calls if call.outputs][-1:]
+    unsure = []
     for call in facts.calls:
         for arch in call.targets(platform):
             if call.condition:
@@ -1202,6 +1236,8 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         ptx.update(call.ptx)
         unknown.extend(what + (" at line %d" % call.line if call.line else "")
                        for what in call.unknown)
+        if call.unknown or call.condition:
+            unsure.append(call.line)
         if call.condition:
             unknown.append("a compiler command at line %d that runs only on %s"
                            % (call.line, call.condition))
@@ -1213,16 +1249,18 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         if arch in built:
             continue
         if arch in maybe or unknown or facts.unfollowed:
+            line = (unsure + [line for line, _ in facts.unfollowed] + writes + [None])[0]
             backend.warning("B017", "%scannot tell whether %s builds %s: %s%s"
                             % (said, rel, arch, "; ".join(unknown) or "no target flag names it",
-                               unfollowed), where)
+                               unfollowed), where, line)
         elif platform == "cuda" and arch in ptx:
             backend.error("B006", "%sbuild.architectures lists %s but %s builds only PTX for it "
                           "(compute_%s), which is compiled when the library is loaded, not machine "
-                          "code; add code=sm_%s" % (said, arch, rel, arch, arch), where)
+                          "code; add code=sm_%s" % (said, arch, rel, arch, arch), where,
+                          (writes + [None])[0])
         else:
             backend.error("B006", "%sbuild.architectures lists %s but the default invocation of "
-                          "%s does not build it" % (said, arch, rel), where)
+                          "%s does not build it" % (said, arch, rel), where, (writes + [None])[0])
     for arch in sorted(built):
         if arch not in backend.architectures:
             backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
@@ -2649,6 +2687,8 @@ NAME = Rule("a string of lowercase letters, digits and _", lambda v: type(v) is 
 PATH = Rule("a non-empty path (no NUL character, valid UTF-8)", is_path)
 POSITIVE = Rule("an integer >= 1", lambda v: type(v) is int and v >= 1)
 ARCHITECTURE = Rule("an architecture (string or integer)", is_architecture)
+REASON = Rule("a non-empty string saying why the warning is accepted",
+              lambda v: type(v) is str and v.strip() != "")
 
 # Every key of a manifest: (key, required, rule).  check_keys applies these
 # rules and words its messages from them, load() takes the values it uses
@@ -2683,6 +2723,8 @@ MANIFEST_KEYS = (
     ("reference.entrypoint", False, PATH),
     ("reference.note", False, Rule("a non-empty string", lambda v: type(v) is str and v != "")),
     ("excluded", False, Rule("a list of glob patterns", lambda v: type(v) is list, PATH)),
+    ("ignore", False, Rule("an object mapping codes to reasons", lambda v: type(v) is dict,
+                           {None: REASON})),
 )
 
 
@@ -2919,6 +2961,49 @@ class ManifestDecoder(json.JSONDecoder):
 
 
 MANIFEST_DECODER = ManifestDecoder()
+JSON_SPACE_RE = re.compile(r"[ \t\n\r]*")
+JSON_SCALAR_RE = re.compile(r"[^,\]} \t\n\r]+")
+
+
+def manifest_lines(text):
+    """{key: line} of the keys and list items of a manifest that decoded,
+    named as the messages name them ("build.output", "sources[1]",
+    "numerics.tolerance.rmsnorm_f32"); of a duplicate key, the last, the
+    one JSON keeps."""
+    import bisect
+    from json.decoder import scanstring
+    starts = [0] + [m.end() for m in re.finditer("\n", text)]
+    lines = {}
+
+    def value(pos, place):
+        """Note the lines below the value at pos; the position after it."""
+        pos = JSON_SPACE_RE.match(text, pos).end()
+        if text[pos] not in "{[":
+            return scanstring(text, pos + 1)[1] if text[pos] == '"' else JSON_SCALAR_RE.match(
+                text, pos).end()
+        close, index = "}" if text[pos] == "{" else "]", 0
+        pos = JSON_SPACE_RE.match(text, pos + 1).end()
+        while text[pos] != close:
+            if close == "}":
+                key, pos = scanstring(text, pos + 1)
+                inner = place + "." + key if place else key
+                lines[inner] = bisect.bisect_right(starts, pos)
+                pos = JSON_SPACE_RE.match(text, pos).end() + 1  # the colon
+            else:
+                inner = "%s[%d]" % (place, index)
+                pos = JSON_SPACE_RE.match(text, pos).end()
+                lines[inner] = bisect.bisect_right(starts, pos)
+                index += 1
+            pos = JSON_SPACE_RE.match(text, value(pos, inner)).end()
+            if text[pos] == ",":
+                pos = JSON_SPACE_RE.match(text, pos + 1).end()
+        return pos + 1
+
+    try:
+        value(0, "")
+    except RecursionError:  # nested deeper than any manifest: the lines found so far
+        pass
+    return lines
 
 
 def load(backend):
@@ -2960,6 +3045,7 @@ def load(backend):
     if not isinstance(manifest, dict):
         backend.error("J003", "the manifest must be a JSON object, not %s" % describe(manifest), rel)
         return
+    backend.manifest_text = text
     take_manifest(backend, manifest)
 
 
@@ -2985,6 +3071,10 @@ def take_manifest(backend, manifest):
             backend.architectures = [str(a) for a in archs]
         if is_architecture(build.get("default_arch")):
             backend.default_arch = str(build["default_arch"])
+    ignore = manifest.get("ignore")
+    if type(ignore) is dict:
+        backend.ignore = {code: why for code, why in ignore.items()
+                          if CODE_RE.match(code) and REASON.test(why)}
 
 
 # ---------------------------------------------------------------------------
@@ -3001,16 +3091,22 @@ def check_keys(repo, backend):
     name, platform = m.get("name"), m.get("platform")
     if NAME.test(name) and name != backend.name:
         backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
-                      % (name, backend.name), rel)
+                      % (name, backend.name), rel, key="name")
     if STRING.test(platform) and platform != backend.platform:
         backend.error("M005", 'platform "%s" differs from its directory "%s"'
-                      % (platform, backend.platform), rel)
+                      % (platform, backend.platform), rel, key="platform")
+    ignore = m.get("ignore")
+    for code in sorted(ignore) if type(ignore) is dict else ():
+        if not CODE_RE.match(code):
+            backend.error("M002", '"ignore" maps codes to reasons; "%s" is no code (a letter and '
+                          "three digits, as B017)" % code, rel, key="ignore." + code)
     build = m.get("build")
     if type(build) is dict and backend.architectures is not None:
         form = ARCH_FORMS.get(backend.platform)
-        for arch in backend.architectures if form else ():
+        for index, arch in enumerate(backend.architectures) if form else ():
             if not form[0].match(arch):
-                backend.error("B011", "architecture %s is not %s" % (describe(arch), form[1]), rel)
+                backend.error("B011", "architecture %s is not %s" % (describe(arch), form[1]), rel,
+                              key="build.architectures[%d]" % index)
 
 
 def check_object(backend, rel, value, where):
@@ -3019,27 +3115,40 @@ def check_object(backend, rel, value, where):
     rules = KEYS_BELOW[where]
     for key in sorted(value) if not rules.keys() >= value.keys() else ():
         if key not in rules:
-            hint = nearest(key, list(rules))
-            backend.warning("M003", 'unknown key "%s%s"%s' % (
-                where, key, '; did you mean "%s"?' % hint if hint else ""), rel)
+            backend.warning("M003", 'unknown key "%s%s"%s' % (where, key, unknown_key_hint(
+                where, key, rules)), rel, key=where + key)
     for name, (required, rule) in rules.items():
         if name not in value:
             if required:
-                backend.error("M001", 'missing required key "%s%s"' % (where, name), rel)
+                backend.error("M001", 'missing required key "%s%s"' % (where, name), rel,
+                              key=where[:-1] or None)
             continue
         item = value[name]
         if not rule.test(item):
             backend.error("M002", '"%s%s" must be %s, not %s'
-                          % (where, name, rule.expected, describe(item)), rel)
+                          % (where, name, rule.expected, describe(item)), rel, key=where + name)
         elif rule.each is not None:
             for index, element in (sorted(item.items()) if type(item) is dict else enumerate(item)):
                 each = rule.each.get(index, rule.each[None]) if type(item) is dict else rule.each
                 if not each.test(element):
                     place = ("%s%s.%s" if type(item) is dict else "%s%s[%d]") % (where, name, index)
                     backend.error("M002", '"%s" must be %s, not %s'
-                                  % (place, each.expected, describe(element)), rel)
+                                  % (place, each.expected, describe(element)), rel, key=place)
         elif type(item) is dict and where + name + "." in KEYS_BELOW:
             check_object(backend, rel, item, where + name + ".")
+
+
+def unknown_key_hint(where, key, rules):
+    """What to say of an unknown key: where it belongs when another object
+    of the manifest has it (a top-level min_capability belongs in build),
+    else the nearest spelling."""
+    homes = sorted(place + key for place, names in KEYS_BELOW.items() if key in names)
+    if homes:
+        return "; it belongs %s" % " or ".join(
+            'under "%s" (as "%s")' % (home.rsplit(".", 1)[0], home) if "." in home else
+            'at the top level (as "%s")' % home for home in homes)
+    hint = nearest(key, list(rules))
+    return '; did you mean "%s"?' % hint if hint else ""
 
 
 def check_abi(repo, backend):
@@ -3179,13 +3288,18 @@ def check_sources(repo, backend):
         return
     declared = {}
     real_dir = None
+    at = {}  # each source's places in the list, for the line of a finding about the entry
+    for index, source in enumerate(m["sources"]):
+        if type(source) is str:
+            at.setdefault(source, []).append(index)
     for source, rel, problem in backend.sources:
+        key = "sources[%d]" % at[source].pop(0)
         if problem:
-            backend.error("S002", "source %s %s" % (describe(source), problem))
+            backend.error("S002", "source %s %s" % (describe(source), problem), key=key)
             continue
         if rel in declared:
             backend.error("S003", "source %s is listed twice (as %s and %s)"
-                          % (rel, describe(declared[rel]), describe(source)))
+                          % (rel, describe(declared[rel]), describe(source)), key=key)
             continue
         declared[rel] = source
         kind = backend.files.get(rel)
@@ -3257,7 +3371,7 @@ def check_build_script(repo, backend):
     rel, problem = normalize_relpath(script)
     rel_path = backend.rel(rel) if rel else None
     if problem:
-        backend.error("S002", "build.script %s %s" % (describe(script), problem))
+        backend.error("S002", "build.script %s %s" % (describe(script), problem), key="build.script")
         return
     path = backend.dir + "/" + rel
     if not repo.inside(path):
@@ -3320,7 +3434,8 @@ def check_build_output(backend):
     if output.startswith("/") or ".." in output.split("/"):
         backend.error("B015", "build.output %s is not inside the build script's <output-dir>; give "
                       "the library's path relative to it, e.g. %s"
-                      % (describe(output), describe(posixpath.basename(output) or "libname.so")))
+                      % (describe(output), describe(posixpath.basename(output) or "libname.so")),
+                      key="build.output")
         return False
     return True
 
@@ -3331,14 +3446,15 @@ def check_build_targets(backend, build):
         return
     default = backend.default_arch
     if default is not None and default not in backend.architectures:
-        backend.error("B008", "build.default_arch %s is not in build.architectures" % default)
+        backend.error("B008", "build.default_arch %s is not in build.architectures" % default,
+                      key="build.default_arch")
     minimum = build.get("min_capability")
     if is_int(minimum):
-        for arch in backend.architectures:
+        for index, arch in enumerate(backend.architectures):
             number = arch_number(arch)
             if number is not None and number < minimum:
                 backend.error("B010", "architecture %s is below build.min_capability %d"
-                              % (arch, minimum))
+                              % (arch, minimum), key="build.architectures[%d]" % index)
 
 
 def check_status(repo, backend):
@@ -3350,20 +3466,21 @@ def check_status(repo, backend):
         ops = [k for k in tolerance if k != "note"] if isinstance(tolerance, dict) else []
         if not ops:
             backend.error("T001", "status is validated but numerics.tolerance gives no op "
-                          "tolerance; add one per op")
+                          "tolerance; add one per op", key="status")
     reference = m.get("reference")
     entry = reference.get("entrypoint") if isinstance(reference, dict) else None
     level = "error" if backend.status == "validated" else "warning"
     if not isinstance(entry, str) or not entry:
         if backend.status == "validated":
-            backend.error("T002", "status is validated but reference.entrypoint is not given")
+            backend.error("T002", "status is validated but reference.entrypoint is not given",
+                          key="status")
         return
     if not inside_repository(entry):
         backend.report(level, "T002", "reference.entrypoint %s must be relative to the repository "
-                       "root, and inside it" % describe(entry))
+                       "root, and inside it" % describe(entry), key="reference.entrypoint")
     elif not os.path.isfile(os.path.join(repo.root, entry)):
         backend.report(level, "T002", "reference.entrypoint %s does not exist (it is relative to "
-                       "the repository root)" % describe(entry))
+                       "the repository root)" % describe(entry), key="reference.entrypoint")
 
 
 def inside_repository(path):
@@ -3376,9 +3493,10 @@ def check_models(repo, backend):
     models = backend.manifest.get("models")
     if not isinstance(models, list):
         return
-    for model in models:
+    for index, model in enumerate(models):
         if is_model_dir(model) and not os.path.isdir(os.path.join(repo.root, model)):
-            backend.warning("O001", "models lists %s, which does not exist" % describe(model))
+            backend.warning("O001", "models lists %s, which does not exist" % describe(model),
+                            key="models[%d]" % index)
 
 
 # (check, runs for planned backends too)
@@ -3442,7 +3560,9 @@ class Run:
     def __init__(self, root, backends, diagnostics):
         self.root = root
         self.backends = backends
-        self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+        found = sorted(diagnostics, key=Diagnostic.sort_key)
+        self.diagnostics = [d for d in found if d.suppressed is None]
+        self.suppressed = [d for d in found if d.suppressed is not None]
 
     def count(self, level):
         return sum(1 for d in self.diagnostics if d.level == level)
@@ -3481,15 +3601,48 @@ def unknown_name(given, name, keys, repo):
             name, name)
     if name in PLATFORMS or os.path.isdir(os.path.join(repo.backends_path, name)):
         return message + '; "%s" is a platform directory: name its backends as %s/<name>' % (name, name)
+    import difflib
     command = nearest(name, list(COMMANDS))
-    if command:
-        return message + '; did you mean the command "%s"?' % command
     hint = nearest(name, keys + sorted({k.split("/", 1)[-1] for k in keys}))
+    if command and not (hint and difflib.SequenceMatcher(None, name, hint).ratio() >
+                        difflib.SequenceMatcher(None, name, command).ratio()):
+        return message + '; did you mean the command "%s"?' % command
     return message + ('; did you mean "%s"?' % hint if hint else "")
 
 
-def run_check(repo, names=()):
-    """Check the named backends (all by default)."""
+def suppress(diagnostics, backends, ignored):
+    """Mark each warning that its backend's manifest ("ignore") or the
+    command line (--ignore, the codes in `ignored`) accepts, with the
+    reason.  Errors are never suppressed: an error means the manifest is
+    not true."""
+    ignores = {b.key: b.ignore for b in backends}
+    for d in diagnostics:
+        if d.level != "warning":
+            continue
+        reason = ignores.get(d.backend, {}).get(d.code)
+        if reason is None and d.code in ignored:
+            reason = "--ignore %s" % d.code
+        d.suppressed = reason
+
+
+def unused_ignores(backends, diagnostics):
+    """M006: an ignore entry for a code of the check that matches none of
+    its warnings.  Entries for the codes of build, test, parity and trace are
+    not judged: whether those warn depends on the machine."""
+    used = {(d.backend, d.code) for d in diagnostics if d.suppressed is not None}
+    errors = {(d.backend, d.code) for d in diagnostics if d.level == "error"}
+    for backend in backends:
+        for code in sorted(backend.ignore):
+            if code[0] in CHECK_FAMILIES and (backend.key, code) not in used:
+                backend.warning("M006", "ignore.%s matches no warning of %s%s; remove the entry"
+                                % (code, backend.key, "; %s is an error here, which no entry can "
+                                   "suppress" % code if (backend.key, code) in errors else ""),
+                                key="ignore." + code)
+
+
+def run_check(repo, names=(), ignored=()):
+    """Check the named backends (all by default); warnings of the codes in
+    `ignored`, and those each manifest's "ignore" names, are suppressed."""
     backends, loose = discover(repo)
     if not backends and not loose:
         loose.append(Diagnostic("warning", "D007", repo.backends_dir, repo.backends_dir, None,
@@ -3500,6 +3653,9 @@ def run_check(repo, names=()):
     for backend in backends:
         check_backend(repo, backend)
     check_index_modes(repo, backends)
+    found = loose + [d for backend in backends for d in backend.diagnostics]
+    suppress(found, backends, ignored)
+    unused_ignores(backends, found)
     return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
@@ -3508,8 +3664,13 @@ def run_check(repo, names=()):
 
 
 def summary_line(run):
-    return "%d backend(s), %d error(s), %d warning(s)" % (
-        len(run.backends), run.count("error"), run.count("warning"))
+    return "%d backend(s), %d error(s), %d warning(s)%s" % (
+        len(run.backends), run.count("error"), run.count("warning"), suppressed_note(run.suppressed))
+
+
+def suppressed_note(suppressed):
+    """How the summary line counts the suppressed findings (nothing when none)."""
+    return ", %d suppressed (--format json lists them)" % len(suppressed) if suppressed else ""
 
 
 CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -3575,7 +3736,8 @@ def report_text(run, out):
 def report_json(run, out):
     json.dump({"checked": [b.key for b in run.backends],
                "issues": [d.as_dict() for d in run.diagnostics],
-               "errors": run.count("error"), "warnings": run.count("warning")},
+               "errors": run.count("error"), "warnings": run.count("warning"),
+               "suppressed": [d.as_dict() for d in run.suppressed]},
               out, indent=2)
     out.write("\n")
 
@@ -3587,20 +3749,50 @@ def github_escape(text, property=False):
     return text
 
 
+def annotation(d):
+    """A finding as a GitHub Actions workflow command, which GitHub shows on
+    the line of the file."""
+    fields = []
+    if d.path:
+        fields.append("file=" + github_escape(d.path, True))
+        if d.line:
+            fields.append("line=%d" % d.line)
+    fields.append("title=" + d.code)
+    return "::%s %s::%s\n" % (d.level, ",".join(fields),
+                              github_escape("%s: %s" % (d.backend, d.message)))
+
+
 def report_github(run, out):
-    for d in run.diagnostics:
-        fields = []
-        if d.path:
-            fields.append("file=" + github_escape(d.path, True))
-            if d.line:
-                fields.append("line=%d" % d.line)
-        fields.append("title=" + d.code)
-        out.write("::%s %s::%s\n" % (d.level, ",".join(fields),
-                                     github_escape("%s: %s" % (d.backend, d.message))))
+    out.write("".join(annotation(d) for d in run.diagnostics))
     out.write(summary_line(run) + "\n")
 
 
-REPORTERS = {"text": report_text, "json": report_json, "github": report_github}
+def report_sarif(run, out):
+    """SARIF 2.1.0, what GitHub code scanning reads: every finding, the
+    suppressed ones with their reason."""
+    from urllib.parse import quote
+    results = []
+    for d in run.diagnostics + run.suppressed:
+        result = {"ruleId": d.code, "level": d.level,
+                  "message": {"text": "%s: %s" % (d.backend, d.message)}}
+        if d.path:
+            location = {"artifactLocation": {"uri": quote(d.path), "uriBaseId": "%SRCROOT%"}}
+            if d.line:
+                location["region"] = {"startLine": d.line}
+            result["locations"] = [{"physicalLocation": location}]
+        if d.suppressed is not None:
+            result["suppressions"] = [{"kind": "external", "justification": d.suppressed}]
+        results.append(result)
+    codes = sorted({d.code for d in run.diagnostics + run.suppressed})
+    json.dump({"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
+               "runs": [{"tool": {"driver": {"name": "check_contract.py", "version": VERSION,
+                                             "rules": [{"id": code} for code in codes]}},
+                         "results": results}]}, out, indent=2)
+    out.write("\n")
+
+
+REPORTERS = {"text": report_text, "json": report_json, "github": report_github,
+             "sarif": report_sarif}
 
 
 # ---------------------------------------------------------------------------
@@ -3756,7 +3948,7 @@ TOOLCHAINS = {"cpu": ("CC", "cc"), "cuda": ("NVCC", "nvcc"), "hip": ("HIPCC", "h
 class TierResult:
     """What happened to one backend in a tier: passed, failed or skipped."""
 
-    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics", "trace")
+    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics", "trace", "suppressed")
 
     def __init__(self, backend, outcome, detail="", elapsed=None, diagnostics=()):
         self.backend = backend
@@ -3765,11 +3957,13 @@ class TierResult:
         self.elapsed = elapsed
         self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
         self.trace = None  # trace: what each traced run built (traced_build)
+        self.suppressed = []  # the findings an ignore entry accepts (set aside by run_tier)
 
     def as_dict(self):
         found = {"backend": self.backend, "result": self.outcome, "detail": self.detail,
                  "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
-                 "issues": [d.as_dict() for d in self.diagnostics]}
+                 "issues": [d.as_dict() for d in self.diagnostics],
+                 "suppressed": [d.as_dict() for d in self.suppressed]}
         if self.trace is not None:
             found["runs"] = [dict(r, elapsed=round(r["elapsed"], 3)) for r in self.trace]
         return found
@@ -4453,12 +4647,16 @@ def trace_summary(built):
 
 
 def report_tier(results, fmt, out, root):
+    """The results of build, test, parity or trace: as JSON, or a line per
+    backend (and per traced call) with its findings as text lines or GitHub
+    annotations, then the counts."""
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
         json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
         out.write("\n")
         return
     locator = Locator(root)
+    finding = annotation if fmt == "github" else lambda d: finding_line(d, locator)
     for result in results:
         line = "%s %s" % (result.outcome, result.backend)
         if result.detail:
@@ -4474,8 +4672,9 @@ def report_tier(results, fmt, out, root):
                     call["cwd"])) + "\n")
             out.write("    -> %s\n" % escape_control(trace_summary(built)))
         for d in result.diagnostics:
-            out.write(finding_line(d, locator))
-    out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
+            out.write(finding(d))
+    out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped" % counts)
+    out.write(suppressed_note([d for r in results for d in r.suppressed]) + "\n")
 
 
 def run_tier(args, run_one, choose=None):
@@ -4484,6 +4683,10 @@ def run_tier(args, run_one, choose=None):
     backends = run.backends if choose is None else choose(run.backends, args.names)
     stream = tier_stream(args)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
+    for result in results:
+        suppress(result.diagnostics, backends, args.ignore)
+        result.suppressed = [d for d in result.diagnostics if d.suppressed is not None]
+        result.diagnostics = [d for d in result.diagnostics if d.suppressed is None]
     report_tier(results, args.format, sys.stdout, repo.root)
     return 1 if any(r.outcome == "failed" for r in results) else 0
 
@@ -4561,11 +4764,8 @@ def nearest_holding(directory, name):
 
 def cmd_check(args):
     repo = repository(args)
-    run = run_check(repo, args.names)
-    fmt = args.format
-    if fmt is None:
-        fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"
-    REPORTERS[fmt](run, sys.stdout)
+    run = run_check(repo, args.names, args.ignore)
+    REPORTERS[args.format](run, sys.stdout)
     if run.count("error") or (args.strict and run.count("warning")):
         return 1
     return 0
@@ -4705,6 +4905,9 @@ def cmd_init(args):
                                  and len(default) <= MAX_DIGITS else default)
     manifest = {"name": name, "platform": platform, "status": "experimental", "abi_version": abi,
                 "sources": sources, "build": build}
+    kept = replaced_ignore(manifest_path) if args.force else {}
+    if kept:
+        manifest["ignore"] = kept
     schema = os.path.join(repo.backends_path, "backend.schema.json")
     if os.path.isfile(schema):  # a $schema naming no file would mislead editors
         manifest = dict({"$schema": posixpath.relpath(schema, target).replace(os.sep, "/")}, **manifest)
@@ -4732,10 +4935,26 @@ def cmd_init(args):
         sys.stderr.write("check_contract.py: error: init: cannot write %s: %s; nothing was "
                          "written\n" % (os.path.relpath(manifest_path), reason))
         return 1
-    sys.stdout.write("wrote %s\n" % os.path.relpath(manifest_path))
+    (sys.stderr if args.format == "json" else sys.stdout).write("wrote %s%s\n" % (
+        os.path.relpath(manifest_path),
+        " (keeping the ignore entries of the one it replaced: %s)" % ", ".join(sorted(kept))
+        if kept else ""))
     run = run_check(repo, [platform + "/" + name])
-    report_text(run, sys.stdout)
+    REPORTERS[args.format](run, sys.stdout)
     return 1 if run.count("error") else 0
+
+
+def replaced_ignore(path):
+    """The valid "ignore" entries of the manifest that init --force
+    replaces: why a warning is accepted is nothing the directory tells."""
+    text = read_text(path)[0]
+    try:
+        old = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return {}
+    ignore = old.get("ignore") if isinstance(old, dict) else None
+    return {code: why for code, why in sorted(ignore.items())
+            if CODE_RE.match(code) and REASON.test(why)} if isinstance(ignore, dict) else {}
 
 
 def init_trace(repo, backend, default_target):
@@ -4815,10 +5034,31 @@ class Parser(argparse.ArgumentParser):
         raise CommandLineError(message)  # one line, not argparse's usage dump
 
 
-def add_format(parser, formats, help_text):
+# The formats of each command; where github is one, it is the default when
+# GITHUB_ACTIONS=true, as GitHub sets it in every job.
+FORMATS = {"check": ("text", "json", "github", "sarif"), "list": ("text", "json", "github-matrix"),
+           "init": ("text", "json", "github"), "build": ("text", "json", "github"),
+           "test": ("text", "json", "github"), "parity": ("text", "json", "github"),
+           "trace": ("text", "json", "github")}
+
+
+def add_format(parser, name, help_text):
     """--format, and --json as its alias (both tools take both)."""
-    parser.add_argument("--format", choices=formats, default=None, help=help_text)
+    parser.add_argument("--format", choices=FORMATS[name], default=None, help=help_text)
     parser.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def add_ignore(parser):
+    parser.add_argument("--ignore", metavar="CODE", action="append", type=diagnostic_code,
+                        default=[], help="suppress the warnings of this code (repeat it for "
+                        "more); they are counted as suppressed, never dropped")
+
+
+def diagnostic_code(text):
+    if not CODE_RE.match(text):
+        raise argparse.ArgumentTypeError("%r is no diagnostic code; give one such as B017 (a "
+                                         "letter and three digits)" % text)
+    return text
 
 
 def resolve_format(args):
@@ -4826,6 +5066,9 @@ def resolve_format(args):
         if args.format not in (None, "json"):
             raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
         args.format = "json"
+    if args.format is None:
+        args.format = ("github" if "github" in FORMATS[args.command]
+                       and os.environ.get("GITHUB_ACTIONS") == "true" else "text")
 
 
 ROOT_HELP = ("repository root (default: the top of the git work tree here, else the nearest "
@@ -4872,9 +5115,10 @@ def add_check_parser(sub, common, formatter):
                            "  python3 check_contract.py --root .\n"
                            "  python3 check_contract.py check --format json cpu/llm_ops\n"
                            "  python3 check_contract.py check --strict --format github\n")
-    add_format(check, ("text", "json", "github"),
-               "output format (default: github when GITHUB_ACTIONS=true, else text)")
+    add_format(check, "check", "output format; sarif: SARIF 2.1.0 for GitHub code scanning "
+               "(default: github when GITHUB_ACTIONS=true, else text)")
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    add_ignore(check)
     check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all)")
 
 
@@ -4897,7 +5141,7 @@ def add_list_parser(sub, common, formatter):
                              "  python3 check_contract.py list --buildable --format github-matrix\n")
     listing.add_argument("--buildable", action="store_true",
                          help="only non-planned backends with no errors and an executable build script")
-    add_format(listing, ("text", "json", "github-matrix"),
+    add_format(listing, "list",
                "output format: one line per backend, every field as JSON, or a GitHub Actions "
                "job matrix (default: text)")
 
@@ -4918,6 +5162,9 @@ def add_init_parser(sub, common, formatter):
     init.add_argument("--no-trace", action="store_true",
                       help="read the build script without running it (by default, when bash "
                       "is here, init runs it as trace does, with compiler shims in place)")
+    add_format(init, "init", "the format of the check report after the manifest is written; "
+               "json: the 'wrote' line goes to stderr (default: github when GITHUB_ACTIONS=true, "
+               "else text)")
 
 
 def add_build_parser(sub, common, formatter):
@@ -4940,8 +5187,9 @@ def add_build_parser(sub, common, formatter):
                        help="build only this architecture (passed as the script's second argument)")
     build.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                        help="time limit per build in seconds (default: 1800)")
-    add_format(build, ("text", "json"),
-               "output format; json: results on stdout, build output on stderr (default: text)")
+    add_format(build, "build", "output format; json: results on stdout, build output on stderr "
+               "(default: github when GITHUB_ACTIONS=true, else text)")
+    add_ignore(build)
 
 
 def add_tier_parsers(sub, common, formatter, only):
@@ -4964,8 +5212,9 @@ def add_tier_parsers(sub, common, formatter, only):
                           % ("the validated ones" if name == "parity" else "all"))
         tier.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                           help="time limit per backend in seconds (default: 1800)")
-        add_format(tier, ("text", "json"),
-                   "output format; json: results on stdout, child output on stderr (default: text)")
+        add_format(tier, name, "output format; json: results on stdout, child output on stderr "
+                   "(default: github when GITHUB_ACTIONS=true, else text)")
+        add_ignore(tier)
 
 
 def add_trace_parser(sub, common, formatter):
@@ -4990,8 +5239,9 @@ def add_trace_parser(sub, common, formatter):
                        "else the first of build.architectures)")
     trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=TRACE_TIMEOUT,
                        help="time limit per run of a script in seconds (default: 120)")
-    add_format(trace, ("text", "json"),
-               "output format; json: results on stdout, script output on stderr (default: text)")
+    add_format(trace, "trace", "output format; json: results on stdout, script output on "
+               "stderr (default: github when GITHUB_ACTIONS=true, else text)")
+    add_ignore(trace)
 
 
 ROOT_OPTIONS = ("--root", "--repo-root", "--backends-dir")
@@ -4999,25 +5249,36 @@ COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd
             "test": cmd_test, "parity": cmd_parity, "trace": cmd_trace}
 
 
+# Options of the subcommands that may also come before the command; they are
+# moved after it, where its parser reads them.
+MOVED_OPTIONS = ("--format",)
+MOVED_FLAGS = ("--json",)
+
+
 def with_default_command(argv):
-    """(argv with `check` inserted when no subcommand is named, the
+    """(argv with `check` inserted when no subcommand is named and the
+    options of the subcommands given before it moved after it, the
     subcommand, or None for a command line that asks for help or version)."""
+    head, moved = [], []
     index = 0
     while index < len(argv):
         arg = argv[index]
-        if arg in ROOT_OPTIONS:
+        if arg in ROOT_OPTIONS + MOVED_OPTIONS:
             if index + 1 == len(argv):
                 break  # no value: the parser says so
+            (moved if arg in MOVED_OPTIONS else head).extend(argv[index:index + 2])
             index += 2
-        elif arg.startswith(tuple(option + "=" for option in ROOT_OPTIONS)):
+        elif arg.startswith(tuple(option + "=" for option in ROOT_OPTIONS + MOVED_OPTIONS)) \
+                or arg in MOVED_FLAGS:
+            (head if arg.startswith(tuple(o + "=" for o in ROOT_OPTIONS)) else moved).append(arg)
             index += 1
         elif arg in COMMANDS:
-            return argv, arg
+            return head + [arg] + moved + argv[index + 1:], arg
         elif arg in ("-h", "--help", "--version"):
             return argv, None
         else:
             break
-    return argv[:index] + ["check"] + argv[index:], "check"
+    return head + ["check"] + moved + argv[index:], "check"
 
 
 class ReportError(Exception):

@@ -670,7 +670,7 @@ class BuildScriptTest(TreeTest):
                     "  -o \"$out/lib%s.so\"\n" % (name, cap, name))})
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
-        self.assertEqual(found, [("cuda/b", "B006", None), ("cuda/b", "B007", 4)])
+        self.assertEqual(found, [("cuda/b", "B006", 4), ("cuda/b", "B007", 4)])
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -1552,8 +1552,8 @@ class CommandLineTest(TreeTest):
         self.tree(demo_files())
         for argv, hint in ((["chek"], 'did you mean the command "check"?'),
                            (["lsit"], 'did you mean the command "list"?'),
-                           (["--json", "list"], '"list" is a command: give it before the options '
-                                                "(check_contract.py list ...)"),
+                           (["--strict", "list"], '"list" is a command: give it before the options '
+                                                  "(check_contract.py list ...)"),
                            (["dmeo"], 'did you mean "demo"?')):
             with self.subTest(argv=argv):
                 self.assertEqual(self.check(*argv), (
@@ -1593,7 +1593,7 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("--json")
         self.assertEqual(rc, 1)
         self.assertEqual(json.loads(out), {
-            "checked": ["cpu/demo"], "errors": 1, "warnings": 0,
+            "checked": ["cpu/demo"], "errors": 1, "warnings": 0, "suppressed": [],
             "issues": [{"level": "error", "code": "S004", "backend": "cpu/demo",
                         "path": "backends/cpu/demo/x.c", "line": None,
                         "message": "kernel source x.c is not declared in sources; add it, or list it "
@@ -1822,6 +1822,287 @@ class TextOutputTest(TreeTest):
         rc, out, err = self.check("list")
         self.assertEqual((rc, out, err), (0, "cpu/a\\nb platform=cpu status=validated\n", ""))
 
+
+
+MAKE_BUILD = Executable("#!/bin/sh\nmake -C src\n")  # the reader cannot tell what make builds: B017
+
+
+def manifest_line(text, needle):
+    """The number of the first line of `text` holding `needle`."""
+    return next(n for n, line in enumerate(text.splitlines(True), 1) if needle in line)
+
+
+class FormatsTest(TreeTest):
+    """Every command that reports findings prints them as text, JSON or
+    GitHub annotations, the annotations by default under GitHub Actions."""
+
+    def test_every_command_with_findings_offers_github(self):
+        for name, parser in subcommands(check_contract.build_parser()).items():
+            with self.subTest(command=name):
+                (fmt,) = [a for a in parser._actions if "--format" in a.option_strings]
+                self.assertLessEqual({"text", "json"}, set(fmt.choices))
+                if name != "list":  # a listing holds no findings: its GitHub form is github-matrix
+                    self.assertIn("github", fmt.choices)
+
+    def test_trace_prints_annotations_under_github_actions(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=${2:-x86-64} ops.c -o "$1/libother.so"\n')}))
+        annotation = ("::error file=backends/cpu/demo/build.sh,title=B004::cpu/demo: running build.sh "
+                      "<output-dir> shows: build script build.sh writes \"libother.so\" but "
+                      "build.output is \"libdemo.so\"\n")
+        for argv in (["--root", ".", "--format", "github", "trace"], ["--root", ".", "trace"]):
+            with self.subTest(argv=argv):
+                done = subprocess.run([sys.executable, CHECKER] + argv, cwd=self.root,
+                                      env=dict(os.environ, GITHUB_ACTIONS="true"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      universal_newlines=True, timeout=120)
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn("\n" + annotation, done.stdout)
+                self.assertNotIn("[error]", done.stdout)
+                self.assertTrue(done.stdout.endswith("\n0 backend(s) passed, 1 failed, 0 skipped\n"),
+                                done.stdout)
+
+    def test_a_tier_prints_its_findings_as_annotations(self):
+        files = tiny_files(status="validated")
+        files["backends/cpu/tiny/parity.py"] = "raise SystemExit(3)\n"
+        self.tree(files)
+        expected = ("::error file=backends/cpu/tiny/parity.py,title=P001::cpu/tiny: "
+                    "backends/cpu/tiny/parity.py failed (exit status 3)\n"
+                    "0 backend(s) passed, 1 failed, 0 skipped\n")
+        for argv, env in ((["parity", "--format", "github"], None),
+                          (["parity"], {"GITHUB_ACTIONS": "true"})):
+            with self.subTest(argv=argv):
+                rc, out, err = self.check(*argv, env=env)
+                self.assertEqual((rc, err), (1, ""))
+                self.assertRegex(out, r"\nfailed cpu/tiny: backends/cpu/tiny/parity.py failed "
+                                      r"\(exit status 3\) \([0-9.]+s\)\n")
+                self.assertTrue(out.endswith("s)\n" + expected), out)
+        rc, out, err = self.check("parity")
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: ", out)
+
+    def test_init_reports_in_the_format_asked_for(self):
+        files = demo_files()
+        del files["backends/cpu/demo/demo.backend.json"]
+        self.tree(files)
+        rc, out, err = self.check("init", "--no-trace", "--format", "json",
+                                  self.path("backends/cpu/demo"))
+        self.assertEqual(rc, 0, out + err)
+        self.assertEqual(json.loads(out)["checked"], ["cpu/demo"])
+        self.assertRegex(err, r"^wrote .*demo\.backend\.json\n\Z")
+
+    def test_sarif_for_code_scanning(self):
+        manifest = demo_manifest()
+        manifest["colour"] = 1
+        manifest["ignore"] = {"B017": "built by make; proved by trace"}
+        self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": MAKE_BUILD}))
+        rc, out, err = self.check("--format", "sarif")
+        self.assertEqual((rc, err), (0, ""))
+        sarif = json.loads(out)
+        self.assertEqual(sarif["version"], "2.1.0")
+        (run,) = sarif["runs"]
+        self.assertEqual(run["tool"]["driver"]["name"], "check_contract.py")
+        self.assertEqual(run["tool"]["driver"]["rules"], [{"id": "B017"}, {"id": "M003"}])
+        text = json.dumps(manifest, indent=2)
+        self.assertEqual(run["results"], [
+            {"ruleId": "M003", "level": "warning",
+             "message": {"text": 'cpu/demo: unknown key "colour"'},
+             "locations": [{"physicalLocation": {
+                 "artifactLocation": {"uri": "backends/cpu/demo/demo.backend.json",
+                                      "uriBaseId": "%SRCROOT%"},
+                 "region": {"startLine": manifest_line(text, '"colour"')}}}]},
+            {"ruleId": "B017", "level": "warning",
+             "message": {"text": "cpu/demo: cannot tell which library build.sh writes: it has no "
+                                 "compiler command with -o that the checker can see; the checker "
+                                 "does not follow line 2 (make, whose build rules it does not read)"},
+             "locations": [{"physicalLocation": {
+                 "artifactLocation": {"uri": "backends/cpu/demo/build.sh", "uriBaseId": "%SRCROOT%"},
+                 "region": {"startLine": 2}}}],
+             "suppressions": [{"kind": "external", "justification": "built by make; proved by trace"}]}])
+
+
+class SuppressionTest(TreeTest):
+    """A warning accepted on purpose, with a reason: counted, never dropped."""
+
+    def backend(self, ignore=None, script=MAKE_BUILD):
+        manifest = demo_manifest()
+        if ignore is not None:
+            manifest["ignore"] = ignore
+        self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": script}))
+        return json.dumps(manifest, indent=2)
+
+    def test_a_manifest_entry_suppresses_the_warning_and_the_summary_counts_it(self):
+        self.backend({"B017": "built by make; proved by trace in CI"})
+        self.assertEqual(self.check("--strict"), (0, "checked cpu/demo: status=validated abi=1\n"
+                                                     "1 backend(s), 0 error(s), 0 warning(s), 1 "
+                                                     "suppressed (--format json lists them)\n", ""))
+        rc, out, err = self.check("--format", "json")
+        report = json.loads(out)
+        self.assertEqual((report["issues"], report["warnings"]), ([], 0))
+        self.assertEqual([(d["code"], d["line"], d["reason"]) for d in report["suppressed"]],
+                         [("B017", 2, "built by make; proved by trace in CI")])
+        self.assertEqual(self.check("--format", "github")[1],
+                         "1 backend(s), 0 error(s), 0 warning(s), 1 suppressed (--format json "
+                         "lists them)\n")
+
+    def test_without_the_entry_the_warning_fails_strict(self):
+        self.backend()
+        rc, out, err = self.check("--strict")
+        self.assertEqual(rc, 1)
+        self.assertIn("backends/cpu/demo/build.sh:2: [warning] B017 cpu/demo: cannot tell", out)
+
+    def test_an_entry_that_matches_nothing_is_a_warning_at_its_line(self):
+        text = self.backend({"B017": "built by make", "S006": "old"},
+                            script=CPU_BUILD)
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (0, ""))
+        line = manifest_line(text, '"B017"')
+        self.assertEqual(out.splitlines()[:2], [
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M006 cpu/demo: ignore.B017 matches "
+            "no warning of cpu/demo; remove the entry" % line,
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M006 cpu/demo: ignore.S006 matches "
+            "no warning of cpu/demo; remove the entry" % (line + 1)])
+
+    def test_an_error_is_never_suppressed(self):
+        files_manifest = demo_manifest(abi_version=3)
+        files_manifest["ignore"] = {"A001": "we know"}
+        self.tree(demo_files(files_manifest))
+        rc, out, err = self.check("--ignore", "A001")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] A001 cpu/demo: abi_version is 3", out)
+        self.assertIn("[warning] M006 cpu/demo: ignore.A001 matches no warning of cpu/demo; A001 is "
+                      "an error here, which no entry can suppress; remove the entry\n", out)
+
+    def test_the_entries_of_the_tiers_codes_are_not_judged_by_check(self):
+        self.backend({"B017": "built by make", "R007": "no driver on the CI runner"})
+        rc, out, err = self.check()
+        self.assertNotIn("M006", out)
+
+    def test_a_bad_entry_is_an_error_of_the_manifest(self):
+        text = self.backend({"b17": "typo", "B017": ""})
+        rc, issues = self.issues()
+        self.assertEqual(rc, 1)
+        found = sorted((i["code"], i["line"], i["message"]) for i in issues)
+        self.assertEqual(found, [
+            ("B017", 2, "cannot tell which library build.sh writes: it has no compiler command "
+                        "with -o that the checker can see; the checker does not follow line 2 "
+                        "(make, whose build rules it does not read)"),
+            ("M002", manifest_line(text, '"b17"'), '"ignore" maps codes to reasons; "b17" is no '
+                                                  "code (a letter and three digits, as B017)"),
+            ("M002", manifest_line(text, '"B017"'), '"ignore.B017" must be a non-empty string '
+                                                    "saying why the warning is accepted, not \"\"")])
+
+    def test_the_command_line_ignores_a_code_in_every_backend(self):
+        self.backend()
+        rc, out, err = self.check("--strict", "--ignore", "B017")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(", 1 suppressed (--format json lists them)\n"), out)
+        report = json.loads(self.check("--ignore", "B017", "--format", "json")[1])
+        self.assertEqual([d["reason"] for d in report["suppressed"]], ["--ignore B017"])
+        self.assertEqual(self.check("--ignore", "B17"), (
+            2, "", "check_contract.py: error: argument --ignore: 'B17' is no diagnostic code; give "
+            "one such as B017 (a letter and three digits); see check_contract.py check --help\n"))
+
+    def test_a_tier_counts_what_it_suppresses(self):
+        files = tiny_files()
+        self.tree(files)
+        rc, out, err = self.check("test")
+        self.assertIn("[warning] U002 cpu/tiny: has no tests", out)
+        rc, out, err = self.check("test", "--ignore", "U002")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertNotIn("U002", out)
+        self.assertTrue(out.endswith("0 backend(s) passed, 0 failed, 1 skipped, 1 suppressed "
+                                     "(--format json lists them)\n"), out)
+        files["backends/cpu/tiny/tiny.backend.json"]["ignore"] = {"U002": "tested by the server"}
+        self.tree(files)
+        rc, out, err = self.check("test", "--format", "json")
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((result["issues"], [d["reason"] for d in result["suppressed"]]),
+                         ([], ["tested by the server"]))
+
+    def test_the_schema_knows_the_key(self):
+        schema = load_schema()
+        self.assertEqual(schema_errors(schema, demo_manifest(ignore={"B017": "proved by trace"})), [])
+        for bad in ({"b17": "x"}, {"B017": ""}, {"B017": 1}):
+            self.assertNotEqual(schema_errors(schema, demo_manifest(ignore=bad)), [], bad)
+
+    def test_init_force_keeps_the_entries_of_the_manifest_it_replaces(self):
+        self.backend({"B017": "built by make", "bad": "dropped"}, script=CPU_BUILD)
+        rc, out, err = self.check("init", "--force", "--no-trace", self.path("backends/cpu/demo"))
+        self.assertEqual(err, "")
+        self.assertIn(" (keeping the ignore entries of the one it replaced: B017)\n", out)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["ignore"], {"B017": "built by make"})
+        self.assertIn("[warning] M006 cpu/demo: ignore.B017 matches no warning", out)
+
+
+class FindingLinesTest(TreeTest):
+    """A finding about a manifest key or a script line carries the line."""
+
+    def lines(self, manifest, **files):
+        self.tree(demo_files(manifest, **files))
+        text = json.dumps(manifest, indent=2)
+        return text, {(i["code"], i["line"]) for i in self.issues()[1]}
+
+    def test_manifest_keys_and_items_have_their_lines(self):
+        manifest = demo_manifest(abi_version="1", colour=1, sources=["ops.h", "ops.c", "./ops.c"],
+                                 models=["m/"])
+        manifest["build"]["min_capabilty"] = 80
+        del manifest["build"]["output"]
+        text, found = self.lines(manifest)
+        at = lambda needle: manifest_line(text, needle)
+        self.assertLessEqual({("M002", at('"abi_version"')), ("M003", at('"colour"')),
+                              ("M003", at('"min_capabilty"')), ("M001", at('"build"')),
+                              ("S003", at('"./ops.c"')), ("O001", at('"m/"'))}, found)
+
+    def test_a_tolerance_and_a_list_item_of_the_wrong_type(self):
+        manifest = demo_manifest(excluded=["ok", 3])
+        manifest["numerics"]["tolerance"]["rmsnorm_f32"] = -1
+        text, found = self.lines(manifest)
+        self.assertLessEqual({("M002", manifest_line(text, '"rmsnorm_f32"')),
+                              ("M002", manifest_line(text, "    3\n"))}, found)
+
+    def test_script_findings_point_at_the_compiler_call(self):
+        files = fat_files(architectures=[80, 89, 90, 100])
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"]) for i in issues], [("B006", 12)])
+        files["backends/cuda/fat/build.sh"] = Executable(
+            '#!/bin/sh\nmkdir -p "$1"\nif [ -d /opt/cuda ]; then a=80; else a=90; fi\n'
+            'nvcc -shared -arch=sm_$a ops.cu -o "$1/libfat.so"\n')
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual({(i["code"], i["line"]) for i in issues}, {("B017", 4)})
+
+
+class OptionOrderTest(TreeTest):
+    """What the docs say of option order and suggestions holds."""
+
+    def test_format_and_json_may_come_before_the_command(self):
+        self.tree(demo_files())
+        listed = self.check("list", "--format", "json")
+        self.assertEqual(listed[0], 0)
+        for argv in (["--format", "json", "list"], ["--format=json", "list"], ["--json", "list"]):
+            with self.subTest(argv=argv):
+                self.assertEqual(self.check(*argv), listed)
+        self.assertEqual(self.check("--format", "json", "cpu/demo"),
+                         self.check("check", "cpu/demo", "--format", "json"))
+
+    def test_a_mistyped_backend_is_suggested_before_a_command(self):
+        self.tree({p.replace("cpu/demo/demo.", "cuda/fa_lite/fa_lite.").replace("cpu/demo/", "cuda/fa_lite/"): c
+                   for p, c in demo_files().items()})
+        rc, out, err = self.check("fa_lit")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, 'check_contract.py: error: no backend named "fa_lit" under backends/ '
+                              '(known: cuda/fa_lite); did you mean "fa_lite"?\n')
+
+    def test_a_key_of_another_object_says_where_it_belongs(self):
+        manifest = demo_manifest(min_capability=80)
+        manifest["build"]["status"] = "validated"
+        self.tree(demo_files(manifest))
+        rc, issues = self.issues()
+        self.assertEqual(sorted(i["message"] for i in issues if i["code"] == "M003"), [
+            'unknown key "build.status"; it belongs at the top level (as "status")',
+            'unknown key "min_capability"; it belongs under "build" (as "build.min_capability")'])
 
 
 def git_in(root, *args):
@@ -2060,9 +2341,8 @@ class AbiReadingTest(TreeTest):
     def test_a_long_one_line_header_is_read_in_linear_time(self):
         line = "int x; #if 0 /* c */ \"s\" " * 110000
         self.with_header(OPS_H + line + "\n")
-        start = time.monotonic()
-        self.assertClean()
-        self.assertLess(time.monotonic() - start, 10)
+        with hang_guard("reading a 2.9 MB one-line header"):  # quadratic would take hours
+            self.assertClean()
 
 
 
@@ -2194,7 +2474,7 @@ KEY_PATHS = [tuple(key.split(".")) for key, _, _ in check_contract.MANIFEST_KEYS
             [("numerics", "tolerance", "rmsnorm_f32"), ("numerics", "tolerance", "note")]
 SCHEMA_KEYWORDS = {"$schema", "$id", "title", "description", "type", "properties", "required",
                    "additionalProperties", "enum", "minimum", "minItems", "uniqueItems", "items",
-                   "anyOf", "pattern", "minLength"}
+                   "anyOf", "pattern", "minLength", "propertyNames"}
 SHAPE_CODES = {"J003", "M001", "M002"}
 
 
@@ -2233,6 +2513,8 @@ def schema_errors(schema, value, where="$"):
             if key not in value:
                 errors.append(where + ": missing " + key)
         properties = schema.get("properties", {})
+        for key in value if "propertyNames" in schema else ():
+            errors += schema_errors(schema["propertyNames"], key, where + "." + key + " (name)")
         for key, item in value.items():
             if key in properties:
                 errors += schema_errors(properties[key], item, where + "." + key)
@@ -2400,34 +2682,77 @@ def fuzz_case(rng):
     return files, links, list(rng.choice(FUZZ_ARGV))
 
 
+# A long run (LONG_TESTS=1) checks ten times as many fuzz cases; the default
+# number keeps the suite fast enough to run before every commit.
+FUZZ_CASES = 3000 if os.environ.get("LONG_TESTS") == "1" else 300
+
+
+class Hung(BaseException):
+    """Raised by hang_guard; not an Exception, so no handler of the code under test takes it."""
+
+
+@contextlib.contextmanager
+def hang_guard(what, seconds=120):
+    """Turn a hang of the block into a failure that names `what`.  The bound
+    is far above what the block takes on any machine (milliseconds to a few
+    seconds): it measures no speed, it only stops a run that would not end."""
+    def hung(signum, frame):
+        raise Hung("%s did not end within %d s: a hang" % (what, seconds))
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class FuzzTest(TreeTest):
+    def assertFuzzOutcome(self, case, argv, rc, out, err):
+        """A usage error is one line on stderr (exit 2); a report is all on
+        stdout, and its verdict is the exit status: 1 exactly when it counts
+        an error, or any finding under --strict."""
+        context = (case, argv, out[-500:], err)
+        self.assertIn(rc, (0, 1, 2), context)
+        self.assertNotIn("Traceback", err, context)
+        if rc == 2:
+            self.assertTrue(err.startswith("check_contract.py: error: "), context)
+            self.assertEqual(err.count("\n"), 1, context)
+            return
+        self.assertEqual(err, "", context)
+        if "list" in argv or "github" in argv:
+            return
+        if "json" in argv:
+            issues = json.loads(out)["issues"]
+            errors = sum(i["level"] == "error" for i in issues)
+            warnings = len(issues) - errors
+        else:
+            summary = re.search(r" ([0-9]+) error\(s\), ([0-9]+) warning\(s\)\n\Z", out)
+            self.assertIsNotNone(summary, context)
+            errors, warnings = int(summary.group(1)), int(summary.group(2))
+        self.assertEqual(rc, int(bool(errors or ("--strict" in argv and warnings))), context)
+
     def test_mutated_manifests_and_trees_never_crash_or_hang(self):
-        """Several thousand mutated trees, checked in-process with a fixed
-        seed: every run ends with exit status 0, 1 or 2, in under 10 s."""
+        """FUZZ_CASES mutated trees from a fixed seed, checked in-process:
+        each ends in a usage error or a report whose exit status is its
+        verdict, never in a traceback or a hang."""
         rng = random.Random(20261130)
-        runs = 0
-        started = time.monotonic()
-        while runs < 2500 and time.monotonic() - started < 50:
+        for case in range(FUZZ_CASES):
             files, links, argv = fuzz_case(rng)
-            root = os.path.join(self.root, "r%d" % runs)
+            root = os.path.join(self.root, "r%d" % case)
             write_tree(root, files)
             for target, link in links:
                 path = os.path.join(root, link)
                 if os.path.lexists(path):
                     os.unlink(path)
                 os.symlink(target, path)
-            start = time.monotonic()
             try:
-                rc, out, err = run_main(["--repo-root", root] + argv)
+                with hang_guard("case %d (%r)" % (case, argv)):
+                    rc, out, err = run_main(["--repo-root", root] + argv)
             except BaseException as exc:  # a traceback: name the case that caused it
-                self.fail("run %d (%r) raised %r" % (runs, argv, exc))
-            elapsed = time.monotonic() - start
-            self.assertIn(rc, (0, 1, 2), (runs, argv, out[-500:], err))
-            self.assertNotIn("Traceback", err, (runs, argv))
-            self.assertLess(elapsed, 10, (runs, argv))
+                self.fail("case %d (%r) raised %r" % (case, argv, exc))
+            self.assertFuzzOutcome(case, argv, rc, out, err)
             shutil.rmtree(root)
-            runs += 1
-        self.assertGreaterEqual(runs, 2000, "the fuzzer ran only %d cases in its time" % runs)
 
 
 class SchemaTest(unittest.TestCase):
@@ -2520,18 +2845,22 @@ def tiny_files(version="TINY_ABI_VERSION", build=TINY_BUILD, c_source=None, stat
 ELAPSED_LINE = re.compile(r"^\[ *[0-9]+\.[0-9]s\] ", re.M)
 
 
-def running(pid):
-    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
-    for _ in range(50):
+def ends(pid, timeout=60):
+    """Whether process pid ends (a zombie awaiting its reaper has) within
+    `timeout` seconds: a bound only a process nobody stopped reaches, however
+    busy the machine."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
             with open("/proc/%d/stat" % pid) as handle:
                 state = handle.read().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
-            return False
+            return True
         if state == "Z":
+            return True
+        if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
-    return True
 
 
 class BuildTierTest(TreeTest):
@@ -2593,7 +2922,7 @@ class BuildTierTest(TreeTest):
                       "finish within 1s; it was stopped\n", out)
         with open(pid_file) as handle:
             sleeper = int(handle.read())
-        self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
+        self.assertTrue(ends(sleeper), "the build's background process outlived the time limit")
 
     def test_output_that_is_not_a_shared_object_is_an_error(self):
         self.tree(tiny_files(build=Executable(
@@ -2876,23 +3205,15 @@ class TraceTierTest(TreeTest):
     def test_timeout_stops_the_script_and_what_it_started(self):
         pid_file = self.path("pid")
         self.backend('#!/usr/bin/env bash\nsleep 300 &\necho $! > %s\nwait\n' % pid_file)
-        start = time.monotonic()
         rc, report, err = self.trace("--timeout", "1")
-        self.assertLess(time.monotonic() - start, 30)
         (result,) = report["results"]
         self.assertEqual(rc, 1)
-        self.assertEqual(result["issues"][0]["code"], "R002")
+        self.assertEqual((result["issues"][0]["code"], result["issues"][0]["message"]),
+                         ("R002", "running build.sh <output-dir> 80 shows: the script did not "
+                                  "finish within 1s; it was stopped"))
         with open(pid_file) as handle:
             pid = int(handle.read())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            self.fail("the script's background sleep (pid %d) outlived the trace" % pid)
+        self.assertTrue(ends(pid), "the script's background sleep (pid %d) outlived the trace" % pid)
 
     def test_manifest_disagreeing_with_the_trace_is_reported(self):
         self.tree(fat_files(output="libother.so", architectures=[80, 86, 90]))

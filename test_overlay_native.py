@@ -19,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import traceback
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1335,6 +1336,10 @@ def crash_fixture(root: str, shm: str) -> None:
                       "pkg/__init__.py": "", "pkg/m.py": "X = 1\n", "other.c": "int o;\n"})
     os.symlink("sub/b", os.path.join(root, "cache/link"))
     os.chmod(os.path.join(root, "build/k.so"), 0o755)
+    os.link(os.path.join(root, "src/k.h"), os.path.join(root, "k-copy.h"))
+    for name in ("src/k.c", "build/k.so", "pkg/m.py"):
+        with contextlib.suppress(OSError):  # where the filesystem keeps user xattrs
+            os.setxattr(os.path.join(root, name), "user.crash", b"kept")
     write_tree(shm, {"x": "shm cache\n", "d/y": "Y\n"})
     os.symlink("d/y", os.path.join(shm, "ly"))
     past = time.time() - 3600
@@ -1350,10 +1355,64 @@ def shm_available() -> bool:
         os.stat("/dev/shm").st_dev != os.stat(tempfile.gettempdir()).st_dev
 
 
+def forked_tool(args: list, env: dict = None, own: bool = False) -> subprocess.CompletedProcess:
+    """run_tool without starting an interpreter: main() runs in a fork of this
+    process, which a kill point or a signal ends as it would a run of the
+    script.  The status is subprocess's: -N when signal N ended the run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:  # the run: it never returns into the test runner
+            status = 70
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.environ.pop("OVERLAY_STATE", None)
+                os.environ.update(env or {})
+                status = overlay_setup.main(args + (["--owner-pid", str(os.getpid())] if own
+                                                    else []))
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    traceback.print_exc()
+                    sys.stderr.flush()
+            finally:
+                os._exit(status)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, status, out.read(), err.read())
+
+
+def processes_working_in(root: str) -> list:
+    """[(pid, command)] of the live processes whose working directory is `root`
+    or below it: the build of a run, whether or not its pid was journaled."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:  # a zombie has no working directory
+            cwd = os.readlink("/proc/%s/cwd" % name)
+            if cwd == root or cwd.startswith(root + os.sep):
+                found.append((int(name), read_text("/proc/%s/comm" % name).strip()))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+# The crash matrices' builds first sleep $CRASH_BUILD_DELAY seconds (none
+# unless set): a build that must be running when its run is killed takes real
+# time, the others need not.
+CRASH_BUILD_WAIT = 'sleep "${CRASH_BUILD_DELAY:-0}" && '
+
+
 class CrashMatrixTest(unittest.TestCase):
-    """SIGKILL at every mutation point, ENOSPC at every write: always recoverable.
-    The second cache lives on /dev/shm where that is another filesystem, so
-    the tar snapshot path is crashed too."""
+    """SIGKILL at every mutation point, ENOSPC at every write: always recoverable,
+    whole (content, mode, mtime, xattrs, link counts).  The second cache lives
+    on /dev/shm where that is another filesystem, so the tar snapshot path is
+    crashed too.  Each run is a fork of this process (forked_tool)."""
 
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="overlay-crash-")
@@ -1371,7 +1430,7 @@ class CrashMatrixTest(unittest.TestCase):
         crash_fixture(root, shm)
         on_python_path(self, root)
         state = os.path.join(os.path.dirname(root), "state")
-        return root, shm, state, (tree_state(root), tree_state(shm))
+        return root, shm, state, (full_tree(root), full_tree(shm))
 
     def add_native_args(self, root: str, shm: str, state: str) -> list:
         patched = os.path.join(os.path.dirname(root), "k_fast.c")
@@ -1380,7 +1439,7 @@ class CrashMatrixTest(unittest.TestCase):
                 "--patched", patched, "--artifact", os.path.join(root, "build/k.so"),
                 "--artifact", os.path.join(root, "build/new.so"),
                 "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
-                "--build-cmd", "sleep 0.3 && cp src/k.c build/k.so && cp src/k.c build/new.so "
+                "--build-cmd", CRASH_BUILD_WAIT + "cp src/k.c build/k.so && cp src/k.c build/new.so "
                                "&& mkdir -p cache && echo x > cache/fresh && echo t > stray.o",
                 "--build-cwd", root]
 
@@ -1395,30 +1454,32 @@ class CrashMatrixTest(unittest.TestCase):
         return ["--state", state, "apply", patch, "--root", root,
                 "--artifact", os.path.join(root, "build/k.so"),
                 "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
-                "--build-cmd", "sleep 0.3 && cp src/k.c build/k.so && echo t > stray.o",
+                "--build-cmd", CRASH_BUILD_WAIT + "cp src/k.c build/k.so && echo t > stray.o",
                 "--build-cwd", root]
 
     def assertRestored(self, root: str, shm: str, expected: tuple, context: str) -> None:
-        self.assertEqual((tree_state(root), tree_state(shm)), expected, context)
+        self.assertEqual((full_tree(root), full_tree(shm)), expected, context)
         served = os.path.join(os.path.dirname(root), "state", "site", "overlay.json")
         if os.path.exists(served):
             self.assertFalse(read_json(served)["enabled"], "Python overlay still on: " + context)
 
     def kill_matrix(self, make_args) -> int:
         """SIGKILL at every point.  At the first point after the build was
-        forked (its pid not yet journaled), SIGTERM and SIGHUP too: a build
-        must not outlive the run, and its late writes must not land after the
-        recovery (the builds sleep 0.3 s first, so that one would)."""
+        forked (its pid not yet journaled), SIGTERM, SIGHUP and SIGINT too:
+        the run stops its build before it exits, and the late writes of a
+        build left running must not land after the recovery (up to that point
+        the builds sleep 0.3 s first, so that one would)."""
         point = 0
         window = None
         while True:
             point += 1
             self.assertLess(point, 300)
             root, shm, state, expected = self.fresh()
-            result = run_tool(make_args(root, shm, state), {"OVERLAY_TEST_KILL_AT": str(point)},
-                              own=True)
+            slow = {"CRASH_BUILD_DELAY": "0.3"} if window is None else {}
+            result = forked_tool(make_args(root, shm, state),
+                                 dict(slow, OVERLAY_TEST_KILL_AT=str(point)), own=True)
             if result.returncode == 0:
-                run_tool(["--state", state, "revert"]).check_returncode()
+                forked_tool(["--state", state, "revert"]).check_returncode()
                 self.assertRestored(root, shm, expected, "completed run")
                 self.assertIsNotNone(window, "no kill point after the build started")
                 return point
@@ -1427,24 +1488,29 @@ class CrashMatrixTest(unittest.TestCase):
             self.recover(root, shm, state, expected, "killed at point %d" % point, in_build)
             if in_build and window is None:
                 window = point
-                for name in ("TERM", "HUP"):
+                for name in ("TERM", "HUP", "INT"):
                     root, shm, state, expected = self.fresh()
-                    result = run_tool(make_args(root, shm, state),
-                                      {"OVERLAY_TEST_KILL_AT": str(point),
-                                       "OVERLAY_TEST_KILL_SIGNAL": name}, own=True)
+                    result = forked_tool(make_args(root, shm, state),
+                                         dict(slow, OVERLAY_TEST_KILL_AT=str(point),
+                                              OVERLAY_TEST_KILL_SIGNAL=name), own=True)
                     number = getattr(signal, "SIG" + name)
                     self.assertEqual(result.returncode, 128 + number, result.stderr)
+                    self.assertEqual(processes_working_in(root), [],
+                                     "the build outlived the run stopped by SIG" + name)
                     self.recover(root, shm, state, expected, "SIG%s at point %d" % (name, point),
                                  True)
 
     def recover(self, root: str, shm: str, state: str, expected: tuple, context: str,
                 in_build: bool) -> None:
-        gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
+        gc = forked_tool(["gc-stale", "--root", os.path.dirname(root)])
         self.assertEqual(gc.returncode, 0, gc.stderr)
-        if in_build:
-            time.sleep(0.5)  # what a build left running would write, it has written now
+        if in_build:  # what a build left running would write, it has written once it ends
+            deadline = time.monotonic() + 60
+            while processes_working_in(root) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(processes_working_in(root), [], "a build outlived gc-stale: " + context)
         self.assertRestored(root, shm, expected, context)
-        again = run_tool(["--state", state, "revert"])
+        again = forked_tool(["--state", state, "revert"])
         self.assertEqual(again.returncode, 0, again.stderr)
         self.assertRestored(root, shm, expected, "revert after gc, " + context)
 
@@ -1454,16 +1520,16 @@ class CrashMatrixTest(unittest.TestCase):
             write += 1
             self.assertLess(write, 300)
             root, shm, state, expected = self.fresh()
-            result = run_tool(make_args(root, shm, state), {"OVERLAY_TEST_ENOSPC_AT": str(write)},
-                              own=True)
+            result = forked_tool(make_args(root, shm, state),
+                                 {"OVERLAY_TEST_ENOSPC_AT": str(write)}, own=True)
             if result.returncode == 0:
-                run_tool(["--state", state, "revert"]).check_returncode()
+                forked_tool(["--state", state, "revert"]).check_returncode()
                 return write
             self.assertEqual(result.returncode, 1)
             self.assertRegex(result.stderr, r"(?m)^overlay_setup: E601 could not write .*"
                                             r"\(No space left on device\)")
             self.assertNotIn("Traceback", result.stderr)
-            fixed = run_tool(["--state", state, "revert"])
+            fixed = forked_tool(["--state", state, "revert"])
             self.assertEqual(fixed.returncode, 0, fixed.stderr)
             self.assertRestored(root, shm, expected, "ENOSPC at write %d" % write)
 
@@ -1479,13 +1545,13 @@ class CrashMatrixTest(unittest.TestCase):
             point += 1
             self.assertLess(point, 300)
             root, shm, state, expected = self.fresh()
-            run_tool(self.apply_args(root, shm, state), own=True).check_returncode()
-            result = run_tool(["--state", state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
+            forked_tool(self.apply_args(root, shm, state), own=True).check_returncode()
+            result = forked_tool(["--state", state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
             if result.returncode == 0:
                 self.assertRestored(root, shm, expected, "completed revert")
                 break
             self.assertEqual(result.returncode, -9, result.stderr)
-            gc = run_tool(["gc-stale", "--root", os.path.dirname(root)])
+            gc = forked_tool(["gc-stale", "--root", os.path.dirname(root)])
             self.assertEqual(gc.returncode, 0, gc.stderr)
             self.assertRestored(root, shm, expected, "revert killed at point %d" % point)
         self.assertGreater(point, 10)
@@ -1500,15 +1566,15 @@ class CrashMatrixTest(unittest.TestCase):
             write += 1
             self.assertLess(write, 300)
             root, shm, state, expected = self.fresh()
-            run_tool(self.add_native_args(root, shm, state), own=True).check_returncode()
-            result = run_tool(["--state", state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": str(write)})
+            forked_tool(self.add_native_args(root, shm, state), own=True).check_returncode()
+            result = forked_tool(["--state", state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": str(write)})
             if result.returncode == 0:
                 break
             self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
             self.assertIn("(No space left on device) while reverting; the journal keeps what is "
                           "left: fix the cause and run `overlay_setup.py --state %s revert` again"
                           % state, result.stderr)
-            run_tool(["--state", state, "revert"]).check_returncode()
+            forked_tool(["--state", state, "revert"]).check_returncode()
             self.assertRestored(root, shm, expected, "revert ENOSPC at write %d" % write)
         self.assertGreater(write, 3)
 
@@ -3471,6 +3537,9 @@ def full_tree(root: str) -> dict:
     return found
 
 
+@unittest.skipUnless(os.environ.get("LONG_TESTS") == "1",
+                     "a long run only (LONG_TESTS=1): CrashMatrixTest checks the same recovery "
+                     "at every kill point")
 class RandomKillTrialTest(unittest.TestCase):
     """add-native, apply, revert and gc-stale killed at random moments (fixed
     seed) while a real make builds a small C project; each round recovered
