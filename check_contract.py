@@ -1139,16 +1139,43 @@ def nvcc_refuses(virtual, code):
 
 class ScriptFacts:
     """What a build script's default invocation does: its compiler calls in
-    order, the target it takes when no <arch> is given (`${2:-N}`), and the
-    constructs met that the reader does not follow, as (line, what)."""
+    order, the target it takes when no <arch> is given (`${2:-N}`), the
+    constructs met that the reader does not follow, as (line, what), and
+    what it puts into <output-dir> or takes out of it, in order, as (op,
+    path relative to <output-dir> or None when the name cannot be told,
+    line, condition): op "add" (a compiler's -o, cp, mv, ln) or "remove"
+    (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
-    __slots__ = ("calls", "default_target", "unfollowed", "out_dir")
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements")
 
-    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR):
+    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None):
         self.calls = calls
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
+        if placements is None:
+            prefix = out_dir + "/"
+            placements = [("add", posixpath.normpath(o[len(prefix):]), c.line, None)
+                          for c in calls for o in c.outputs if o.startswith(prefix)]
+        self.placements = placements
+
+    def landing(self):
+        """(the files surely in <output-dir> when the script ends, {file or
+        None: why it may or may not be there})."""
+        landed, maybe = set(), {}
+        for op, path, line, condition in self.placements:
+            if path is None:
+                maybe[None] = "line %d puts a file there whose name the checker cannot tell" % line
+            elif op == "add":
+                landed.add(path)
+            else:
+                gone = {p for p in landed if not path or p.startswith(path + "/")
+                        or fnmatch.fnmatchcase(p, path)}
+                landed -= gone
+                if condition:
+                    maybe.update((p, "line %d moves or removes it, depending on %s" % (line, condition))
+                                 for p in gone)
+        return landed, maybe
 
 
 def show_word(word):
@@ -1188,14 +1215,23 @@ def check_build_facts(backend, rel, facts, traced=False):
                           where)
         return
     prefix = facts.out_dir + "/"
-    written = {posixpath.normpath(o[len(prefix):]) for o, _ in outputs if o.startswith(prefix)}
+    landed, maybe = facts.landing()
     output, call = outputs[-1]
-    if backend.output is not None and posixpath.normpath(backend.output) not in written:
-        if call.condition or UNDECIDED in output:
+    library = posixpath.normpath(backend.output) if backend.output is not None else None
+    if library is not None and library not in landed:
+        why = maybe.get(library) or maybe.get(None)
+        if why:
+            backend.warning("B017", "%scannot tell whether %s is in <output-dir> when %s ends: %s"
+                            % (said, library, rel, why), where)
+        elif call.condition or UNDECIDED in output:
             backend.warning("B017", "%scannot tell which library %s writes: -o %s at line %d %s"
                             % (said, rel, show_word(output), call.line,
                                "depends on " + call.condition if call.condition else
                                "depends on a value the checker cannot decide"), where, call.line)
+        elif output.startswith(prefix) and posixpath.normpath(output[len(prefix):]) == library:
+            backend.error("B013", "%sbuild script %s writes %s with -o, but it is not in <output-dir> "
+                          "when the script ends (moved or removed after); leave build.output there"
+                          % (said, rel, library), where, call.line)
         elif output.startswith(prefix):
             backend.error("B004", "%sbuild script %s writes %s but build.output is %s"
                           % (said, rel, describe(show_word(output[len(prefix):])),
@@ -1765,6 +1801,7 @@ class ScriptReader:
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
+        self.placements = []     # ScriptFacts.placements
         self.unfollowed = []     # (line, what)
         self.arg2_defaults = []
         self.condition = None    # why the commands being read may not run
@@ -1787,7 +1824,8 @@ class ScriptReader:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
-        return ScriptFacts(self.calls, self.default_target(), self.unfollowed)
+        return ScriptFacts(self.calls, self.default_target(), self.unfollowed,
+                           placements=self.placements)
 
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
@@ -2054,6 +2092,8 @@ class ScriptReader:
         if call is not None:
             call.condition = self.condition
             self.calls.append(call)
+            self.placements.extend(("add", posixpath.normpath(o[len(OUT_DIR) + 1:]), call.line, None)
+                                   for o in call.outputs if o.startswith(OUT_DIR + "/"))
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
@@ -2232,6 +2272,53 @@ class ScriptReader:
             if SH_NAME_RE.match(name):
                 self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
+
+    def builtin_place(self, line, argv):
+        """cp, mv, ln, install and rm: what they put into <output-dir> or take out of it."""
+        command, operands, directory, words = argv[0], [], None, iter(argv[1:])
+        for word in words:
+            if word in ("-t", "--target-directory") or word.startswith("--target-directory="):
+                directory = word.partition("=")[2] or next(words, "")
+            elif word in ("-m", "-o", "-g", "--mode", "--owner", "--group") and command == "install":
+                next(words, None)
+            elif not word.startswith("-") or word == "-":
+                operands.append(self.joined(word))
+        if command == "rm":
+            for path in operands:
+                self.place("remove", path, line)
+            return True
+        if directory is None and len(operands) < 2:
+            return True
+        if directory is None:
+            destination, operands = operands[-1], operands[:-1]
+            if len(operands) > 1 or destination.endswith("/") or destination == OUT_DIR:
+                directory = destination
+            else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
+                self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
+        for source in operands:
+            if directory is not None:
+                self.place("add", directory.rstrip("/") + "/" + source.rstrip("/").rsplit("/", 1)[-1],
+                           line)
+            if command == "mv":
+                self.place("remove", source, line)
+        return True
+
+    def joined(self, path):
+        """A path as the compiler outputs are spelt: relative ones joined to the directory."""
+        if self.cwd is not None and not path.startswith(("/",) + MARKERS):
+            return self.cwd + "/" + path
+        return path
+
+    def place(self, op, path, line, named=True):
+        """Record what a command puts into <output-dir> or takes out of it
+        (`named`: whether `path` surely names the file, not a directory)."""
+        if not path.startswith(OUT_DIR) and known(path):
+            return  # elsewhere
+        if path.startswith(OUT_DIR) and known(path) and named:
+            path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
+            self.placements.append((op, "" if path == "." else path, line, self.condition))
+        elif op == "add":
+            self.placements.append((op, None, line, self.condition))
 
     def builtin_printf(self, line, argv):
         if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
@@ -2637,7 +2724,9 @@ SH_BUILTINS = {
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
     "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
-    "let": ScriptReader.builtin_let,
+    "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
+    "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
+    "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,
 }
 
 
@@ -4528,7 +4617,10 @@ def traced_facts(trace):
         if call is not None:
             call.outputs = [posixpath.normpath(o) for o in call.outputs]
         calls.append(call)
-    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir), calls
+    # What is in <output-dir> when the script ends is what it leaves there, however it got there.
+    left = [("add", path, None, None) for path in sorted(trace.written)]
+    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir,
+                       placements=left), calls
 
 
 def traced_build(trace, calls, platform):

@@ -1406,6 +1406,36 @@ class ReaderHonestyTest(TreeTest):
         self.assertIn(("error", "B018", "running build.sh <output-dir> shows: " + message),
                       [(i["level"], i["code"], i["message"]) for i in result["issues"]])
 
+    def test_the_library_is_what_is_in_the_output_directory_at_the_end(self):
+        for placing in ('mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'cp build/libfat.so "$1/"\n',
+                        'nvcc -shared -arch=sm_80 -o tmp.so ops.cu\nmv tmp.so "$1/libfat.so"\n',
+                        'nvcc -shared -arch=sm_80 -o "$1/libfat.so.1" ops.cu\n'
+                        'ln -sf libfat.so.1 "$1/libfat.so"\n',
+                        'mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'install -m 755 -t "$1" build/libfat.so\n'):
+            with self.subTest(placing=placing):
+                self.cuda_fat('mkdir -p "$1"\ncd "$(dirname "$0")"\n' + placing)
+                self.assertClean()
+                rc, out, err = self.check("trace", "--format", "json")
+                self.assertEqual(json.loads(out)["results"][0]["issues"], [])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$1/libfat.so" /tmp/\n')
+        message = ("build script build.sh writes libfat.so with -o, but it is not in <output-dir> "
+                   "when the script ends (moved or removed after); leave build.output there")
+        self.assertIssue("B013", message)
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$(dirname "$1")/$(basename "$1")/libfat.so" /tmp/x-$$.so\n')
+        self.assertClean()  # the reader cannot see that this names the library
+        rc, out, err = self.check("trace", "--format", "json")
+        self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]],
+                         [("B013", "running build.sh <output-dir> %sshows: " % run + message)
+                          for run in ("80 ", "")])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                      'cp build/libfat.so "$1/lib"\n')
+        self.assertIssue("B017", "cannot tell whether libfat.so is in <output-dir> when build.sh "
+                         "ends: line 4 puts a file there whose name the checker cannot tell", "warning")
+
     def cuda_fat(self, script, architectures=(80,)):
         files = fat_files(architectures=list(architectures), default_arch=architectures[0])
         files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
