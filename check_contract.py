@@ -73,7 +73,10 @@ Diagnostic codes (stable; never reused):
                      backend directory, S003 duplicate source, S004 kernel
                      source not declared, S005 source cannot be read,
                      S006 source is not UTF-8 (warning), S007 directory link
-                     leading out of the backend directory
+                     leading out of the backend directory, S008 a compiled
+                     file undeclared, excluded or outside the backend
+                     directory, S009 a declared source nothing compiles
+                     (warning)
     A  ABI           A001 abi_version differs from the header macro,
                      A002 several ABI versions defined, A003 no ABI version
                      macro (warning; error when validated), A004 missing
@@ -129,6 +132,8 @@ STATUSES = ("planned", "experimental", "validated")
 KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".c", ".h", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C",
                    ".CPP", ".hpp", ".hh", ".hxx", ".hp", ".h++", ".H", ".HPP", ".inl", ".ipp",
                    ".tpp", ".tcc", ".inc")
+# What a compiler compiles (the headers a file includes are not compiled on their own).
+COMPILED_SUFFIXES = (".cu", ".hip", ".c", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C", ".CPP")
 MANIFEST_SUFFIX = ".backend.json"
 O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 SKIPPED_DIRS = (".git", "__pycache__")
@@ -913,12 +918,13 @@ class CompilerCall:
     """
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
-                 "open_targets", "abi_defines", "unknown", "rejected", "condition")
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
+        self.inputs = []  # the files it compiles, joined to its directory as the outputs are
         self.probes = 0
         self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
@@ -1004,6 +1010,9 @@ def compiler_call(words, line=None, cwd=None):
                 call.unknown.append(show_word(arg))
                 continue
             else:
+                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
+                        "-include"]:
+                    call.inputs.append(arg if cwd is None or arg.startswith("/") else cwd + "/" + arg)
                 continue
         elif not equals:
             if kind in ("march", "mcpu"):
@@ -1302,6 +1311,45 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
             backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
                           "list it (the build tier rejects a library with targets the manifest does "
                           "not name, R008)" % (said, rel, arch), where, built[arch])
+
+
+def check_compiled_sources(repo, backend, calls, repository_path, traced=False, complete=True):
+    """S008, S009: what the compiler calls (CompilerCall, run or read)
+    compiled, against `sources`.  repository_path(path) gives a compiled
+    path's place relative to the repository root, or None outside it; a
+    file the repository does not hold was made by the build, not declared.
+    Without `complete` (a compiler the calls may miss), a declared source
+    no call compiles is not reported."""
+    said = "running %s shows: " % backend.build_script if traced else ""
+    prefix = backend.rel_dir + "/"
+    declared = {rel for _, rel, problem in backend.sources if rel and not problem}
+    excluded = backend.manifest.get("excluded")
+    excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
+    compiled, reported = set(), set()
+    for call in calls:
+        for path in call.inputs:
+            rel = repository_path(posixpath.normpath(path))
+            if rel is None or rel in reported or not os.path.isfile(os.path.join(repo.root, rel)):
+                continue
+            local = rel[len(prefix):] if rel.startswith(prefix) else None
+            compiled.add(local)
+            if local in declared:
+                continue
+            reported.add(rel)
+            if local is None:
+                why = ("outside the backend directory, where the check does not look; move it into "
+                       "%s, or build it as a backend of its own" % backend.rel_dir)
+            elif any(glob_matches(g, local) for g in excluded):
+                why = "which excluded says is not part of the library; remove it from excluded and declare it"
+            else:
+                why = "which sources does not declare; add it"
+            backend.error("S008", "%s%s compiles %s, %s" % (said, backend.build_script, rel, why),
+                          rel, call.line)
+    for local in sorted(declared) if complete and compiled else ():
+        if local.endswith(COMPILED_SUFFIXES) and local not in compiled:
+            backend.warning("S009", "%ssources declares %s, but no compiler call of %s compiles it "
+                            "(a file only #included by another is a header: name it so, or list it "
+                            "in excluded)" % (said, local, backend.build_script), backend.rel(local))
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -4708,6 +4756,10 @@ def trace_backend(repo, run, backend, args, stream, shims):
         if target is not None:  # the targets of a single-target run are checked below
             checked.architectures = None
         check_build_facts(checked, script, facts, traced=True)
+        if target is None:
+            check_compiled_sources(repo, checked, facts.calls, lambda path: None if trace.show(
+                path).startswith(("<", "/")) else trace.show(path), traced=True,
+                complete=not trace.uncaught and not trace.binaries)
         for d in checked.diagnostics:
             d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
             found.append(d)

@@ -1308,6 +1308,50 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
 
+class CompiledSourcesTest(TreeTest):
+    """trace compares every file a compiler compiled with `sources`."""
+
+    def traced(self, compiles, sources, excluded=None):
+        manifest = {"name": "k", "abi_version": 1, "status": "experimental", "sources": sources,
+                    "build": {"script": "build.sh", "output": "libk.so", "architectures": [80]}}
+        if excluded is not None:
+            manifest["excluded"] = excluded
+        self.tree({"backends/cuda/k/k.backend.json": manifest,
+                   "backends/cuda/k/k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                                          "const char* k_error_string(int code);\n",
+                   "backends/cuda/k/k.cu": "", "backends/cuda/k/old.cu": "",
+                   "backends/cuda/k/test_k.cu": "", "backends/common/util.cu": "",
+                   "backends/cuda/k/build.sh": Executable(
+                       '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+                       'printf "" > "$1/gen.cu"\n'
+                       'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$1/gen.cu" %s\n' % compiles)})
+        rc, out, err = self.check("trace", "--format", "json")
+        return [(i["level"], i["code"], i["path"], i["message"])
+                for i in json.loads(out)["results"][0]["issues"]]
+
+    def test_what_is_compiled_but_not_declared_is_an_error(self):
+        self.assertEqual(self.traced("k.cu test_k.cu old.cu ../../common/util.cu",
+                                     ["k.h", "k.cu"], excluded=["old.cu"]), [
+            ("error", "S008", "backends/common/util.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/common/util.cu, outside the backend directory, where the "
+             "check does not look; move it into backends/cuda/k, or build it as a backend of its own"),
+            ("error", "S008", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: build.sh "
+             "compiles backends/cuda/k/old.cu, which excluded says is not part of the library; "
+             "remove it from excluded and declare it"),
+            ("error", "S008", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/cuda/k/test_k.cu, which sources does not declare; add it")])
+
+    def test_a_declared_source_nothing_compiles_is_a_warning(self):
+        self.assertEqual(self.traced("k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [
+            ("warning", "S009", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: "
+             "sources declares old.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)"),
+            ("warning", "S009", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "sources declares test_k.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)")])
+        self.assertEqual(self.traced("k.cu old.cu test_k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [])
+
+
 class ReaderHonestyTest(TreeTest):
     """Constructs the reader once read as certain and wrong: each is read as
     bash runs it, or said to be what the reader cannot tell."""
@@ -3886,7 +3930,8 @@ def corpus_backend(name, platform, script, extra, truth):
     files = {
         top + name + ".backend.json": {
             "name": name, "abi_version": 1, "status": "experimental",
-            "sources": ["k.h", CORPUS_SOURCES[platform]],
+            "sources": ["k.h", CORPUS_SOURCES[platform]] + sorted(
+                path for path in extra if path.endswith(check_contract.COMPILED_SUFFIXES)),
             "build": {"script": "build.sh", "output": library, "architectures": archs}},
         top + "k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
                      "const char* k_error_string(int code);\n",
