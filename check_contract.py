@@ -74,7 +74,10 @@ Diagnostic codes (stable; never reused):
                      backend directory, S003 duplicate source, S004 kernel
                      source not declared, S005 source cannot be read,
                      S006 source is not UTF-8 (warning), S007 directory link
-                     leading out of the backend directory
+                     leading out of the backend directory, S008 a compiled
+                     file undeclared, excluded or outside the backend
+                     directory, S009 a declared source nothing compiles
+                     (warning)
     A  ABI           A001 abi_version differs from the header macro,
                      A002 several ABI versions defined, A003 no ABI version
                      macro (warning; error when validated), A004 missing
@@ -130,6 +133,8 @@ STATUSES = ("planned", "experimental", "validated")
 KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".c", ".h", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C",
                    ".CPP", ".hpp", ".hh", ".hxx", ".hp", ".h++", ".H", ".HPP", ".inl", ".ipp",
                    ".tpp", ".tcc", ".inc")
+# What a compiler compiles (the headers a file includes are not compiled on their own).
+COMPILED_SUFFIXES = (".cu", ".hip", ".c", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C", ".CPP")
 MANIFEST_SUFFIX = ".backend.json"
 O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 SKIPPED_DIRS = (".git", "__pycache__")
@@ -914,12 +919,13 @@ class CompilerCall:
     """
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
-                 "open_targets", "abi_defines", "unknown", "rejected", "condition")
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
+        self.inputs = []  # the files it compiles, joined to its directory as the outputs are
         self.probes = 0
         self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
@@ -1005,6 +1011,9 @@ def compiler_call(words, line=None, cwd=None):
                 call.unknown.append(show_word(arg))
                 continue
             else:
+                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
+                        "-include"]:
+                    call.inputs.append(arg if cwd is None or arg.startswith("/") else cwd + "/" + arg)
                 continue
         elif not equals:
             if kind in ("march", "mcpu"):
@@ -1140,16 +1149,43 @@ def nvcc_refuses(virtual, code):
 
 class ScriptFacts:
     """What a build script's default invocation does: its compiler calls in
-    order, the target it takes when no <arch> is given (`${2:-N}`), and the
-    constructs met that the reader does not follow, as (line, what)."""
+    order, the target it takes when no <arch> is given (`${2:-N}`), the
+    constructs met that the reader does not follow, as (line, what), and
+    what it puts into <output-dir> or takes out of it, in order, as (op,
+    path relative to <output-dir> or None when the name cannot be told,
+    line, condition): op "add" (a compiler's -o, cp, mv, ln) or "remove"
+    (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
-    __slots__ = ("calls", "default_target", "unfollowed", "out_dir")
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements")
 
-    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR):
+    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None):
         self.calls = calls
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
+        if placements is None:
+            prefix = out_dir + "/"
+            placements = [("add", posixpath.normpath(o[len(prefix):]), c.line, None)
+                          for c in calls for o in c.outputs if o.startswith(prefix)]
+        self.placements = placements
+
+    def landing(self):
+        """(the files surely in <output-dir> when the script ends, {file or
+        None: why it may or may not be there})."""
+        landed, maybe = set(), {}
+        for op, path, line, condition in self.placements:
+            if path is None:
+                maybe[None] = "line %d puts a file there whose name the checker cannot tell" % line
+            elif op == "add":
+                landed.add(path)
+            else:
+                gone = {p for p in landed if not path or p.startswith(path + "/")
+                        or fnmatch.fnmatchcase(p, path)}
+                landed -= gone
+                if condition:
+                    maybe.update((p, "line %d moves or removes it, depending on %s" % (line, condition))
+                                 for p in gone)
+        return landed, maybe
 
 
 def show_word(word):
@@ -1189,14 +1225,23 @@ def check_build_facts(backend, rel, facts, traced=False):
                           where)
         return
     prefix = facts.out_dir + "/"
-    written = {posixpath.normpath(o[len(prefix):]) for o, _ in outputs if o.startswith(prefix)}
+    landed, maybe = facts.landing()
     output, call = outputs[-1]
-    if backend.output is not None and posixpath.normpath(backend.output) not in written:
-        if call.condition or UNDECIDED in output:
+    library = posixpath.normpath(backend.output) if backend.output is not None else None
+    if library is not None and library not in landed:
+        why = maybe.get(library) or maybe.get(None)
+        if why:
+            backend.warning("B017", "%scannot tell whether %s is in <output-dir> when %s ends: %s"
+                            % (said, library, rel, why), where)
+        elif call.condition or UNDECIDED in output:
             backend.warning("B017", "%scannot tell which library %s writes: -o %s at line %d %s"
                             % (said, rel, show_word(output), call.line,
                                "depends on " + call.condition if call.condition else
                                "depends on a value the checker cannot decide"), where, call.line)
+        elif output.startswith(prefix) and posixpath.normpath(output[len(prefix):]) == library:
+            backend.error("B013", "%sbuild script %s writes %s with -o, but it is not in <output-dir> "
+                          "when the script ends (moved or removed after); leave build.output there"
+                          % (said, rel, library), where, call.line)
         elif output.startswith(prefix):
             backend.error("B004", "%sbuild script %s writes %s but build.output is %s"
                           % (said, rel, describe(show_word(output[len(prefix):])),
@@ -1267,6 +1312,45 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
             backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
                           "list it (the build tier rejects a library with targets the manifest does "
                           "not name, R008)" % (said, rel, arch), where, built[arch])
+
+
+def check_compiled_sources(repo, backend, calls, repository_path, traced=False, complete=True):
+    """S008, S009: what the compiler calls (CompilerCall, run or read)
+    compiled, against `sources`.  repository_path(path) gives a compiled
+    path's place relative to the repository root, or None outside it; a
+    file the repository does not hold was made by the build, not declared.
+    Without `complete` (a compiler the calls may miss), a declared source
+    no call compiles is not reported."""
+    said = "running %s shows: " % backend.build_script if traced else ""
+    prefix = backend.rel_dir + "/"
+    declared = {rel for _, rel, problem in backend.sources if rel and not problem}
+    excluded = backend.manifest.get("excluded")
+    excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
+    compiled, reported = set(), set()
+    for call in calls:
+        for path in call.inputs:
+            rel = repository_path(posixpath.normpath(path))
+            if rel is None or rel in reported or not os.path.isfile(os.path.join(repo.root, rel)):
+                continue
+            local = rel[len(prefix):] if rel.startswith(prefix) else None
+            compiled.add(local)
+            if local in declared:
+                continue
+            reported.add(rel)
+            if local is None:
+                why = ("outside the backend directory, where the check does not look; move it into "
+                       "%s, or build it as a backend of its own" % backend.rel_dir)
+            elif any(glob_matches(g, local) for g in excluded):
+                why = "which excluded says is not part of the library; remove it from excluded and declare it"
+            else:
+                why = "which sources does not declare; add it"
+            backend.error("S008", "%s%s compiles %s, %s" % (said, backend.build_script, rel, why),
+                          rel, call.line)
+    for local in sorted(declared) if complete and compiled else ():
+        if local.endswith(COMPILED_SUFFIXES) and local not in compiled:
+            backend.warning("S009", "%ssources declares %s, but no compiler call of %s compiles it "
+                            "(a file only #included by another is a header: name it so, or list it "
+                            "in excluded)" % (said, local, backend.build_script), backend.rel(local))
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -1766,6 +1850,7 @@ class ScriptReader:
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
+        self.placements = []     # ScriptFacts.placements
         self.unfollowed = []     # (line, what)
         self.arg2_defaults = []
         self.condition = None    # why the commands being read may not run
@@ -1788,7 +1873,8 @@ class ScriptReader:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
-        return ScriptFacts(self.calls, self.default_target(), self.unfollowed)
+        return ScriptFacts(self.calls, self.default_target(), self.unfollowed,
+                           placements=self.placements)
 
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
@@ -2055,6 +2141,8 @@ class ScriptReader:
         if call is not None:
             call.condition = self.condition
             self.calls.append(call)
+            self.placements.extend(("add", posixpath.normpath(o[len(OUT_DIR) + 1:]), call.line, None)
+                                   for o in call.outputs if o.startswith(OUT_DIR + "/"))
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
@@ -2233,6 +2321,53 @@ class ScriptReader:
             if SH_NAME_RE.match(name):
                 self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
+
+    def builtin_place(self, line, argv):
+        """cp, mv, ln, install and rm: what they put into <output-dir> or take out of it."""
+        command, operands, directory, words = argv[0], [], None, iter(argv[1:])
+        for word in words:
+            if word in ("-t", "--target-directory") or word.startswith("--target-directory="):
+                directory = word.partition("=")[2] or next(words, "")
+            elif word in ("-m", "-o", "-g", "--mode", "--owner", "--group") and command == "install":
+                next(words, None)
+            elif not word.startswith("-") or word == "-":
+                operands.append(self.joined(word))
+        if command == "rm":
+            for path in operands:
+                self.place("remove", path, line)
+            return True
+        if directory is None and len(operands) < 2:
+            return True
+        if directory is None:
+            destination, operands = operands[-1], operands[:-1]
+            if len(operands) > 1 or destination.endswith("/") or destination == OUT_DIR:
+                directory = destination
+            else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
+                self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
+        for source in operands:
+            if directory is not None:
+                self.place("add", directory.rstrip("/") + "/" + source.rstrip("/").rsplit("/", 1)[-1],
+                           line)
+            if command == "mv":
+                self.place("remove", source, line)
+        return True
+
+    def joined(self, path):
+        """A path as the compiler outputs are spelt: relative ones joined to the directory."""
+        if self.cwd is not None and not path.startswith(("/",) + MARKERS):
+            return self.cwd + "/" + path
+        return path
+
+    def place(self, op, path, line, named=True):
+        """Record what a command puts into <output-dir> or takes out of it
+        (`named`: whether `path` surely names the file, not a directory)."""
+        if not path.startswith(OUT_DIR) and known(path):
+            return  # elsewhere
+        if path.startswith(OUT_DIR) and known(path) and named:
+            path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
+            self.placements.append((op, "" if path == "." else path, line, self.condition))
+        elif op == "add":
+            self.placements.append((op, None, line, self.condition))
 
     def builtin_printf(self, line, argv):
         if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
@@ -2638,7 +2773,9 @@ SH_BUILTINS = {
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
     "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
-    "let": ScriptReader.builtin_let,
+    "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
+    "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
+    "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,
 }
 
 
@@ -2783,6 +2920,13 @@ def candidate_dirs(repo):
             rel = platform_rel + "/" + child.name
             if is_dir:
                 candidates.append(Backend(child.name, platform, child.path, rel))
+            elif child.name.endswith(MANIFEST_SUFFIX):
+                name = child.name[:-len(MANIFEST_SUFFIX)]
+                strays.append(Diagnostic(
+                    "error", "D002", platform, rel, None,
+                    "manifest %s is never discovered: a backend is a directory %s/<name>/ holding "
+                    "<name>%s; move it to %s/%s/%s" % (child.name, platform_rel, MANIFEST_SUFFIX,
+                                                       platform_rel, name, child.name)))
             elif is_kernel_source(child.name):
                 strays.append(Diagnostic(
                     "error", "D005", platform, rel, None,
@@ -2809,7 +2953,9 @@ def listed_dirs(repo, path, rel, key, files=False):
     try:
         with os.scandir(path) as entries:
             for entry in entries:
-                if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:
+                # In a platform directory (`files`), a hidden directory is seen:
+                # a build compiles backends/cpu/.wip/x.c as well as any other.
+                if entry.name in SKIPPED_DIRS or (entry.name.startswith(".") and not files):
                     continue
                 is_dir = _is_dir(entry)
                 if ignored and ignored(entry.name + ("/" if is_dir else "")):
@@ -2860,17 +3006,29 @@ def classify(repo, backend):
     # A manifest under another name: <other>.backend.json, or the likely
     # slips backend.json and <name>.json.
     slips = ("backend.json", backend.name + ".json")
-    stray = [p for p in files if p != manifest_name and (
-        p.endswith(MANIFEST_SUFFIX) and "/" not in p or p in slips)]
+    stray = [p for p in files if p != manifest_name and (p.endswith(MANIFEST_SUFFIX) or p in slips)]
     for name in stray:
+        if "/" not in name:
+            where = "the manifest of directory %s must be named %s" % (backend.name, manifest_name)
+        else:  # a manifest counts only directly in <platform>/<name>/, named after <name>
+            where = ("a backend is a directory %s/<name>/ holding <name>%s; move %s/ there"
+                     % (posixpath.dirname(backend.rel_dir), MANIFEST_SUFFIX,
+                        backend.rel(posixpath.dirname(name))))
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
-            "manifest %s is never discovered: the manifest of directory %s must be "
-            "named %s" % (name, backend.name, manifest_name)))
+            "manifest %s is never discovered: %s" % (name, where)))
     if has_manifest or os.path.lexists(backend.manifest_path):
         return True, relevant, diagnostics
+    if backend.name in ("test", "tests"):  # a platform's own tests, with their fixtures
+        return False, relevant, diagnostics
     kernels = sorted(p for p in files if is_kernel_source(p))
-    if kernels and not stray:
+    if kernels and not stray and backend.name.startswith("."):
+        diagnostics.append(Diagnostic(
+            "error", "D001", backend.key, backend.rel_dir, None,
+            "is a hidden directory with kernel sources (%s) that no manifest declares, which a "
+            "build can still compile; move them into a backend directory, or out of the backends "
+            "directory" % ", ".join(kernels[:3])))
+    elif kernels and not stray:
         diagnostics.append(Diagnostic(
             "error", "D001", backend.key, backend.rel_dir, None,
             "has kernel sources (%s) but no %s manifest"
@@ -3354,6 +3512,11 @@ def check_build_script(repo, backend):
         backend.error("S002", "build.script %s %s" % (describe(script), problem), key="build.script")
         return
     path = backend.dir + "/" + rel
+    if not repo.inside(path):
+        backend.error("S002", "build script %s is a symbolic link to %s, outside the repository; "
+                      "keep it in the repository, where CI and the trace run it"
+                      % (rel, os.path.realpath(path)), rel_path)
+        return
     data, problem, mode = read_bytes(path)  # the mode comes with the read
     if mode is None:
         try:
@@ -3511,6 +3674,11 @@ def check_index_modes(repo, backends):
 
 
 def check_backend(repo, backend):
+    if not repo.inside(backend.manifest_path):
+        backend.error("S002", "%s is a symbolic link to %s, outside the repository; the check does "
+                      "not follow it (replace the link with the file it stands for)"
+                      % (backend.name + MANIFEST_SUFFIX, os.path.realpath(backend.manifest_path)))
+        return
     load(backend)
     if backend.manifest is None:
         return
@@ -4498,7 +4666,10 @@ def traced_facts(trace):
         if call is not None:
             call.outputs = [posixpath.normpath(o) for o in call.outputs]
         calls.append(call)
-    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir), calls
+    # What is in <output-dir> when the script ends is what it leaves there, however it got there.
+    left = [("add", path, None, None) for path in sorted(trace.written)]
+    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir,
+                       placements=left), calls
 
 
 def traced_build(trace, calls, platform):
@@ -4586,6 +4757,10 @@ def trace_backend(repo, run, backend, args, stream, shims):
         if target is not None:  # the targets of a single-target run are checked below
             checked.architectures = None
         check_build_facts(checked, script, facts, traced=True)
+        if target is None:
+            check_compiled_sources(repo, checked, facts.calls, lambda path: None if trace.show(
+                path).startswith(("<", "/")) else trace.show(path), traced=True,
+                complete=not trace.uncaught and not trace.binaries)
         for d in checked.diagnostics:
             d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
             found.append(d)
@@ -4833,7 +5008,11 @@ def cmd_init(args):
         raise UsageError("init: %s already exists; use --force to overwrite it"
                          % os.path.relpath(manifest_path))
     files = walk_files(target)
-    sources = sorted(p for p in files if files[p] == "file" and is_kernel_source(p)
+    real_target = os.path.realpath(target)
+    # A link to a file inside the directory is a source like any other (the check wants it declared).
+    sources = sorted(p for p in files if (files[p] == "file" or files[p] == "link" and os.path.isfile(
+        target + "/" + p) and os.path.realpath(target + "/" + p).startswith(real_target + "/"))
+                     and is_kernel_source(p)
                      and not p.rsplit("/", 1)[-1].startswith("test_")
                      and "tests" not in p.split("/")[:-1])
     if not sources:

@@ -297,6 +297,65 @@ class DiscoveryTest(TreeTest):
                               "check cannot see what it holds" % (rel, key, rel), out)
 
 
+class DiscoveryHolesTest(TreeTest):
+    """What discovery once missed, or misnamed."""
+
+    def test_a_hidden_directory_in_a_platform_directory_is_seen(self):
+        self.tree(demo_files(**{"backends/cpu/.wip/wip.c": "int wip(void) { return 1; }\n"}))
+        self.assertIssue("D001", "is a hidden directory with kernel sources (wip.c) that no manifest "
+                         "declares, which a build can still compile; move them into a backend "
+                         "directory, or out of the backends directory")
+
+    def test_a_platform_level_tests_directory_is_no_backend(self):
+        self.tree(demo_files(**{"backends/cpu/tests/fixture.c": "int main(void) { return 0; }\n",
+                                "backends/cpu/test/lib.rs": "#[test] fn t() {}\n",
+                                "backends/cpu/test/fixture.h": "\n"}))
+        self.assertClean()
+
+    def test_a_manifest_in_an_unsupported_place_is_named_with_the_layout(self):
+        manifest = dict(demo_manifest(), name="foo")
+        self.tree({"backends/cpu/group/foo/foo.backend.json": manifest,
+                   "backends/cpu/group/foo/ops.c": "", "backends/cpu/bar.backend.json": manifest})
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["path"], i["message"]) for i in issues], [
+            ("D002", "backends/cpu/bar.backend.json", "manifest bar.backend.json is never discovered: "
+             "a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; move it to "
+             "backends/cpu/bar/bar.backend.json"),
+            ("D002", "backends/cpu/group/foo/foo.backend.json", "manifest foo/foo.backend.json is never "
+             "discovered: a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; "
+             "move backends/cpu/group/foo/ there")])
+
+    def test_a_build_script_or_manifest_linked_out_of_the_repository_is_s002(self):
+        outside = tempfile.mkdtemp(prefix="check-contract-outside-")
+        self.addCleanup(shutil.rmtree, outside, True)
+        files = demo_files()
+        with open(os.path.join(outside, "build.sh"), "w") as handle:
+            handle.write(str(files.pop("backends/cpu/demo/build.sh")))
+        os.chmod(os.path.join(outside, "build.sh"), 0o755)
+        self.tree(files)
+        os.symlink(os.path.join(outside, "build.sh"), self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("S002", "build script build.sh is a symbolic link to %s/build.sh, outside "
+                         "the repository; keep it in the repository, where CI and the trace run it"
+                         % os.path.realpath(outside))
+        os.replace(self.path("backends/cpu/demo/demo.backend.json"), os.path.join(outside, "m.json"))
+        os.symlink(os.path.join(outside, "m.json"), self.path("backends/cpu/demo/demo.backend.json"))
+        self.assertIssue("S002", "demo.backend.json is a symbolic link to %s/m.json, outside the "
+                         "repository; the check does not follow it (replace the link with the file "
+                         "it stands for)" % os.path.realpath(outside))
+
+    def test_init_declares_a_source_linked_inside_the_directory(self):
+        self.tree({"backends/cpu/demo/include/ops_impl.h": OPS_H,
+                   "backends/cpu/demo/ops.c": '#include "ops.h"\n',
+                   "backends/cpu/demo/build.sh": CPU_BUILD})
+        os.symlink("include/ops_impl.h", self.path("backends/cpu/demo/ops.h"))
+        rc, out, err = run_main(["--repo-root", self.root, "init", "--no-trace",
+                                 self.path("backends/cpu/demo")])
+        self.assertEqual((rc, err), (0, ""), out)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["sources"], ["include/ops_impl.h", "ops.c", "ops.h"])
+        self.assertClean()
+
+
 class ManifestFileTest(TreeTest):
     def test_invalid_json_gives_line_and_column(self):
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": '{\n  "name": "demo"\n  "x": 1\n}'}))
@@ -1261,6 +1320,50 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
 
+class CompiledSourcesTest(TreeTest):
+    """trace compares every file a compiler compiled with `sources`."""
+
+    def traced(self, compiles, sources, excluded=None):
+        manifest = {"name": "k", "abi_version": 1, "status": "experimental", "sources": sources,
+                    "build": {"script": "build.sh", "output": "libk.so", "architectures": [80]}}
+        if excluded is not None:
+            manifest["excluded"] = excluded
+        self.tree({"backends/cuda/k/k.backend.json": manifest,
+                   "backends/cuda/k/k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                                          "const char* k_error_string(int code);\n",
+                   "backends/cuda/k/k.cu": "", "backends/cuda/k/old.cu": "",
+                   "backends/cuda/k/test_k.cu": "", "backends/common/util.cu": "",
+                   "backends/cuda/k/build.sh": Executable(
+                       '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+                       'printf "" > "$1/gen.cu"\n'
+                       'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$1/gen.cu" %s\n' % compiles)})
+        rc, out, err = self.check("trace", "--format", "json")
+        return [(i["level"], i["code"], i["path"], i["message"])
+                for i in json.loads(out)["results"][0]["issues"]]
+
+    def test_what_is_compiled_but_not_declared_is_an_error(self):
+        self.assertEqual(self.traced("k.cu test_k.cu old.cu ../../common/util.cu",
+                                     ["k.h", "k.cu"], excluded=["old.cu"]), [
+            ("error", "S008", "backends/common/util.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/common/util.cu, outside the backend directory, where the "
+             "check does not look; move it into backends/cuda/k, or build it as a backend of its own"),
+            ("error", "S008", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: build.sh "
+             "compiles backends/cuda/k/old.cu, which excluded says is not part of the library; "
+             "remove it from excluded and declare it"),
+            ("error", "S008", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/cuda/k/test_k.cu, which sources does not declare; add it")])
+
+    def test_a_declared_source_nothing_compiles_is_a_warning(self):
+        self.assertEqual(self.traced("k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [
+            ("warning", "S009", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: "
+             "sources declares old.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)"),
+            ("warning", "S009", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "sources declares test_k.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)")])
+        self.assertEqual(self.traced("k.cu old.cu test_k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [])
+
+
 class ReaderHonestyTest(TreeTest):
     """Constructs the reader once read as certain and wrong: each is read as
     bash runs it, or said to be what the reader cannot tell."""
@@ -1358,6 +1461,36 @@ class ReaderHonestyTest(TreeTest):
         self.assertEqual(rc, 1)
         self.assertIn(("error", "B018", "running build.sh <output-dir> shows: " + message),
                       [(i["level"], i["code"], i["message"]) for i in result["issues"]])
+
+    def test_the_library_is_what_is_in_the_output_directory_at_the_end(self):
+        for placing in ('mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'cp build/libfat.so "$1/"\n',
+                        'nvcc -shared -arch=sm_80 -o tmp.so ops.cu\nmv tmp.so "$1/libfat.so"\n',
+                        'nvcc -shared -arch=sm_80 -o "$1/libfat.so.1" ops.cu\n'
+                        'ln -sf libfat.so.1 "$1/libfat.so"\n',
+                        'mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'install -m 755 -t "$1" build/libfat.so\n'):
+            with self.subTest(placing=placing):
+                self.cuda_fat('mkdir -p "$1"\ncd "$(dirname "$0")"\n' + placing)
+                self.assertClean()
+                rc, out, err = self.check("trace", "--format", "json")
+                self.assertEqual(json.loads(out)["results"][0]["issues"], [])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$1/libfat.so" /tmp/\n')
+        message = ("build script build.sh writes libfat.so with -o, but it is not in <output-dir> "
+                   "when the script ends (moved or removed after); leave build.output there")
+        self.assertIssue("B013", message)
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$(dirname "$1")/$(basename "$1")/libfat.so" /tmp/x-$$.so\n')
+        self.assertClean()  # the reader cannot see that this names the library
+        rc, out, err = self.check("trace", "--format", "json")
+        self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]],
+                         [("B013", "running build.sh <output-dir> %sshows: " % run + message)
+                          for run in ("80 ", "")])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                      'cp build/libfat.so "$1/lib"\n')
+        self.assertIssue("B017", "cannot tell whether libfat.so is in <output-dir> when build.sh "
+                         "ends: line 4 puts a file there whose name the checker cannot tell", "warning")
 
     def cuda_fat(self, script, architectures=(80,)):
         files = fat_files(architectures=list(architectures), default_arch=architectures[0])
@@ -3826,7 +3959,8 @@ def corpus_backend(name, platform, script, extra, truth):
     files = {
         top + name + ".backend.json": {
             "name": name, "abi_version": 1, "status": "experimental",
-            "sources": ["k.h", CORPUS_SOURCES[platform]],
+            "sources": ["k.h", CORPUS_SOURCES[platform]] + sorted(
+                path for path in extra if path.endswith(check_contract.COMPILED_SUFFIXES)),
             "build": {"script": "build.sh", "output": library, "architectures": archs}},
         top + "k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
                      "const char* k_error_string(int code);\n",
