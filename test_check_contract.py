@@ -3029,7 +3029,8 @@ class BuildTierTest(TreeTest):
 
     def test_output_that_is_not_a_shared_object_is_an_error(self):
         self.tree(tiny_files(build=Executable(
-            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -E - -o "$1/libtiny.so" < /dev/null\n')))
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -shared -o "$1/libtiny.so" -x c /dev/null\n'
+            'printf \'not a library\\n\' > "$1/libtiny.so"\n')))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
         self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R004 cpu/tiny: libtiny.so is not a usable "
