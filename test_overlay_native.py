@@ -3812,7 +3812,11 @@ class TorchExtensionTest(OverlayTestCase):
         if not python:
             raise unittest.SkipTest("%s is not set: set it to a python that imports torch "
                                     "(pip install torch ninja setuptools)" % TORCH_PYTHON_VARIABLE)
-        done = quiet([python, "-c", "import torch, setuptools"], "/")
+        try:
+            done = quiet([python, "-c", "import torch, setuptools"], "/")
+        except OSError as exc:
+            raise unittest.SkipTest("%s=%s cannot run: %s" % (TORCH_PYTHON_VARIABLE, python,
+                                                              exc.strerror))
         if done.returncode:
             raise unittest.SkipTest("%s=%s cannot import torch and setuptools: %s" % (
                 TORCH_PYTHON_VARIABLE, python, (done.stdout.strip().splitlines() or ["?"])[-1]))
