@@ -116,7 +116,8 @@ how to fix it):
 
 Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
-                            its N-th mutation (1-based) of the install or state.
+                            its N-th mutation (1-based) of the install or state
+                            (N,M,...: before each of them, for a signal it catches).
   OVERLAY_TEST_KILL_SIGNAL=S  ... with SIGS (TERM, HUP) instead of SIGKILL.
   OVERLAY_TEST_ENOSPC_AT=N  the N-th data write fails with OSError(ENOSPC).
 """
@@ -225,7 +226,7 @@ def mutation_point() -> None:
     """Count one mutation; the kill hook fires just before the chosen one."""
     _FAULTS["points"] += 1
     kill_at = os.environ.get("OVERLAY_TEST_KILL_AT")
-    if kill_at and int(kill_at) == _FAULTS["points"]:
+    if kill_at and str(_FAULTS["points"]) in kill_at.split(","):
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("OVERLAY_TEST_KILL_SIGNAL",
@@ -4242,11 +4243,14 @@ def owned_by(manifest: dict, owner: dict) -> bool:
     return all(recorded.get(key) == owner[key] for key in ("pid", "start_time", "host"))
 
 
-def applied_in_words(state: State, manifest: dict) -> str:
-    sources = [record["path"] for entry in manifest["entries"] for record in entry["sources"]]
-    modules = sorted(manifest["python"]["modules"])
-    return "%s%s" % (summarise(state, manifest), "".join(
-        " (%s)" % ", ".join(names) for names in (sources + modules,) if names))
+def applied_in_words(manifest: dict) -> str:
+    """What a state directory holds, each entry with its sources, and whose."""
+    parts = ["entry %d (%s)" % (entry["id"], ", ".join(record["path"]
+                                                       for record in entry["sources"]))
+             for entry in manifest["entries"]]
+    parts += ["Python module %s" % name for name in sorted(manifest["python"]["modules"])]
+    parts += ["a rebind of %s" % name for name in sorted(manifest["python"]["rebinds"])]
+    return "%s, owner %s" % (", ".join(parts), describe_owner(manifest["owner"]))
 
 
 def cmd_trial(args: argparse.Namespace) -> int:
@@ -4267,7 +4271,7 @@ def cmd_trial(args: argparse.Namespace) -> int:
     if manifest is not None and anything_applied(manifest):
         raise OverlayError("E103", "a trial needs a state directory with nothing applied, and "
                            "%s holds %s; run `%s revert`, or pass another --state"
-                           % (state.root, applied_in_words(state, manifest), tool_at(state)))
+                           % (state.root, applied_in_words(manifest), tool_at(state)))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
@@ -4301,7 +4305,7 @@ def cmd_trial(args: argparse.Namespace) -> int:
     revert = result["revert"]
     if revert is not None and not revert["reverted"]:
         status = TRIAL_EXIT["revert"]  # 130 and 143 say the install is back: it is not
-        result["failed_step"] = "revert: the install is still patched (see above)"
+        result["failed_step"] = "revert: the revert did not finish (see above)"
     result["exit"] = status
     result["summary"] = trial_summary(result["runs"])
     result["output"] = compare_outputs(outputs)
@@ -4396,7 +4400,7 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
 
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {signum: signal.signal(signum, later) for signum in signals}
-    reverted, left_alone = True, None
+    reverted, left_alone, stopped_by = True, None, None
     try:
         with contextlib.redirect_stdout(sys.stderr):
             manifest = state.load() if state.exists() else None
@@ -4404,17 +4408,14 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
                     not owned_by(manifest, owner):
                 left_alone = "the overlay at %s is another's: %s; the trial applied nothing " \
                              "there and left it alone" % (state.root,
-                                                          applied_in_words(state, manifest))
+                                                          applied_in_words(manifest))
             elif manifest is not None:
                 revert_state(state, False, False)
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
         reverted = False
     except Stopped as exc:
-        print("overlay_setup: the trial's revert was stopped by a second %s; the install is "
-              "still patched: run `%s revert` to finish it"
-              % (signal.Signals(exc.signum).name, tool_at(state)), file=sys.stderr)
-        reverted = False
+        reverted, stopped_by = False, signal.Signals(exc.signum).name
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -4424,6 +4425,11 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
     after = install_fingerprint(watched, excluded)
     differences = sorted(path for path in set(before) | set(after)
                          if before.get(path) != after.get(path))
+    if stopped_by is not None:
+        print("overlay_setup: the trial's revert was stopped by a second %s; %s: run `%s revert` "
+              "to finish it" % (stopped_by, "the install is still patched" if differences else
+                                "the journal still lists the overlay", tool_at(state)),
+              file=sys.stderr)
     result["revert"] = {"reverted": reverted, "differences": differences, "left_alone": None}
     return received[0] if received else None
 

@@ -3681,6 +3681,205 @@ class OverlayDocsTest(unittest.TestCase):
             self.assertIn("(--build-cmd CMD | --no-build)", usage)
 
 
+TRIAL_PROJECT = dict(LIB_SOURCES, **{
+    "Makefile": "libk.so: a.o b.o\n\t$(CC) -shared -o $@ a.o b.o\n"
+                "%.o: %.c k.h\n\t$(CC) -O1 -fPIC -c -o $@ $<\n",
+    "pkg/__init__.py": "",
+    "pkg/mod.py": "VALUE = 1\n",
+})
+
+
+class TrialTest(OverlayTestCase):
+    """trial as a kernel engineer or an optimizer reads it: the timing
+    summary, the JSON, the two sides' output; and trial owning only its own
+    work: the overlay's PYTHONPATH in the candidate, a refusal where something
+    is applied, a clean-up that leaves another worker's overlay alone, and a
+    revert that a signal does not cut short."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, TRIAL_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        age_tree(self.proj)
+        self.lib = os.path.join(self.proj, "libk.so")
+        self.diff = os.path.join(self.tmp, "seven.diff")
+        write_text_file(self.diff, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n"
+                                   "-int b(void) { return K; }\n+int b(void) { return 7; }\n")
+        self.probe = [sys.executable, "-c", "import ctypes, sys; print(ctypes.CDLL(sys.argv[1])"
+                                            ".b())", self.lib]
+        self.before = tree_state(self.proj)
+
+    def trial(self, *extra: str, command: list = None, env: dict = None,
+              patch: str = None, native: bool = True) -> subprocess.CompletedProcess:
+        build = ["--artifact", self.lib, "--build-cmd", "make", "--build-cwd", self.proj]
+        return run_tool(["--state", self.state, "trial", patch or self.diff, "--root", self.proj]
+                        + (build if native else []) + list(extra) + ["--"]
+                        + (command or self.probe), env=env)
+
+    def test_repeat_prints_each_side_s_spread_and_the_ratio_of_the_medians(self) -> None:
+        done = self.trial("--repeat", "3")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertRegex(done.stdout, r"\n  reference: median \d+\.\d{3}s, min \d+\.\d{3}s, max "
+                                      r"\d+\.\d{3}s \(3 runs\)\n  candidate: median \d+\.\d{3}s, "
+                                      r"min \d+\.\d{3}s, max \d+\.\d{3}s \(3 runs\)\n"
+                                      r"  candidate/reference: \d+\.\d{3} \(ratio of the medians; "
+                                      r"\d+\.\d{3} to \d+\.\d{3} over the 3 paired runs\)\n"
+                                      r'  output: differs \(round 1, line 1\): reference "4", '
+                                      r'candidate "7"\n  verify: 1 artifact\(s\) rebuilt\n')
+        self.assertIn("  watched: %s (writes elsewhere, such as an install prefix, are not "
+                      "checked)\n" % self.proj, done.stdout)
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_json_holds_each_run_the_summary_the_verification_and_the_revert(self) -> None:
+        done = self.trial("--repeat", "2", "--format", "json")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        result = json.loads(done.stdout)
+        self.assertEqual(sorted(result), ["command", "exit", "failed_step", "output", "patch",
+                                          "revert", "runs", "state", "summary", "verify",
+                                          "watched"])
+        self.assertEqual((result["command"], result["exit"], result["failed_step"],
+                          result["patch"], result["state"], result["verify"], result["watched"]),
+                         (self.probe, 0, None, self.diff, self.state, "1 artifact(s) rebuilt",
+                          [self.proj]))
+        self.assertEqual([sorted(run) for run in result["runs"]],
+                         [["exit", "kind", "round", "seconds"]] * 4)
+        self.assertEqual([(run["kind"], run["round"], run["exit"]) for run in result["runs"]],
+                         [("reference", 1, 0), ("candidate", 1, 0), ("reference", 2, 0),
+                          ("candidate", 2, 0)])
+        seconds = {kind: [run["seconds"] for run in result["runs"] if run["kind"] == kind]
+                   for kind in ("reference", "candidate")}
+        summary = result["summary"]
+        self.assertEqual(sorted(summary), ["candidate", "ratio", "reference"])
+        for kind, values in seconds.items():
+            self.assertEqual(summary[kind], {"runs": 2, "min": min(values), "max": max(values),
+                                             "median": round(sum(values) / 2, 3)})
+        ratios = [c / r for r, c in zip(seconds["reference"], seconds["candidate"])]
+        self.assertEqual(summary["ratio"], {
+            "median": round(summary["candidate"]["median"] / summary["reference"]["median"], 3),
+            "min": round(min(ratios), 3), "max": round(max(ratios), 3), "pairs": 2})
+        self.assertEqual(result["output"], {"rounds": 2, "differs": True, "round": 1, "line": 1,
+                                            "reference": "4", "candidate": "7"})
+        self.assertEqual(result["revert"], {"reverted": True, "differences": [],
+                                            "left_alone": None})
+
+    def test_the_candidate_runs_with_the_overlay_s_pythonpath(self) -> None:
+        on_python_path(self, self.proj)
+        patch = os.path.join(self.tmp, "py.diff")
+        write_text_file(patch, "--- a/pkg/mod.py\n+++ b/pkg/mod.py\n@@ -1 +1 @@\n"
+                               "-VALUE = 1\n+VALUE = 2\n")
+        done = self.trial("--no-build", patch=patch, native=False,
+                          command=[sys.executable, "-c", "import pkg.mod; print(pkg.mod.VALUE)"],
+                          env={"PYTHONPATH": self.proj, "PYTHONDONTWRITEBYTECODE": "1"})
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn('  output: differs (round 1, line 1): reference "1", candidate "2"\n',
+                      done.stdout)
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_state_with_something_applied_is_refused_naming_it(self) -> None:
+        fast = os.path.join(self.tmp, "fast.c")
+        write_text_file(fast, "int a(void) { return 2; }\n")
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "a.c"),
+                                "--patched", fast, "--no-build"))
+        owner = overlay_setup.describe_owner(read_json(os.path.join(self.state,
+                                                                    "manifest.json"))["owner"])
+        done = self.trial()
+        self.assertEqual((done.returncode, done.stdout), (1, ""))
+        self.assertEqual(done.stderr, "overlay_setup: E103 a trial needs a state directory with "
+                         "nothing applied, and %s holds entry 1 (%s/a.c), owner %s; run "
+                         "`overlay_setup.py --state %s revert`, or pass another --state\n"
+                         % (self.state, self.proj, owner, self.state))
+
+    def test_the_clean_up_leaves_another_worker_s_overlay_alone(self) -> None:
+        # Two workers share one state directory: the other one applies while
+        # this trial's reference run goes on, so this trial's apply fails.
+        fast = os.path.join(self.tmp, "fast.c")
+        write_text_file(fast, "int a(void) { return 2; }\n")
+        other = subprocess.Popen(["sleep", "600"])
+        self.addCleanup(other.wait)
+        self.addCleanup(other.kill)
+        worker = " ".join(shell_words([sys.executable, TOOL, "--state", self.state, "add-native",
+                                       "--source", os.path.join(self.proj, "a.c"), "--patched",
+                                       fast, "--no-build", "--owner-pid", str(other.pid)]))
+        done = self.trial(command=["sh", "-c", "[ -e %s ] || %s >/dev/null; echo ran"
+                                   % (self.state, worker)])
+        self.assertEqual(done.returncode, 11, done.stderr)
+        self.assertIn("overlay_setup: E205 ", done.stderr)
+        self.assertIn("  revert: nothing of the trial's to revert: the overlay at %s is another's"
+                      % self.state, done.stdout)
+        self.assertIn("entry 1: applied, without a build", self.tool("status")[1])
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def first_revert_point(self) -> int:
+        """The trial's first mutation in its revert, found by bisection: a
+        SIGTERM at an earlier point interrupts the apply or a run, one at a
+        later point finds the revert running, or comes after the end."""
+        low, high = 1, 128
+        while low < high:
+            middle = (low + high) // 2
+            done = self.trial(env={"OVERLAY_TEST_KILL_AT": str(middle),
+                                   "OVERLAY_TEST_KILL_SIGNAL": "TERM"})
+            if "during the revert" in done.stderr or done.returncode == 0:
+                high = middle
+            else:
+                low = middle + 1
+        self.assertEqual(tree_state(self.proj), self.before)
+        return low
+
+    def test_a_signal_during_the_revert_lets_it_finish_and_a_second_one_says_how_to_finish(
+            self) -> None:
+        first = self.first_revert_point()
+        done = self.trial(env={"OVERLAY_TEST_KILL_AT": str(first),
+                               "OVERLAY_TEST_KILL_SIGNAL": "TERM"})
+        self.assertEqual(done.returncode, 143, done.stderr)
+        self.assertIn("trial: SIGTERM during the revert; finishing the revert first (a second "
+                      "signal stops it and leaves the install patched)\n", done.stderr)
+        self.assertIn("  revert: the install is byte-identical to before\nresult: interrupted "
+                      "by SIGTERM (exit status 143)\n", done.stdout)
+        self.assertEqual(tree_state(self.proj), self.before)
+        done = self.trial(env={"OVERLAY_TEST_KILL_AT": "%d,%d" % (first, first + 1),
+                               "OVERLAY_TEST_KILL_SIGNAL": "TERM"})
+        self.assertEqual(done.returncode, 14, done.stderr)
+        self.assertIn("overlay_setup: the trial's revert was stopped by a second SIGTERM; the "
+                      "install is still patched: run `overlay_setup.py --state %s revert` to "
+                      "finish it\n" % self.state, done.stderr)
+        self.assertTrue(done.stdout.endswith("result: revert: the revert did not finish (see "
+                                             "above) (exit status 14)\n"), done.stdout)
+        self.assertNotEqual(tree_state(self.proj), self.before)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_no_line_inside_a_trial_says_to_run_revert(self) -> None:
+        done = self.trial()
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotIn("revert`", done.stderr + done.stdout)
+        broken = os.path.join(self.tmp, "broken.diff")
+        write_text_file(broken, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n"
+                                "-int b(void) { return K; }\n+int b(void) { return }\n")
+        done = self.trial(patch=broken)
+        self.assertEqual(done.returncode, 11, done.stderr)
+        self.assertRegex(done.stderr, r"\noverlay_setup: E401 the build command exited with "
+                                      r"status 2 after \d+\.\ds\n")
+        self.assertNotIn("revert`", done.stderr + done.stdout)
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_entry_numbers_start_again_once_everything_is_reverted(self) -> None:
+        fast = os.path.join(self.tmp, "fast.c")
+        write_text_file(fast, "int a(void) { return 2; }\n")
+        args = ("add-native", "--source", os.path.join(self.proj, "a.c"), "--patched", fast,
+                "--no-build")
+        for _ in range(2):
+            rc, out, err = self.tool(*args)
+            self.assertEqual((rc, err), (0, ""))
+            self.assertIn("entry 1 applied without a build", out)
+            self.assertOk(self.tool("revert"))
+
+
+def shell_words(words: list) -> list:
+    return [overlay_setup.shell_quote(word) for word in words]
+
+
 # A real PyTorch, for TorchExtensionTest: the interpreter of a virtual
 # environment with torch, ninja and setuptools installed.
 TORCH_PYTHON_VARIABLE = "OVERLAY_TEST_TORCH_PYTHON"
