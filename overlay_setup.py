@@ -84,7 +84,7 @@ how to fix it):
         E102 input missing or unreadable, E103 already overlaid, E104 not a
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
-        running, E109 bad build option (--timeout, -p), E110 the build
+        running, E109 missing or bad build option (--timeout, -p), E110 the build
         products to back up are over the size budget, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
@@ -160,6 +160,11 @@ VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
+# Build descriptions a patch may tune (flags, architectures), patched in place
+# like a source; build.ninja is not among them: the build system writes it.
+BUILD_FILE_NAMES = ("Makefile", "makefile", "GNUmakefile", "CMakeLists.txt", "setup.py",
+                    "pyproject.toml")
+BUILD_FILE_SUFFIXES = (".mk", ".cmake")
 SCAN_LIMIT = 50000
 CHUNK = 1 << 20
 INPUT_LIMIT = 64 << 20  # a patch or a patched source, read whole into memory
@@ -3473,12 +3478,15 @@ def shell_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
-def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
-    artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
-    caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
+def require_build_choice(args: argparse.Namespace) -> None:
     if args.build_cmd is None and not args.no_build and not args.dry_run:
         raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build; "
                          "--dry-run lists the build systems found near the source")
+
+
+def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
+    artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
+    caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError("E109", "--timeout must be a positive, finite number of seconds (got %g)"
                          % args.timeout)
@@ -3607,6 +3615,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
 
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
+    require_build_choice(args)
     artifacts, caches, build = native_options(args)
     patched = read_input(args.patched, "--patched ", "; pass the patched file")
     if not os.path.isfile(source):
@@ -3647,6 +3656,30 @@ def where_the_diff_fits(relative: str, root: str, strip: int) -> str:
     return "pass --root at the directory the diff was made in, and the -p that fits its paths"
 
 
+def already_applied(args: argparse.Namespace, name: str, target: str, file_patch: FilePatch,
+                    current: bytes) -> None:
+    """A patch whose hunks do not apply because it is applied already, as
+    an entry of this state directory: say so (E103) instead of E302."""
+    state = open_state(args)
+    if not state.exists():
+        return
+    for entry in state.load()["entries"]:
+        for record in entry["sources"]:
+            if record["path"] != target or not record["present"]:
+                continue
+            with open(state.state_path(record["backup"]), "rb") as handle:
+                original = handle.read()
+            try:
+                patched = apply_hunks(file_patch, original, name)
+            except OverlayError:
+                continue
+            if patched == current:
+                raise OverlayError("E103", "%s is already applied as entry %d (%s); nothing was "
+                                   "written: to change that entry, run `%s update PATCH` with a "
+                                   "patch against the original, or `%s revert` first"
+                                   % (name, entry["id"], target, tool_at(state), tool_at(state)))
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     if args.p < 0:
@@ -3662,10 +3695,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
     for file_patch in file_patches:
         relative = file_patch.path
         suffix = os.path.splitext(relative)[1]
-        if suffix not in NATIVE_SUFFIXES + (".py",):
-            raise OverlayError("E303", "%s: %s is neither a compiled source (%s) nor a .py file; "
-                               "nothing was written: leave it out of the patch"
-                               % (name, relative, " ".join(NATIVE_SUFFIXES)))
+        base = os.path.basename(relative)
+        if base in BUILD_FILE_NAMES or suffix in BUILD_FILE_SUFFIXES:
+            suffix = ""  # patched in place and reverted as a source is, setup.py too
+        elif base == "build.ninja":
+            raise OverlayError("E303", "%s: %s is written by the build system (CMake, Meson, "
+                               "torch's extension loader); nothing was written: patch what "
+                               "generates it instead" % (name, relative))
+        elif suffix not in NATIVE_SUFFIXES + (".py",):
+            raise OverlayError("E303", "%s: %s is neither a compiled source (%s), a build file "
+                               "(%s) nor a .py file; nothing was written: leave it out of the "
+                               "patch" % (name, relative, " ".join(NATIVE_SUFFIXES), " ".join(
+                                   BUILD_FILE_NAMES + tuple("*" + s for s in
+                                                            BUILD_FILE_SUFFIXES))))
         target = os.path.join(root, relative)
         if file_patch.old is not None and not os.path.lexists(target):
             raise OverlayError("E302", "%s: %s is not under %s, where the diff's paths are read "
@@ -3688,7 +3730,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if os.path.isfile(target):
             with open(target, "rb") as handle:
                 original = handle.read()
-        result = apply_hunks(file_patch, original, name)
+        try:
+            result = apply_hunks(file_patch, original, name)
+        except OverlayError as exc:
+            if exc.code == "E302" and original is not None:
+                already_applied(args, name, target, file_patch, original)
+            raise
         if suffix == ".py" and file_patch.mode is not None and (
                 original is not None or file_patch.mode != 0o644):
             raise OverlayError("E305", "%s: %s changes mode to %s, but a .py file is overlaid by "
@@ -3701,6 +3748,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             python_files.append({"path": target, "content": result})
         else:
             natives.append((target, result))
+    if natives:
+        require_build_choice(args)  # a patch of .py files alone builds nothing
     if natives and not artifacts and build is not None:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
@@ -4710,6 +4759,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_hint(message: str) -> str:
+    """'; did you mean "apply"?' for a command argparse does not know."""
+    unknown = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+    if unknown is None:
+        return ""
+    import difflib  # only on this path: it costs the start-up of every command
+    near = difflib.get_close_matches(unknown.group(1), list(COMMANDS), n=1)
+    return '; did you mean "%s"?' % near[0] if near else ""
+
+
 COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
             "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
             "update": cmd_update, "trial": cmd_trial, "verify-native": cmd_verify_native,
@@ -4737,8 +4796,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CommandLineError as exc:
         command = next((arg for arg in (sys.argv[1:] if argv is None else argv)
                         if arg in COMMANDS), None)
-        print("overlay_setup: E100 %s; see overlay_setup.py %s--help"
-              % (exc.message, command + " " if command else ""), file=sys.stderr)
+        print("overlay_setup: E100 %s%s; see overlay_setup.py %s--help"
+              % (exc.message, command_hint(exc.message), command + " " if command else ""),
+              file=sys.stderr)
         return 2
     except UsageError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)

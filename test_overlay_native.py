@@ -1132,11 +1132,12 @@ class PatchTest(OverlayTestCase):
         self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint b;")
 
     def test_unsupported_file_kind_is_refused(self) -> None:
-        patch = self.make_patch({"Makefile": KERNELS["Makefile"] + "# more\n"})
+        patch = self.make_patch({"notes.txt": "more\n"})
         self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
-            1, "", "overlay_setup: E303 change.diff: Makefile is neither a compiled source "
-            "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp) nor a .py file; nothing was written: leave "
-            "it out of the patch\n"))
+            1, "", "overlay_setup: E303 change.diff: notes.txt is neither a compiled source "
+            "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp), a build file (Makefile makefile "
+            "GNUmakefile CMakeLists.txt setup.py pyproject.toml *.mk *.cmake) nor a .py file; "
+            "nothing was written: leave it out of the patch\n"))
 
     def test_a_git_diff_applied_from_a_subdirectory_names_the_root_or_p_to_pass(self) -> None:
         # git diff names paths from the repository's top, wherever it runs;
@@ -3878,6 +3879,75 @@ class TrialTest(OverlayTestCase):
 
 def shell_words(words: list) -> list:
     return [overlay_setup.shell_quote(word) for word in words]
+
+
+class ApplyMessageTest(OverlayTestCase):
+    """What a new user meets first: a mistyped command, a patch applied
+    twice, a patch of .py files only, a patch that tunes the build file."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, TRIAL_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        age_tree(self.proj)
+        self.before = tree_state(self.proj)
+        on_python_path(self, self.proj)
+
+    def diff(self, relative: str, old: str, new: str) -> str:
+        path = os.path.join(self.tmp, "change.diff")
+        write_text_file(path, "".join(difflib.unified_diff(
+            old.splitlines(True), new.splitlines(True), "a/" + relative, "b/" + relative)))
+        return path
+
+    def test_a_mistyped_command_gets_a_did_you_mean(self) -> None:
+        rc, out, err = call("aply", "x.diff")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertRegex(err, r"^overlay_setup: E100 argument COMMAND: invalid choice: 'aply' "
+                              r"\(choose from .*\); did you mean \"apply\"\?; see "
+                              r"overlay_setup.py --help\n$")
+        self.assertNotIn("did you mean", call("xyzzy")[2])
+
+    def test_a_patch_applied_twice_names_its_entry_and_update(self) -> None:
+        patch = self.diff("b.c", LIB_SOURCES["b.c"], LIB_SOURCES["b.c"].replace("K", "7"))
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E103 change.diff is already applied as entry 1 (%s/b.c); "
+            "nothing was written: to change that entry, run `overlay_setup.py --state %s update "
+            "PATCH` with a patch against the original, or `overlay_setup.py --state %s revert` "
+            "first\n" % (self.proj, self.state, self.state)))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_patch_of_py_files_only_needs_no_build_option(self) -> None:
+        patch = self.diff("pkg/mod.py", "VALUE = 1\n", "VALUE = 2\n")
+        rc, out, err = self.tool("apply", patch, "--root", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("1 Python module(s) overlaid (pkg.mod)", out)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_build_file_is_patched_in_place_and_reverted_like_a_source(self) -> None:
+        makefile = TRIAL_PROJECT["Makefile"]
+        patch = self.diff("Makefile", makefile, makefile.replace("-O1", "-O2"))
+        # make rebuilds for a changed Makefile only when asked: -B
+        rc, out, err = self.tool("apply", patch, "--root", self.proj, "--artifact",
+                                 os.path.join(self.proj, "b.o"), "--build-cmd", "make -B",
+                                 "--build-cwd", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("-O2 -fPIC -c -o b.o b.c", out)
+        self.assertIn("-O2", read_text(os.path.join(self.proj, "Makefile")))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+        self.assertEqual(quiet(["make", "-q"], self.proj).returncode, 0)
+
+    def test_build_ninja_stays_refused(self) -> None:
+        write_text_file(os.path.join(self.proj, "build.ninja"), "# generated\n")
+        patch = self.diff("build.ninja", "# generated\n", "# edited\n")
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E303 change.diff: build.ninja is written by the build system "
+            "(CMake, Meson, torch's extension loader); nothing was written: patch what generates "
+            "it instead\n"))
 
 
 # A real PyTorch, for TorchExtensionTest: the interpreter of a virtual
