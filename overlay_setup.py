@@ -76,7 +76,9 @@ Exit codes:
   130  interrupted (Ctrl-C), also while the tool starts; trial reverts first
      (143 for SIGTERM)
 
-Messages are one line on stderr: `overlay_setup: CODE what is wrong; what to do`.
+Failures are one line on stderr: `overlay_setup: CODE what is wrong; what to do`
+(warnings start with `warning: `; gc-stale and revert --all end with a count
+of the state directories they could not handle).
 Codes (stable, never reused; docs/overlay_setup.md says what each means and
 how to fix it):
   E1xx  arguments and preconditions
@@ -2469,10 +2471,10 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                     if is_within(path, their) or is_within(their, path):
                         raise OverlayError("E120", "%s %s is already held by the overlay at %s "
                                            "(entry %d, %s); nothing was changed: revert that "
-                                           "one first (`overlay_setup.py --state %s revert`), "
-                                           "or add this change to it with --state %s"
+                                           "one first (`%s revert`), or add this change to "
+                                           "it with --state %s"
                                            % (option, path, other.root, entry["id"], their,
-                                              other.root, other.root))
+                                              tool_at(other), shell_quote(other.root)))
 
 
 def check_state_outside_build(state: State, build: Optional[dict]) -> None:
@@ -3310,15 +3312,16 @@ def revert_all(state: State, manifest: dict, force: bool,
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
                                    "the original nor the patched content); nothing was reverted: "
                                    "if another overlay patched it since, revert that one first; "
-                                   "else run `overlay_setup.py revert --force` to restore the "
-                                   "original anyway" % changed[0])
+                                   "else run `%s revert --force` to restore the original "
+                                   "anyway" % (changed[0], tool_at(state)))
         changed = rebuilt_since_apply(state, manifest["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
                                "wrote it, and restoring it now would undo that; nothing was "
-                               "reverted: revert the other one first, or run `overlay_setup.py "
-                               "revert --force` to restore the original anyway" % changed[0])
+                               "reverted: revert the other one first, or run `%s revert "
+                               "--force` to restore the original anyway"
+                               % (changed[0], tool_at(state)))
     done: List[str] = []
     inexact: List[str] = []
     python = manifest["python"]
@@ -3432,8 +3435,8 @@ def cmd_add_python(args: argparse.Namespace) -> int:
                             os.path.abspath(args.file))
         state.save(manifest)
         write_python_overlay(state, manifest)
-    print("module %s now served from %s to processes started with `overlay_setup.py env`"
-          % (args.module, os.path.abspath(args.file)))
+    print("module %s now served from %s to processes started with `%s env`"
+          % (args.module, os.path.abspath(args.file), tool_at(state)))
     print("state: %s" % state.root)
     return 0
 
@@ -3462,7 +3465,8 @@ def cmd_rebind(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     state = open_state(args)
     if not os.path.isfile(os.path.join(state.site, "sitecustomize.py")):
-        raise OverlayError("E207", "no overlay at %s; run `overlay_setup.py init` first" % state.root)
+        raise OverlayError("E207", "no overlay at %s; run `%s init` first"
+                           % (state.root, tool_at(state)))
     value = overlay_environment(state)["PYTHONPATH"]
     if args.format == "json":
         print(json.dumps({"PYTHONPATH": value, "OVERLAY_STATE": state.root}, sort_keys=True))
@@ -3875,8 +3879,8 @@ def cmd_update(args: argparse.Namespace) -> int:
         print("state: %s" % state.root, flush=True)
         if entry["build"] is not None:
             run_entry_build(state, manifest, entry)
-    print("entry %d updated: %s; the originals stay backed up for `overlay_setup.py --state %s "
-          "revert`" % (entry["id"], ", ".join(sorted(contents)), shell_quote(state.root)))
+    print("entry %d updated: %s; the originals stay backed up for `%s revert`"
+          % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
     return 0
 
 
@@ -4820,16 +4824,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + signal.SIGPIPE
         print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
-              "fix the cause, then run `overlay_setup.py --state %s revert`"
-              % (written(exc), exc.strerror, shell_quote(state_root(args))), file=sys.stderr)
+              "fix the cause, then run `%s revert`"
+              % (written(exc), exc.strerror, tool_at(State(state_root(args)))), file=sys.stderr)
         return 1
     except Stopped as exc:
         print("overlay_setup: stopped by %s; the build was stopped with it and the patch stays "
-              "applied: run `overlay_setup.py --state %s revert`"
-              % (signal.Signals(exc.signum).name, shell_quote(state_root(args))), file=sys.stderr)
+              "applied: run `%s revert`"
+              % (signal.Signals(exc.signum).name, tool_at(State(state_root(args)))),
+              file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:
-        here = "overlay_setup.py --state %s" % shell_quote(state_root(args))
+        here = tool_at(State(state_root(args)))
         print("overlay_setup: interrupted; run `%s status`, then `%s revert`" % (here, here),
               file=sys.stderr)
         return 130

@@ -402,8 +402,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % self.p("kernel_b.c")))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (self.p("kernel_b.c"), self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(self.p("kernel_b.c")), KERNELS["kernel_b.c"])
 
@@ -418,8 +418,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % self.p("kernel_b.c")))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (self.p("kernel_b.c"), self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(victim), "precious\n")
         self.assertFalse(os.path.islink(self.p("kernel_b.c")))
@@ -713,14 +713,14 @@ class CProjectTest(OverlayTestCase):
         message = ("overlay_setup: E509 %s was changed after the overlay's build (neither the "
                    "original nor what that build made): another overlay or build wrote it, and "
                    "restoring it now would undo that; nothing was reverted: revert the other one "
-                   "first, or run `overlay_setup.py revert --force` to restore the original "
-                   "anyway\n")
-        self.assertEqual(self.tool("revert"), (1, "", message % self.p("cache")))
+                   "first, or run `overlay_setup.py --state %s revert --force` to restore the "
+                   "original anyway\n")
+        self.assertEqual(self.tool("revert"), (1, "", message % (self.p("cache"), self.state)))
         self.assertEqual(tree_state(self.proj), patched)
         self.assertOk(call("--state", other, "revert"))
         with open(self.lib, "ab") as handle:
             handle.write(b"\0")
-        self.assertEqual(self.tool("revert"), (1, "", message % self.lib))
+        self.assertEqual(self.tool("revert"), (1, "", message % (self.lib, self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(tree_state(self.proj), before)
 
@@ -1332,8 +1332,8 @@ class PythonOverlayTest(OverlayTestCase):
 
     def test_env_without_an_overlay_says_what_to_run(self) -> None:
         self.assertEqual(self.tool("env"), (
-            1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py init` first\n"
-            % self.state))
+            1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py --state %s init` "
+            "first\n" % (self.state, self.state)))
 
 
 def crash_fixture(root: str, shm: str) -> None:
@@ -3559,8 +3559,8 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(call("--state", older, "revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % source))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (source, older)))
         self.assertOk(call("--state", newer, "revert"))
         self.assertEqual(read_text(source), "int k = 1;\n")
         self.assertOk(call("--state", older, "revert"))
@@ -3940,6 +3940,28 @@ class ApplyMessageTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), self.before)
         self.assertEqual(quiet(["make", "-q"], self.proj).returncode, 0)
+
+    def test_stderr_lines_take_the_three_forms_the_docs_name(self) -> None:
+        patch = self.diff("b.c", LIB_SOURCES["b.c"], LIB_SOURCES["b.c"].replace("K", "7"))
+        rc, out, warned = self.tool("apply", patch, "--root", self.proj, "--build-cmd", "make",
+                                    "--build-cwd", self.proj)
+        self.assertEqual((rc, warned), (0, "warning: no --artifact given; verify-native will "
+                                           "have nothing to check\n"))
+        self.assertOk(self.tool("revert"))
+        shared = os.path.join(self.tmp, "shared")
+        self.assertOk(call("--state", shared, "init"))
+        os.chmod(shared, 0o777)
+        rc, out, counted = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 1)
+        self.assertTrue(counted.endswith("\noverlay_setup: 1 state directory refused or failed; "
+                                         "see above\n"), counted)
+        for line in (warned + counted).splitlines():
+            self.assertRegex(line, r"^(overlay_setup: E\d{3} |warning: |overlay_setup: \d+ "
+                                   r"state director(y|ies) (refused or failed|not reverted); "
+                                   r"see above$)")
+        docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
+        for line in (warned.strip(), counted.splitlines()[-1]):
+            self.assertIn("`%s`" % line, docs)
 
     def test_build_ninja_stays_refused(self) -> None:
         write_text_file(os.path.join(self.proj, "build.ninja"), "# generated\n")
