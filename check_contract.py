@@ -104,7 +104,8 @@ Diagnostic codes (stable; never reused):
                      R005 ABI symbol not exported, R006 loaded ABI version
                      differs, R007 library cannot be loaded here (warning),
                      R008 fatbinary SASS targets differ from the manifest,
-                     R009 backend not buildable
+                     R009 backend not buildable, R010 an exported name
+                     without the backend's prefix
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
@@ -168,6 +169,7 @@ MAX_DIGITS = 18      # a number with more digits is no ABI version, target or #i
 ABI_SUFFIX = "_ABI_VERSION"
 ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
 DIGITS_RE = re.compile(r"[0-9]+")
+ABI_FUNCTION_RE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*?)_abi_version[ \t\n]*\(")
 
 # Build scripts.
 SH_TOKEN_RE = re.compile(r"""
@@ -3301,11 +3303,17 @@ def check_abi(repo, backend):
                           % (rel, prefix, describe(raw)), backend.rel(rel), line)
     literal = [d for d in defines if d[3] is not None]
     if not literal:
-        if defines:  # A005 said what is wrong with the macro there is
-            return
-        level = "error" if backend.status == "validated" else "warning"
-        backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
-                       "add one equal to abi_version")
+        if not defines:  # with one, A005 said what is wrong with the macro there is
+            level = "error" if backend.status == "validated" else "warning"
+            backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
+                           "add one equal to abi_version")
+        # The prefix from the macro there is, else from the <prefix>_abi_version() declared.
+        prefixes = {defines[0][2].lower()} if defines else sources.abi_function_prefixes()
+        if not prefixes:
+            backend.warning("A004", "no declaration of a <prefix>_abi_version() in the declared "
+                            "sources; the C ABI requires it, and <prefix>_error_string()")
+        for prefix in sorted(prefixes):
+            check_abi_functions(backend, sources, prefix)
         return
     values = {d[3] for d in literal}
     backend.abi_prefix = literal[0][2].lower()
@@ -3320,7 +3328,12 @@ def check_abi(repo, backend):
         backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
-    for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
+    check_abi_functions(backend, sources, backend.abi_prefix)
+
+
+def check_abi_functions(backend, sources, prefix):
+    """A004: the two functions every ABI declares."""
+    for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if not sources.declares(symbol):
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
@@ -3378,6 +3391,16 @@ class AbiSources:
         prefixes = {d[2] for d in self.defines()}
         declared = {p for p in prefixes if self.declares(p.lower() + "_abi_version")}
         return declared or prefixes
+
+    def abi_function_prefixes(self):
+        """The prefixes of every <prefix>_abi_version( the sources name."""
+        found = set()
+        for entry in self.texts.values():
+            if "_abi_version" in entry[0]:
+                if entry[1] is None:
+                    entry[1] = preprocess(entry[0])[0]
+                found.update(ABI_FUNCTION_RE.findall(entry[1]))
+        return found
 
     def declares(self, symbol):
         """Whether a source names `symbol(` in its live text."""
@@ -3945,6 +3968,8 @@ REPORTERS = {"text": report_text, "json": report_json, "github": report_github,
 # targets; the union is what the library runs on.
 
 ELF_MAGIC = b"\x7fELF"
+# What the linker itself defines in a shared object, whatever its sources.
+LINKER_SYMBOLS = frozenset(("_init", "_fini", "_edata", "_end", "__bss_start"))
 ELF_TYPE_SHARED = 3
 SECTION_DYNSYM = 11
 FATBIN_MAGIC = 0xBA55ED50
@@ -4250,6 +4275,14 @@ def inspect_library(backend, path, arch, report):
     for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if symbol not in shared.dynamic_symbols:
             report("error", "R005", "%s does not export %s" % (output, symbol))
+    foreign = sorted(s for s in shared.dynamic_symbols
+                     if not s.startswith(prefix + "_") and s not in LINKER_SYMBOLS)
+    if foreign:
+        report("error", "R010", "%s exports %d name(s) without the prefix %s_ (%s%s), which the C "
+               "ABI gives every name; hide them (-fvisibility=hidden, and "
+               "__attribute__((visibility(\"default\"))) on the ABI's functions)"
+               % (output, len(foreign), prefix, ", ".join(foreign[:5]),
+                  ", ..." if len(foreign) > 5 else ""))
     if prefix + "_abi_version" in shared.dynamic_symbols:
         done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
