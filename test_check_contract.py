@@ -1318,6 +1318,28 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
 
+class ReaderTableTest(unittest.TestCase):
+    def test_every_construct_the_reader_reads_names_a_test_that_exists(self):
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs",
+                               "check_contract.md")) as handle:
+            text = handle.read()
+        section = text[text.index("## What the script reader reads"):]
+        section = section[:section.index("\n## ", 1)]
+        rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line
+                and not line.startswith(("| Construct", "| Expansion", "| Compiler flag"))]
+        self.assertGreaterEqual(len(rows), 35)
+        corpus = {entry[0] for entry in BUILD_SCRIPT_CORPUS}
+        for row in rows:
+            with self.subTest(row=row[:40]):
+                test = row.rstrip(" |").rsplit("| ", 1)[-1]
+                named = re.match(r"`(\w+)\.(\w+)`\Z|`CorpusTest` \(`(\w+)`\)\Z", test)
+                self.assertIsNotNone(named, test)
+                if named.group(3):
+                    self.assertIn(named.group(3), corpus)
+                else:
+                    self.assertTrue(hasattr(globals()[named.group(1)], named.group(2)), test)
+
+
 class CompiledSourcesTest(TreeTest):
     """trace compares every file a compiler compiled with `sources`."""
 
