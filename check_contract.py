@@ -43,9 +43,10 @@ else to the repository root; `<path>: [...]` when the finding has no line
 (a whole file or directory), and `[<level>] <CODE> <backend>: <message>`
 when it has no place at all.  Then `checked <backend>: status=<status>
 abi=<n>` per backend checked, and last `N backend(s), N error(s), N
-warning(s)` (then `, N suppressed ...` when ignore entries accepted some).  Control characters in names and messages (a newline in a
-file name) are written as backslash escapes (\n, \x1b), so every line of
-the report is one finding.
+warning(s)` (then `, N suppressed ...` when ignore entries accepted some).
+Control characters in names and messages (a newline in a file name) are
+written as backslash escapes (\n, \x1b), so every line of the report is
+one finding.
 
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
@@ -2393,7 +2394,9 @@ class ScriptReader:
         return status
 
     def builtin_eval(self, line, argv):
-        self.unfollow(line, "eval")
+        """eval, and trap's command: shell text the reader does not read."""
+        if argv[0] == "eval" or len(argv) > 2:
+            self.unfollow(line, "eval" if argv[0] == "eval" else "the command of trap")
         return None
 
     # -- variables
@@ -2773,7 +2776,7 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "eval": ScriptReader.builtin_eval, "trap": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
     "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
     "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
     "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,
@@ -3560,7 +3563,7 @@ def check_build_script(repo, backend):
         backend.error("B012", "build script %s has Windows (CRLF) line ends, which bash reads as "
                       "part of each command; convert it (dos2unix %s), and if git converts it on "
                       "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
-                      rel_path)
+                      rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
     check_build_facts(backend, rel, ScriptReader(text, backend.dir).facts())
@@ -5291,7 +5294,8 @@ def add_check_parser(sub, common, formatter):
                            epilog="examples:\n"
                            "  python3 check_contract.py --root .\n"
                            "  python3 check_contract.py check --format json cpu/llm_ops\n"
-                           "  python3 check_contract.py check --strict --format github\n")
+                           "  python3 check_contract.py check --strict --format github\n"
+                           "  python3 check_contract.py check --ignore B017 --format sarif > check.sarif\n")
     add_format(check, "check", "output format; sarif: SARIF 2.1.0 for GitHub code scanning "
                "(default: github when GITHUB_ACTIONS=true, else text)")
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")

@@ -143,6 +143,14 @@ def run_main(argv, env=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+def terminal_env(**extra):
+    """The environment, as in a terminal: without GITHUB_ACTIONS, under which
+    the checker prints annotations instead of the text the tests expect."""
+    env = dict(os.environ, **extra)
+    env.pop("GITHUB_ACTIONS", None)
+    return env
+
+
 class TreeTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="check-contract-")
@@ -250,7 +258,11 @@ class DiscoveryTest(TreeTest):
         rc, out, err = self.check("--backends-dir", "src/backends")
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("checked cpu/demo: status=validated abi=1\n", out)
-        self.assertEqual(self.check()[0], 2)
+        self.assertEqual(self.check(), (2, "", "check_contract.py: error: no backends directory: "
+                                       "%s/backends is not there (the root is %s, given by --root); "
+                                       "give --root DIR (the directory that holds backends/) or "
+                                       "--backends-dir DIR, or run from inside the repository\n"
+                                       % (self.root, self.root)))
 
     def test_backends_dir_that_is_not_there_is_a_usage_error(self):
         self.tree(demo_files(**{"README.md": "x\n"}))
@@ -1461,6 +1473,7 @@ class ReaderHonestyTest(TreeTest):
 
     def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
         for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
+                     "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' EXIT",
                      "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
             with self.subTest(line=line):
                 self.cuda_fat(line + "\n")
@@ -1644,7 +1657,9 @@ class CommandLineTest(TreeTest):
                     2, "", 'check_contract.py: error: no backend named "%s" under backends/ (known: '
                     'cpu/demo, metal/k); "%s" is a platform directory: name its backends as %s/<name>\n'
                     % (platform, platform, platform)))
-        self.assertEqual(self.check("check", "tpu")[0], 2)
+        self.assertEqual(self.check("check", "tpu"), (
+            2, "", 'check_contract.py: error: no backend named "tpu" under backends/ (known: '
+            'cpu/demo, metal/k)\n'))
 
     def test_a_backend_directory_with_a_trailing_slash_names_it(self):
         self.tree(demo_files())
@@ -1674,7 +1689,10 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("fat")
         self.assertEqual((rc, out), (0, "checked cuda/fat: status=experimental abi=2\n"
                                         "1 backend(s), 0 error(s), 0 warning(s)\n"))
-        self.assertEqual(self.check("check", "cpu/demo")[0], 1)
+        rc, out, err = self.check("check", "cpu/demo")
+        self.assertEqual((rc, err), (1, ""))
+        self.assertTrue(out.startswith("backends/cpu/demo/extra.c: [error] S004 cpu/demo: kernel "
+                                       "source extra.c is not declared in sources"), out)
 
     def test_missing_repo_root_is_a_usage_error(self):
         missing = self.path("nowhere")
@@ -1849,15 +1867,6 @@ class CommandLineTest(TreeTest):
                               env=dict(os.environ, PYTHONIOENCODING="ascii"))
         self.assertEqual((done.returncode, done.stderr), (1, b""))
         self.assertIn(b"kernel source k\\xe9.cu is not declared", done.stdout)
-
-    def test_version_and_help(self):
-        rc, out, err = run_main(["--version"])
-        self.assertEqual((rc, out), (0, "check_contract.py %s\n" % check_contract.VERSION))
-        for command in ([], ["check"], ["list"], ["init"], ["build"], ["test"], ["parity"]):
-            with self.subTest(command=command):
-                rc, out, err = run_main(command + ["--help"])
-                self.assertEqual(rc, 0)
-                self.assertIn("examples:\n  python3 check_contract.py", out)
 
     def test_repository_itself_passes(self):
         self.assertEqual(run_main(["--repo-root", HERE])[0], 0)
@@ -2179,6 +2188,12 @@ class FindingLinesTest(TreeTest):
         rc, issues = self.issues()
         self.assertEqual({(i["code"], i["line"]) for i in issues}, {("B017", 4)})
 
+    def test_windows_line_ends_point_at_the_first(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            CPU_BUILD.replace("set -euo pipefail\n", "set -euo pipefail\r\n"))}))
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"]) for i in issues], [("B012", 3)])
+
 
 class OptionOrderTest(TreeTest):
     """What the docs say of option order and suggestions holds."""
@@ -2240,8 +2255,10 @@ class RootTest(TreeTest):
         self.tree(demo_files(**{"backends/cpu/demo/extra.c": "", "docs/x.md": ""}))
         git_in(self.root, "init", "-q")
         rc, out, err = self.in_directory("docs", "--format", "json")
-        self.assertEqual(rc, 1)
+        self.assertEqual((rc, err), (1, ""))
         self.assertEqual(json.loads(out)["checked"], ["cpu/demo"])
+        self.assertEqual([(i["code"], i["path"]) for i in json.loads(out)["issues"]],
+                         [("S004", "backends/cpu/demo/extra.c")])
 
     def test_repo_root_without_a_backends_directory_is_a_usage_error(self):
         self.tree(demo_files())
@@ -2487,7 +2504,8 @@ class NoTracebackTest(TreeTest):
         self.tree(fat_files(architectures=[80, 89, huge]))
         rc, issues = self.issues()
         self.assertEqual(rc, 1)
-        self.assertIn("B011", [i["code"] for i in issues])
+        self.assertIn(("B011", 'architecture "%s... is not a compute capability such as 89 or '
+                       '"90a"' % huge[:36]), [(i["code"], i["message"]) for i in issues])
         shutil.rmtree(self.path("backends"))
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json":
                                 json.dumps(demo_manifest()).replace('"x86-64"]', '"x86-64", %s]' % huge, 1)}))
@@ -2508,6 +2526,11 @@ class NoTracebackTest(TreeTest):
                     rc, out, err = self.check("--format", fmt)
                     self.assertEqual((rc, err), (1, ""))
                     self.assertTrue(re.search(r'J001|description\\?" must be a string', out), out[:300])
+                # Which of the two depends on the interpreter's recursion limit.
+                (issue,) = self.issues()[1]
+                self.assertIn((issue["code"], issue["message"][:40]), [
+                    ("J001", "invalid JSON: nested too deeply"),
+                    ("M002", '"description" must be a string, not [[[[')])
 
     def test_report_to_a_full_disk_is_exit_2_with_the_reason(self):
         self.tree(demo_files())
@@ -2706,6 +2729,13 @@ class RobustnessTest(TreeTest):
                 self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": json.dumps(value)}))
                 rc, out, err = self.check()
                 self.assertEqual((rc, err), (1, ""))
+                found = [(i["code"], i["message"]) for i in self.issues()[1]]
+                if isinstance(value, dict):  # an object, without the keys a manifest needs
+                    self.assertEqual(found, [("M001", 'missing required key "%s"' % key) for key in
+                                             ("abi_version", "build", "name", "sources", "status")])
+                else:
+                    self.assertEqual(found, [("J003", "the manifest must be a JSON object, not %s"
+                                              % json.dumps(value))])
 
     def test_binary_garbage_everywhere(self):
         garbage = bytes(range(256)) * 4
@@ -3042,7 +3072,8 @@ class BuildTierTest(TreeTest):
 
     def test_output_that_is_not_a_shared_object_is_an_error(self):
         self.tree(tiny_files(build=Executable(
-            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -x c -S - -o "$1/libtiny.so" < /dev/null\n')))
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -shared -o "$1/libtiny.so" -x c /dev/null\n'
+            'printf \'not a library\\n\' > "$1/libtiny.so"\n')))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
         self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R004 cpu/tiny: libtiny.so is not a usable "
@@ -4115,6 +4146,8 @@ class ParityTierTest(TreeTest):
     def test_skip_line_with_failure_exit_is_a_failure(self):
         rc, out, err = self.parity("import sys\nprint('SKIP: pretending')\nsys.exit(2)\n")
         self.assertEqual(rc, 1)
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: backends/cpu/tiny/parity.py "
+                      "failed (exit status 2)\n", out)
 
     def test_only_validated_backends_run_unless_named(self):
         self.assertEqual(self.parity("print('x')\n", status="experimental"),
@@ -4184,7 +4217,7 @@ class RepositoryTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
             # overlay_setup.py records applied overlays under $XDG_STATE_HOME
-            env = dict(os.environ, XDG_STATE_HOME=home)
+            env = terminal_env(XDG_STATE_HOME=home)
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
@@ -4199,9 +4232,6 @@ class RepositoryTest(unittest.TestCase):
 
     def test_readme_walkthrough_runs_as_written(self):
         self.run_shown("README.md", "## Walkthrough")
-
-    def test_overlay_examples_run_as_written(self):
-        self.run_shown("docs/overlay_setup.md")
 
     def test_check_contract_reference_commands_run_as_written(self):
         self.run_shown("docs/check_contract.md")
@@ -4243,8 +4273,8 @@ class RepositoryTest(unittest.TestCase):
             user = os.path.join(tmp, "user")
             write_tree(user, {"backends/cuda/k/k.cu": "__global__ void k() {}\n"})
             proc = subprocess.run([os.path.join(clone, entry[0])] + entry[1:], cwd=user,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  universal_newlines=True)
+                                  env=terminal_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, universal_newlines=True)
             self.assertEqual(proc.returncode, 1, proc.stdout)
             self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
                           "k.backend.json manifest",
@@ -4308,18 +4338,23 @@ class ConventionsTest(unittest.TestCase):
                             self.assertIn("default", action.help, action.option_strings
                                           or action.metavar)
 
+    def test_version_and_every_help_name_the_tool_and_show_an_example_in_both_tools(self):
+        for tool, prog, example in (
+                (check_contract, "check_contract.py", r"\nexamples:\n  python3 check_contract\.py "),
+                (overlay_setup, "overlay_setup.py", r"\nexamples?:\n  (.*\n)*.*overlay_setup\.py ")):
+            self.assertEqual(self.call(tool, "--version"), (0, "%s %s\n" % (prog, tool.VERSION), ""))
+            for name in [None] + sorted(subcommands(tool.build_parser())):
+                with self.subTest(tool=prog, command=name):
+                    rc, out, err = self.call(tool, *([name] if name else []), "--help")
+                    self.assertEqual((rc, err), (0, ""))
+                    self.assertRegex(out, example)
+
     def test_every_command_with_json_takes_format_too(self):
         for tool, _, _ in self.TOOLS:
             for name, parser in subcommands(tool.build_parser()).items():
                 options = {o for action in parser._actions for o in action.option_strings}
                 with self.subTest(tool=tool.__name__, command=name):
                     self.assertEqual("--json" in options, "--format" in options)
-
-    def test_build_command_or_no_build_shows_as_required(self):
-        commands = subcommands(overlay_setup.build_parser())
-        for name in ("add-native", "apply"):
-            usage = " ".join(commands[name].format_usage().split())
-            self.assertIn("(--build-cmd CMD | --no-build)", usage)
 
     def test_parity_says_what_it_runs_by_default(self):
         help_text = " ".join(subcommands(check_contract.build_parser())["parity"].format_help().split())
@@ -4392,6 +4427,9 @@ class ConventionsTest(unittest.TestCase):
             for line in proc.stdout:
                 if "started" in line:
                     break
+            else:
+                self.fail("the build never printed 'started' (exit status %s): %s"
+                          % (proc.wait(), proc.stderr.read()))
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -4463,6 +4501,118 @@ class CodesTest(unittest.TestCase):
 
     def test_overlay_setup_codes_agree(self):
         self.check_codes("overlay_setup", "E[0-9]{3}")
+
+    def test_check_contract_levels_agree(self):
+        """The level the reference's table and the docstring give each code
+        is the one the checker prints it at: [error], or [warning]."""
+        code_re = "[DJMSABTORUPX][0-9]{3}"
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+            rows = re.findall(r"^\| (%s) \| ([^|]+) \|" % code_re, f.read(), re.M)
+        names = {"E": "error", "W": "warning"}
+        in_table = {code: {names[word] for word in re.findall(r"\b[EW]\b", level)}
+                    for code, level in rows}
+        docstring = check_contract.__doc__
+        parts = re.split(r"\b(%s)\b" % code_re, docstring[docstring.index("Diagnostic codes"):])
+        in_docstring = {}
+        for code, text in zip(parts[1::2], parts[2::2]):  # "B017 the reader cannot tell (warning)"
+            text = " ".join(text.split())
+            in_docstring.setdefault(code, {"error", "warning"} if "when" in text else
+                                    {"warning"} if "(warning" in text else {"error"})
+        printed = emitted_levels(CHECKER, code_re)
+        self.assertGreater(len(printed), 50)
+        for code, levels in sorted(printed.items()):
+            for where, documented in (("docs", in_table[code]), ("docstring", in_docstring[code])):
+                with self.subTest(code=code, where=where):
+                    if len(documented) == 1:
+                        self.assertEqual(levels, documented)
+                    else:  # "W (E when validated)": the level is worked out when it is reported
+                        self.assertLessEqual(levels, documented)
+
+
+def reader_claims():
+    """What the bullets of backends/README.md say the build-script reader
+    follows, and what the ones starting "not" say it does not."""
+    with open(os.path.join(HERE, "backends", "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("What it understands:"):text.index("Two forms that work:")]
+    bullets = [" ".join(b.split()) for b in re.split(r"\n- ", section)[1:]]
+    return (" ".join(b for b in bullets if not b.startswith("not ")),
+            " ".join(b for b in bullets if b.startswith("not ")))
+
+
+class ReaderClaimsTest(unittest.TestCase):
+    """What backends/README.md says the build-script reader follows, it
+    follows; what it says the reader does not follow, the reader says so."""
+
+    # The construct as the bullets name it: a script using it, building sm_80 and sm_90.
+    FOLLOWED = {
+        "`case`": 'case "${2:-}" in\n  "") a=80 ;;\n  *) a=$2 ;;\nesac\n'
+                  'nvcc -shared -arch=sm_$a -gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
+        "`for` loops": 'for a in 80 90; do nvcc -c -arch=sm_$a k.cu -o "$1/k$a.o"; done\n'
+                       'nvcc -shared "$1"/k*.o -o "$1/l.so"\n',
+        "shell functions": 'build() { local arch=$1; nvcc -shared -arch=sm_$arch k.cu -o "$2/l.so"; }\n'
+                           'build 80 "$1"\nbuild 90 "$1"\n',
+        "`until` loops": 'until false; do\n  nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                         '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n  break\ndone\n',
+        "`pushd`/`popd`": 'pushd "$1"\nnvcc -shared -arch=sm_80 k.cu -o a.so\npopd\n'
+                          'nvcc -shared -arch=sm_90 k.cu -o "$1/l.so"\n',
+        "`$((...))`": 'a=$((40 * 2))\nnvcc -shared -arch=sm_$a -gencode arch=compute_$((a + 10)),'
+                      'code=sm_$((a + 10)) k.cu -o "$1/l.so"\n',
+        "`timeout`": 'timeout 600 nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                     '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
+    }
+
+    def test_the_constructs_said_to_be_followed_are_followed(self):
+        followed, not_followed = reader_claims()
+        for claim, script in self.FOLLOWED.items():
+            with self.subTest(claim=claim):
+                self.assertNotIn(claim, not_followed)
+                self.assertIn(claim, followed)
+                facts = check_contract.ScriptReader(script).facts()
+                self.assertEqual(facts.unfollowed, [])
+                self.assertEqual(sorted({a for call in facts.calls for a in call.targets("cuda")}),
+                                 ["80", "90"])
+
+    def test_what_is_said_not_to_be_read_is_not_read(self):
+        unread = reader_claims()[1].split("not read, and not said")[1]
+        self.assertIn("`trap '...' EXIT`", unread)
+        facts = check_contract.ScriptReader("trap 'nvcc -shared -arch=sm_80 k.cu -o \"$1/l.so\"' "
+                                            "EXIT\n").facts()
+        self.assertEqual((facts.calls, facts.unfollowed), ([], []))
+
+    def test_what_is_said_not_to_be_followed_is_reported(self):
+        unfollowed = reader_claims()[1].split("not read, and not said")[0]
+        spans = re.findall(r"`([^`]+)`", unfollowed)
+        self.assertGreaterEqual(len(spans), 8, unfollowed)
+        for span in spans:
+            if span in ("trace", "v+=$v"):  # the command to run instead; a value, not a command
+                continue
+            with self.subTest(span=span):
+                facts = check_contract.ScriptReader(span + "\n").facts()
+                self.assertNotEqual(facts.unfollowed, [], span)
+
+
+def emitted_levels(path, code_re):
+    """{code: levels} of the findings a script reports where the call names
+    both: backend.error("A001", ...), warning(...), Diagnostic("error",
+    "R009", ...), report("warning", "X001", ...)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    levels = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        words = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+                 for a in node.args]
+        for index, word in enumerate(words):
+            if word is None or not re.match(code_re + r"\Z", word):
+                continue
+            if index == 0 and name in ("error", "warning"):
+                levels.setdefault(word, set()).add(name)
+            elif index > 0 and words[index - 1] in ("error", "warning"):
+                levels.setdefault(word, set()).add(words[index - 1])
+    return levels
 
 
 class PythonVersionTest(unittest.TestCase):
