@@ -117,6 +117,7 @@ Diagnostic codes (stable; never reused):
 """
 
 import argparse
+import collections
 import fnmatch
 import json
 import os
@@ -1577,15 +1578,22 @@ def tokenize(text):
     return tokens
 
 
-# -- the tree of commands
-#
-# ("simple", line, words), ("if", line, [(condition, body), ...], else body or
-# None), ("case", line, word, [(patterns, body, ;; or ;& or ;;&), ...]),
-# ("arith", line, expression of (( ))), ("for", line, name,
-# words or None, body), ("while", line, until, condition, body),
-# ("function", line, name, body), ("group", line, body, subshell),
-# ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
-# negated, commands); a body or condition is a list of these.
+# -- the tree of commands: named nodes, each with the line it starts at; a
+# body or a condition is a list of them.
+
+Simple = collections.namedtuple("Simple", "line words")
+If = collections.namedtuple("If", "line clauses otherwise")  # [(condition, body)], a body or None
+Case = collections.namedtuple("Case", "line word items")  # [(patterns, body, ";;", ";&" or ";;&")]
+Arithmetic = collections.namedtuple("Arithmetic", "line expression")  # (( expression ))
+For = collections.namedtuple("For", "line name words body")  # words None: "$@"
+While = collections.namedtuple("While", "line until condition body")
+Function = collections.namedtuple("Function", "line name body")
+Group = collections.namedtuple("Group", "line body subshell")  # ( body ) or { body; }
+AndOr = collections.namedtuple("AndOr", "line first rest")  # rest: [("&&" or "||", pipeline)]
+Pipeline = collections.namedtuple("Pipeline", "line negated commands")
+# A function defined differently on the branches of a condition the reader
+# cannot decide: each definition (None where it is not defined).
+Choice = collections.namedtuple("Choice", "label bodies")
 
 
 class ScriptParser:
@@ -1649,7 +1657,7 @@ class ScriptParser:
             op = self.next()[1]
             self.skip_newlines()
             rest.append((op, self.parse_pipeline()))
-        return ("andor", line, first, rest) if rest else first
+        return AndOr(line, first, rest) if rest else first
 
     def parse_pipeline(self):
         line = self.peek()[2]
@@ -1662,7 +1670,7 @@ class ScriptParser:
             self.skip_newlines()
             commands.append(self.parse_command())
         if negated or len(commands) > 1:
-            return ("pipeline", line, negated, commands)
+            return Pipeline(line, negated, commands)
         return commands[0]
 
     def parse_command(self):
@@ -1675,7 +1683,7 @@ class ScriptParser:
             self.next()
             body = self.parse_list(())
             self.expect_op(")")
-            return self.redirected(("group", line, body, True))
+            return self.redirected(Group(line, body, True))
         if kind != "word":
             raise ShellSyntax(line, "%s out of place" % text.strip())
         if text == "if":
@@ -1684,7 +1692,7 @@ class ScriptParser:
             self.next()
             condition = self.parse_list(("do",))
             body = self.parse_do()
-            return self.redirected(("while", line, text == "until", condition, body))
+            return self.redirected(While(line, text == "until", condition, body))
         if text in ("for", "select"):
             return self.redirected(self.parse_for())
         if text == "case":
@@ -1693,7 +1701,7 @@ class ScriptParser:
             self.next()
             body = self.parse_list(("}",))
             self.expect_word("}")
-            return self.redirected(("group", line, body, False))
+            return self.redirected(Group(line, body, False))
         if text == "function":
             self.next()
             name = self.next()[1]
@@ -1701,7 +1709,7 @@ class ScriptParser:
                 self.next()
                 self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, name, self.parse_command())
+            return Function(line, name, self.parse_command())
         if text in SH_RESERVED:
             raise ShellSyntax(line, "%s out of place" % text)
         after = self.tokens[self.pos + 1] if self.pos + 1 < len(self.tokens) else None
@@ -1710,7 +1718,7 @@ class ScriptParser:
             self.next()
             self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, text, self.parse_command())
+            return Function(line, text, self.parse_command())
         return self.parse_simple()
 
     def parse_arithmetic(self):
@@ -1724,7 +1732,7 @@ class ScriptParser:
                 break
             if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
                 self.next()
-                return self.redirected(("arith", line, " ".join(words)))
+                return self.redirected(Arithmetic(line, " ".join(words)))
             depth += {"(": 1, ")": -1}.get(text, 0) if kind == "op" else 0
             words.append(text)
         self.pos = start
@@ -1754,7 +1762,7 @@ class ScriptParser:
                 if self.peek()[0] == "word":
                     self.next()
             else:
-                return ("simple", line, words)
+                return Simple(line, words)
 
     def parse_if(self):
         line = self.next()[2]
@@ -1773,7 +1781,7 @@ class ScriptParser:
                 self.expect_word("fi")
             elif word[1] != "fi":
                 raise ShellSyntax(word[2], "an if without its fi")
-            return ("if", line, clauses, otherwise)
+            return If(line, clauses, otherwise)
 
     def parse_do(self):
         self.skip_newlines()
@@ -1796,7 +1804,7 @@ class ScriptParser:
                 words.append(self.next()[1])
         if self.peek()[0] == "op" and self.peek()[1] == ";":
             self.next()
-        return ("for", line, name, words, self.parse_do())
+        return For(line, name, words, self.parse_do())
 
     def parse_case(self):
         line = self.next()[2]
@@ -1808,7 +1816,7 @@ class ScriptParser:
             self.skip_newlines()
             if self.is_word("esac"):
                 self.next()
-                return ("case", line, word, items)
+                return Case(line, word, items)
             if self.peek()[:2] == ("op", "("):
                 self.next()
             patterns = []
@@ -1952,7 +1960,7 @@ class ScriptReader:
             if any(v != values[0] for v in values):
                 values[0] = (undecided("$%s (%s)" % (name, label)) if table is self.vars else
                              [undecided("${%s[@]} (%s)" % (name, label))] if table is self.arrays
-                             else ("either", label, list(values)))
+                             else Choice(label, list(values)))
             self.change(table, name, values[0])
         self.args, self.cwd = ends[0][1], ends[0][2]
         if any(cwd != self.cwd for _, _, cwd in ends):
@@ -1967,42 +1975,42 @@ class ScriptReader:
         return status
 
     def run(self, node):
-        kind, line = node[0], node[1]
-        if kind == "simple":
-            return self.run_simple(line, node[2])
-        if kind == "andor":
+        kind, line = type(node), node.line
+        if kind is Simple:
+            return self.run_simple(line, node.words)
+        if kind is AndOr:
             return self.run_andor(node)
-        if kind == "pipeline":
+        if kind is Pipeline:
             status = True
-            for command in node[3]:  # bash runs each command of a | pipeline in a subshell
-                status = self.run(command) if len(node[3]) == 1 else self.subshell(
+            for command in node.commands:  # bash runs each command of a | pipeline in a subshell
+                status = self.run(command) if len(node.commands) == 1 else self.subshell(
                     lambda: self.run(command))
-            return (None if status is None else not status) if node[2] else status
-        if kind == "if":
-            return self.run_if(line, node[2], node[3])
-        if kind == "case":
-            return self.run_case(line, node[2], node[3])
-        if kind == "arith":
-            return self.arithmetic_status(line, [node[2]])
-        if kind == "for":
-            return self.run_for(line, node[2], node[3], node[4])
-        if kind == "while":
-            return self.run_while(line, node[2], node[3], node[4])
-        if kind == "function":
-            self.change(self.functions, node[2], node[3])
+            return (None if status is None else not status) if node.negated else status
+        if kind is If:
+            return self.run_if(line, node.clauses, node.otherwise)
+        if kind is Case:
+            return self.run_case(line, node.word, node.items)
+        if kind is Arithmetic:
+            return self.arithmetic_status(line, [node.expression])
+        if kind is For:
+            return self.run_for(line, node.name, node.words, node.body)
+        if kind is While:
+            return self.run_while(line, node.until, node.condition, node.body)
+        if kind is Function:
+            self.change(self.functions, node.name, node.body)
             return True
-        if node[3]:
-            return self.subshell(lambda: self.run_list(node[2]))
-        return self.run_list(node[2])
+        if node.subshell:
+            return self.subshell(lambda: self.run_list(node.body))
+        return self.run_list(node.body)
 
     def run_andor(self, node):
-        status = self.run(node[2])
-        for op, pipeline in node[3]:
+        status = self.run(node.first)
+        for op, pipeline in node.rest:
             runs = status if op == "&&" else (None if status is None else not status)
             if runs:
                 status = self.run(pipeline)
             elif runs is None:
-                status = self.either("%s at line %d" % (describe_node(node[2]), node[1]),
+                status = self.either("%s at line %d" % (describe_node(node.first), node.line),
                                      [lambda p=pipeline: self.run(p), lambda: None])
         return status
 
@@ -2196,9 +2204,9 @@ class ScriptReader:
         condition the reader cannot decide is run as each of them."""
         if body is None:
             return None
-        if body[0] != "either":
+        if type(body) is not Choice:
             return self.run(body)
-        return self.either(body[1], [lambda b=b: self.run_function(b) for b in body[2]])
+        return self.either(body.label, [lambda b=b: self.run_function(b) for b in body.bodies])
 
     # -- builtins
     def builtin_true(self, line, argv):
@@ -2757,9 +2765,10 @@ def non_empty(value):
 
 def describe_node(node):
     """A condition as a message shows it: its first simple command."""
-    while node is not None and node[0] != "simple":
-        node = node[2] if node[0] == "andor" else (node[3][0] if node[0] == "pipeline" else None)
-    return " ".join(node[2])[:60] if node is not None else "a condition"
+    while node is not None and type(node) is not Simple:
+        node = node.first if type(node) is AndOr else (
+            node.commands[0] if type(node) is Pipeline else None)
+    return " ".join(node.words)[:60] if node is not None else "a condition"
 
 
 SH_BUILTINS = {
