@@ -2371,9 +2371,10 @@ class ScriptReader:
     def place(self, op, path, line, named=True):
         """Record what a command puts into <output-dir> or takes out of it
         (`named`: whether `path` surely names the file, not a directory)."""
-        if not path.startswith(OUT_DIR) and known(path):
+        inside = path == OUT_DIR or path.startswith(OUT_DIR + "/")
+        if not inside and known(path):
             return  # elsewhere
-        if path.startswith(OUT_DIR) and known(path) and named:
+        if inside and known(path) and named:
             path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
             self.placements.append((op, "" if path == "." else path, line, self.condition))
         elif op == "add":
@@ -3546,7 +3547,7 @@ def check_build_script(repo, backend):
         backend.error("S002", "build.script %s %s" % (describe(script), problem), key="build.script")
         return
     path = backend.dir + "/" + rel
-    if not repo.inside(path):
+    if backend.files.get(rel) == "link" and not repo.inside(path):
         backend.error("S002", "build script %s is a symbolic link to %s, outside the repository; "
                       "keep it in the repository, where CI and the trace run it"
                       % (rel, os.path.realpath(path)), rel_path)
@@ -3708,7 +3709,9 @@ def check_index_modes(repo, backends):
 
 
 def check_backend(repo, backend):
-    if not repo.inside(backend.manifest_path):
+    # Only a link can lead out (the walk follows no linked directory): no realpath per backend.
+    if backend.files.get(backend.name + MANIFEST_SUFFIX) == "link" and not repo.inside(
+            backend.manifest_path):
         backend.error("S002", "%s is a symbolic link to %s, outside the repository; the check does "
                       "not follow it (replace the link with the file it stands for)"
                       % (backend.name + MANIFEST_SUFFIX, os.path.realpath(backend.manifest_path)))
