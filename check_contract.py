@@ -2029,7 +2029,10 @@ class ScriptReader:
 
     def run_case(self, line, word, items):
         value = self.expand_one(word).replace(NOT_REACHED, "")
-        paths = self.case_paths(value, items, 0)
+        paths = self.case_paths(value, items, 0, {})
+        if paths is None:
+            self.unfollow(line, "a case with more than %d ways to run" % SH_MAX_LOOPS)
+            raise ScriptExit()
         if len(paths) == 1:
             for body in paths[0]:
                 self.run_list(body)
@@ -2037,9 +2040,17 @@ class ScriptReader:
         label = "case %s at line %d" % (word, line)
         return self.either(label, [lambda p=p: [self.run_list(b) for b in p] for p in paths])
 
-    def case_paths(self, value, items, start):
+    def case_paths(self, value, items, start, known_paths):
         """The bodies each possible run of a case runs, testing from item
-        `start`: ;& runs the next body untested, ;;& goes on testing."""
+        `start`: ;& runs the next body untested, ;;& goes on testing.  None
+        for more than SH_MAX_LOOPS runs (each ;;& an undecided test doubles
+        them); `known_paths` keeps the answer for each start."""
+        if start not in known_paths:
+            paths = self.case_paths_from(value, items, start, known_paths)
+            known_paths[start] = paths if paths is None or len(paths) <= SH_MAX_LOOPS else None
+        return known_paths[start]
+
+    def case_paths_from(self, value, items, start, known_paths):
         for at in range(start, len(items)):
             pieces = [self.expand_one(p) for p in items[at][0]]
             matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
@@ -2048,11 +2059,14 @@ class ScriptReader:
             end = at
             while items[end][2] == ";&" and end + 1 < len(items):
                 end += 1
-            rest = self.case_paths(value, items, end + 1) if items[end][2] == ";;&" else [[]]
+            rest = self.case_paths(value, items, end + 1, known_paths) if items[end][2] == ";;&" else [[]]
+            if rest is None:
+                return None
             paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
             if matched and known(value) and all(known(p) for p in pieces):
                 return paths
-            return paths + self.case_paths(value, items, at + 1)
+            others = self.case_paths(value, items, at + 1, known_paths)
+            return None if others is None else paths + others
         return [[]]
 
     def run_for(self, line, name, words, body):

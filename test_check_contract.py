@@ -1471,6 +1471,12 @@ class ReaderHonestyTest(TreeTest):
                                              'case 80 in 80) d=80 ;;& 90) e=90 ;; 8*) f=70 ;; esac\n')
         self.assertEqual(reader.vars, {"a": "80", "b": "90", "d": "80", "f": "70"})
 
+    def test_a_case_with_too_many_ways_to_run_is_not_followed(self):
+        # Each ;;& after a test the reader cannot decide doubles the runs to follow.
+        reader = check_contract.ScriptReader('case $(uname) in\n' + ''.join(
+            'p%d) a=%d ;;&\n' % (i, i) for i in range(10)) + 'esac\nnvcc -arch=sm_80 -o "$1/l.so"\n')
+        self.assertEqual((reader.unfollowed, reader.calls), ([(1, "a case with more than 256 ways to run")], []))
+
     def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
         for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
                      "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' EXIT",
