@@ -649,9 +649,9 @@ class CProjectTest(OverlayTestCase):
                                           "--artifact; drop the --artifact\n" % self.p("kernel_b.c")))
         self.assertEqual(registry_entries(), [], "a refused command leaves no registry record")
         for point in range(1, 40):
-            killed = run_tool(["--state", self.state, "add-native", "--source",
-                               self.p("kernel_b.c"), "--patched", self.patched, "--no-build"],
-                              env={"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
+            killed = forked_tool(["--state", self.state, "add-native", "--source",
+                                  self.p("kernel_b.c"), "--patched", self.patched, "--no-build"],
+                                 {"OVERLAY_TEST_KILL_AT": str(point)}, own=True)
             if killed.returncode == 0:
                 break
             self.assertEqual(killed.returncode, -9, killed)
@@ -2982,8 +2982,9 @@ class StateDirectorySafetyTest(OverlayTestCase):
         for point in range(1, 30):
             shutil.rmtree(self.state, True)
             write_tree(self.proj, {"k.c": "int k;\n"})
-            self.assertEqual(run_tool(self.add("--owner-pid", str(os.getpid()))).returncode, 0)
-            killed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
+            self.assertEqual(forked_tool(self.add("--owner-pid", str(os.getpid()))).returncode, 0)
+            killed = forked_tool(["--state", self.state, "revert"],
+                                 {"OVERLAY_TEST_KILL_AT": str(point)})
             self.assertEqual(killed.returncode, -9, "revert completed before the moment")
             if (not read_json(os.path.join(self.state, "manifest.json"))["entries"]
                     and os.path.isdir(os.path.join(backups, "1"))):
