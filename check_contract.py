@@ -2369,9 +2369,10 @@ class ScriptReader:
             else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
                 self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
         for source in operands:
-            if directory is not None:
-                self.place("add", directory.rstrip("/") + "/" + source.rstrip("/").rsplit("/", 1)[-1],
-                           line)
+            name = source.rstrip("/").rsplit("/", 1)[-1]
+            if directory is not None:  # cp build/* "$1/", cp -r build/. "$1/": names it cannot tell
+                self.place("add", directory.rstrip("/") + "/" + name, line,
+                           name not in ("", ".", "..") and not any(c in name for c in "*?["))
             if command == "mv":
                 self.place("remove", source, line)
         return True

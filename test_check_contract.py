@@ -1471,6 +1471,14 @@ class ReaderHonestyTest(TreeTest):
                                              'case 80 in 80) d=80 ;;& 90) e=90 ;; 8*) f=70 ;; esac\n')
         self.assertEqual(reader.vars, {"a": "80", "b": "90", "d": "80", "f": "70"})
 
+    def test_a_copy_of_files_it_cannot_name_is_cannot_tell(self):
+        for copy in ('cp build/* "$1/"', 'cp -r build/. "$1/"'):
+            with self.subTest(copy=copy):
+                facts = check_contract.ScriptReader(
+                    'nvcc -arch=sm_80 -o build/libx.so k.cu\n' + copy + '\n').facts()
+                self.assertEqual(facts.landing(), (set(), {
+                    None: "line 2 puts a file there whose name the checker cannot tell"}))
+
     def test_a_case_with_too_many_ways_to_run_is_not_followed(self):
         # Each ;;& after a test the reader cannot decide doubles the runs to follow.
         reader = check_contract.ScriptReader('case $(uname) in\n' + ''.join(
