@@ -1586,6 +1586,7 @@ If = collections.namedtuple("If", "line clauses otherwise")  # [(condition, body
 Case = collections.namedtuple("Case", "line word items")  # [(patterns, body, ";;", ";&" or ";;&")]
 Arithmetic = collections.namedtuple("Arithmetic", "line expression")  # (( expression ))
 For = collections.namedtuple("For", "line name words body")  # words None: "$@"
+ArithmeticFor = collections.namedtuple("ArithmeticFor", "line expression body")  # for ((a; b; c))
 While = collections.namedtuple("While", "line until condition body")
 Function = collections.namedtuple("Function", "line name body")
 Group = collections.namedtuple("Group", "line body subshell")  # ( body ) or { body; }
@@ -1721,14 +1722,14 @@ class ScriptParser:
             return Function(line, text, self.parse_command())
         return self.parse_simple()
 
-    def parse_arithmetic(self):
+    def parse_arithmetic(self, separators=(";",)):
         """(( expression )), or None (and nothing taken) when the text is
         two subshells instead: ( (cd x; make) )."""
         start, line, depth, words = self.pos, self.peek()[2], 0, []
         self.pos += 2
         while not self.at_end():
             kind, text, _ = self.next()
-            if kind == "newline" or text in (";", "&", "&&", "||", "|"):
+            if kind == "newline" or text in separators:
                 break
             if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
                 self.next()
@@ -1792,6 +1793,13 @@ class ScriptParser:
 
     def parse_for(self):
         line = self.next()[2]
+        if self.peek()[:2] == ("op", "(") and self.tokens[self.pos + 1][:2] == ("op", "("):
+            loop = self.parse_arithmetic(separators=())
+            if loop is None:
+                raise ShellSyntax(line, "a for (( )) loop the checker does not read")
+            if self.peek()[:2] == ("op", ";"):
+                self.next()
+            return ArithmeticFor(line, loop.expression, self.parse_do())
         kind, name, _ = self.next()
         if kind != "word" or not SH_NAME_RE.match(name):
             raise ShellSyntax(line, "a for loop the checker does not read (for %s)" % name)
@@ -1996,6 +2004,10 @@ class ScriptReader:
             return self.run_for(line, node.name, node.words, node.body)
         if kind is While:
             return self.run_while(line, node.until, node.condition, node.body)
+        if kind is ArithmeticFor:  # how often it runs is not told: its names are unknown
+            self.arithmetic_status(line, node.expression.split(";"))
+            return self.either("the for loop at line %d" % line, [lambda: self.run_list(node.body),
+                                                                   lambda: None])
         if kind is Function:
             self.change(self.functions, node.name, node.body)
             return True

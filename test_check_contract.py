@@ -1430,6 +1430,13 @@ class ReaderHonestyTest(TreeTest):
                 self.assertEqual((call.sass, call.unknown),
                                  ([], ["-arch=sm_$a (assigned in arithmetic at line 2)"]))
 
+    def test_an_arithmetic_for_loop_runs_an_untold_number_of_times(self):
+        call, = check_contract.ScriptReader(
+            'flags=""\nfor ((i = 0; i < 2; i++)); do\n  flags="$flags -arch=sm_8$i"\ndone\n'
+            'if (( 1 && 2 )); then nvcc $flags -o "$1/l.so"; fi\n').facts().calls
+        self.assertEqual((call.sass, call.unknown, call.condition),
+                         ([], ["$flags (the for loop at line 2)"], None))
+
     def test_double_bracket_patterns_match_as_globs(self):
         self.assertEqual(self.read('x=90\nif [[ $x == 9* ]]; then a=90; else a=80; fi\n'
                                    'if [[ $x != 8? ]]; then b=86; fi\n'
