@@ -2184,7 +2184,9 @@ class ScriptReader:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
             return None
         name = command.rsplit("/", 1)[-1]
-        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))):
+        # A program it does not read, or one it does not know running a compiler (sudo nvcc ...).
+        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))) or (
+                command != "echo" and any(is_compiler_name(word) for word in argv[1:])):
             self.unfollow(line, "%s, a program whose commands it does not read"
                           % show_word(" ".join(argv[:2]))[:80])
             return None

@@ -1495,6 +1495,8 @@ class ReaderHonestyTest(TreeTest):
     def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
         for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
                      "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' EXIT",
+                     "sudo -E nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu",
+                     "numactl --cpunodebind=0 nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu",
                      "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
             with self.subTest(line=line):
                 self.cuda_fat(line + "\n")
