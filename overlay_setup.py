@@ -49,12 +49,16 @@ Usage:
   is refused: --no-protect, --protect PATH).  --dry-run prints that plan.
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
-  else ./.overlay.  Relative paths are taken from the current directory and
-  recorded absolute.  Each state directory with something applied is listed in
-  a per-user registry ($XDG_STATE_HOME/overlay_setup/applied, default
-  ~/.local/state/...), written before the first change and removed after a full
-  revert: `status` and `revert` without a state here name them, `revert --all`
-  reverts them all, `gc-stale` looks at them as well as under --root.
+  else the current directory's own state directory outside every install,
+  $XDG_STATE_HOME/overlay_setup/<its path>-<hash> (XDG_STATE_HOME unset or
+  relative: ~/.local/state), so every command run from the same directory
+  finds the overlay with no option.  Relative paths are taken from the current
+  directory and recorded absolute.  That folder's listing is the registry of
+  applied overlays (a state directory elsewhere has a record in its applied/
+  folder, written before the first change and removed after a full revert):
+  `status` without a state here lists them, the other commands name the exact
+  command for each, `revert --all` reverts them all, `gc-stale` looks at them
+  as well as under --root.
 
   The owner (--owner-pid, default: the leader of this process's session: the
   login or terminal shell, or the program that started the commands) is
@@ -95,7 +99,8 @@ how to fix it):
         directory not yours or writable by others, E205 another owner,
         E206 state path is not an overlay state directory, E207 no overlay yet,
         E208 no overlay here but applied ones elsewhere, E209 a registered
-        state directory whose journal is gone
+        state directory whose journal is gone, E210 the state directory
+        cannot be written
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
@@ -811,7 +816,7 @@ class State:
     def check_safe(self) -> None:
         try:
             st = os.lstat(self.root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # creating it says what is in the way
             return
         if not stat.S_ISDIR(st.st_mode):
             raise OverlayError("E206", "state directory %s is not a directory; pass another "
@@ -1174,18 +1179,39 @@ def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
     manifest["owner"] = owner
 
 
-# ---------------------------------------------------------------- the registry of applied overlays
+# ---------------------------------------------------------------- where state directories live
 #
-# One small file per state directory under $XDG_STATE_HOME/overlay_setup/applied,
-# written before the first change and removed after a full revert, so that
-# `status`, `revert --all` and `gc-stale` find an overlay from any directory.
+# The default state directory of the directory a command runs from lies
+# outside every install: $XDG_STATE_HOME/overlay_setup/<that path>-<hash>.
+# That folder's listing is the registry of applied overlays, so `status`,
+# `revert --all` and `gc-stale` find them from any directory.  A state
+# directory elsewhere (--state, $OVERLAY_STATE, or the ./.overlay that
+# version 1.0 made by default) gets a small record under its applied/ folder
+# instead, written before its first change and removed after a full revert.
+
+
+def state_home() -> str:
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):  # the XDG rule: unset, empty or relative means the default
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(os.path.normpath(base), TOOL_NAME)
 
 
 def registry_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME", "")
-    if not os.path.isabs(base):  # the XDG rule: a relative value is ignored
-        base = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(os.path.normpath(base), TOOL_NAME, "applied")
+    return os.path.join(state_home(), "applied")
+
+
+def default_state_dir(directory: str) -> str:
+    """The state directory for commands run from `directory`: named after
+    its path, so that a person can tell which install it belongs to, and a
+    hash of it, so that two paths never share one."""
+    label = re.sub(r"[^A-Za-z0-9._+-]+", "_", directory.strip("/").replace("/", "-"))
+    digest = hashlib.sha256(directory.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return os.path.join(state_home(), "%s-%s" % (label[-60:].lstrip("-._") or "root", digest))
+
+
+def in_state_home(root: str) -> bool:
+    return os.path.dirname(root) == state_home()
 
 
 def registry_record(state_root: str) -> str:
@@ -1194,26 +1220,50 @@ def registry_record(state_root: str) -> str:
 
 
 def register(state: "State") -> None:
-    """Record the state directory durably before its first change."""
+    """Record a state directory outside the state home durably before its
+    first change (one inside it is listed by being there)."""
     record = registry_record(state.root)
-    if os.path.isfile(record):
+    if in_state_home(state.root) or os.path.isfile(record):
         return
     makedirs_durable(registry_dir(), 0o700)
     durable_write(record, (json.dumps({"state": state.root}) + "\n").encode())
 
 
 def unregister(state: "State") -> None:
-    remove_path(registry_record(state.root))
+    if not in_state_home(state.root):
+        remove_path(registry_record(state.root))
+
+
+def holds_something(state: "State") -> bool:
+    """Whether a state directory may hold something applied: a damaged
+    journal counts, for the commands on it to say why."""
+    if state.orphaned_backups():
+        return True
+    try:
+        manifest = state.read_journal()
+        return manifest is not None and anything_applied(manifest)
+    except (OverlayError, KeyError, TypeError, AttributeError):
+        return True
 
 
 def registered_states() -> List[str]:
-    """The state directories of this user's registry (applied or not: the
-    caller loads each)."""
+    """The state directories of this user's registry: those of the state
+    home that hold something, and the recorded ones elsewhere (applied or
+    not: the caller loads each)."""
+    found = []
+    try:
+        names = sorted(os.listdir(state_home()))
+    except OSError:
+        names = []
+    for name in names:
+        root = os.path.join(state_home(), name)
+        if name != "applied" and not os.path.islink(root) and os.path.isdir(root) \
+                and holds_something(State(root)):
+            found.append(root)
     try:
         names = sorted(os.listdir(registry_dir()))
     except OSError:
-        return []
-    found = []
+        names = []
     for name in names:
         if not name.endswith(".json"):
             continue
@@ -2452,17 +2502,15 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
 def check_state_outside_build(state: State, build: Optional[dict]) -> None:
     """Refused before the state directory is even created: one inside the
     build directory dies with the build's clean step (`git clean -xdf`)."""
-    if build is None:
-        return
-    cwd = build["cwd"]
-    if is_within(state.root, cwd) or is_within(os.path.realpath(state.root),
-                                               os.path.realpath(cwd)):
-        raise OverlayError("E121", "the state directory %s lies inside the build directory %s, "
-                           "where a clean step of the build (`make clean`, `git clean -xdf`) "
-                           "would delete the journal and the backups; nothing was changed: pass "
-                           "--state DIR outside it, e.g. --state %s"
-                           % (state.root, cwd, os.path.join(os.path.dirname(cwd), ".overlay-"
-                                                            + os.path.basename(cwd))))
+    for tree in build_trees(build):  # the working directory, and the one of `make -C DIR`
+        if is_within(state.root, tree) or is_within(os.path.realpath(state.root),
+                                                    os.path.realpath(tree)):
+            raise OverlayError("E121", "the state directory %s lies inside the build directory "
+                               "%s, where a clean step of the build (`make clean`, `git clean "
+                               "-xdf`) would delete the journal and the backups; nothing was "
+                               "changed: pass --state DIR outside it, or leave --state and "
+                               "$OVERLAY_STATE unset for the default, %s"
+                               % (state.root, tree, default_state_dir(os.getcwd())))
 
 
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
@@ -2836,7 +2884,8 @@ def build_deleted_state(state: State, entry: dict) -> OverlayError:
                         "or a reinstall, then delete %s" % (
                             state.root, ", ".join(r["path"] for r in entry["sources"]),
                             "s" if len(entry["sources"]) == 1 else "",
-                            registry_record(state.root)))
+                            state.root if in_state_home(state.root)
+                            else registry_record(state.root)))
 
 
 def headers_build_ext_skips(command: str, entry: dict) -> bool:
@@ -3275,9 +3324,24 @@ def read_input(path: str, what: str, hint: str = "") -> bytes:
     return data
 
 
+LEGACY_STATE = ".overlay"  # version 1.0's default state directory, in the current directory
+
+
 def state_root(args: argparse.Namespace) -> str:
-    root = args.state or os.environ.get("OVERLAY_STATE") or os.path.join(os.getcwd(), ".overlay")
-    return os.path.normpath(os.path.abspath(root))
+    """--state, else $OVERLAY_STATE, else the default state directory of the
+    current directory; an overlay that version 1.0 applied from here (in
+    ./.overlay) is found until it is reverted."""
+    given = args.state or os.environ.get("OVERLAY_STATE")
+    if given:
+        return os.path.normpath(os.path.abspath(given))
+    here = os.getcwd()
+    default = default_state_dir(here)
+    legacy = os.path.join(here, LEGACY_STATE)
+    if not State(default).exists() and (os.path.isfile(registry_record(legacy))
+                                        or (os.path.isdir(legacy) and holds_something(
+                                            State(legacy)))):
+        return legacy
+    return default
 
 
 def open_state(args: argparse.Namespace) -> State:
@@ -3295,9 +3359,14 @@ class Locked:
         self.create = create
 
     def __enter__(self) -> dict:
-        if self.create:
-            self.state.create()
-        self.state.lock(self.command)
+        try:
+            if self.create:
+                self.state.create()
+            self.state.lock(self.command)
+        except OSError as exc:
+            if self.create:
+                raise unwritable_state(self.state, exc)
+            raise
         try:
             if self.create and not self.state.exists():
                 self.state.save(empty_manifest())
@@ -3305,6 +3374,11 @@ class Locked:
             if self.create:  # after the journal exists, before the install changes
                 register(self.state)
             return manifest
+        except OSError as exc:
+            self.state.unlock()
+            if self.create:
+                raise unwritable_state(self.state, exc)
+            raise
         except BaseException:
             self.state.unlock()
             raise
@@ -3317,6 +3391,15 @@ class Locked:
             pass  # registered it stays, which is the safe side
         finally:
             self.state.unlock()
+
+
+def unwritable_state(state: State, exc: OSError) -> OverlayError:
+    """Refused before the install changes: without a journal nothing may."""
+    where = "" if written(exc) == state.root else "%s: " % written(exc)
+    return OverlayError("E210", "cannot write the state directory %s (%s%s); nothing was "
+                        "changed: pass --state DIR on a writable filesystem, or set "
+                        "XDG_STATE_HOME to a writable directory for the default (now %s)"
+                        % (state.root, where, exc.strerror or exc, state_home()))
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -3705,8 +3788,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise UsageError("E109", "--timeout must be a positive number of seconds")
     state = open_state(args)
-    if not state.exists():
-        raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
+    require_overlay(args, state, "update")
     with Locked(state, "update", create=False) as manifest:
         claim_owner(state, manifest, args.owner_pid)
         natives = [entry for entry in manifest["entries"]
@@ -3743,6 +3825,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 def cmd_verify_native(args: argparse.Namespace) -> int:
     state = open_state(args)
+    require_overlay(args, state, "verify-native")
     manifest = state.load()
     checked = 0
     problems = []
@@ -3812,8 +3895,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("applied overlays of this user:")
             for other, other_manifest in others:
                 print("  %s: %s" % (other.root, summarise(other, other_manifest)))
-            print("next: `overlay_setup.py --state DIR status` for one of them, or "
-                  "`overlay_setup.py revert --all`")
+            print("next: %s, or `overlay_setup.py revert --all`"
+                  % " or ".join("`%s status`" % tool_at(other) for other, _ in others))
         return 0
     print("state: %s" % state.root)
     print("owner: %s" % describe_owner(manifest["owner"]))
@@ -3898,6 +3981,30 @@ def others_applied(args: argparse.Namespace, state: State) -> List[Tuple[State, 
     return applied_states()
 
 
+def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> str:
+    """The exact commands that run `command` on each of `others`."""
+    exact = ["`%s %s`" % (tool_at(other), command) for other, _ in others]
+    if len(exact) == 1:
+        return exact[0]
+    return "%s, or `overlay_setup.py %s --all`" % (" or ".join(exact), command) \
+        if command == "revert" else " or ".join(exact)
+
+
+def require_overlay(args: argparse.Namespace, state: State, command: str) -> None:
+    """An overlay command run where there is none: E208 names the exact
+    commands for this user's applied overlays, E207 says there are none."""
+    if state.exists() or state.orphaned_backups():
+        return
+    if os.path.isfile(registry_record(state.root)):
+        raise vanished_state(state)
+    others = others_applied(args, state)
+    if others:
+        raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at %s; "
+                           "run %s" % (state.root, ", ".join(other.root for other, _ in others),
+                                       commands_for(others, command)))
+    raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
+
+
 def summarise(state: State, manifest: Optional[dict]) -> str:
     if manifest is None:
         return "its journal %s" % ("cannot be read" if state.exists() else "is gone")
@@ -3938,14 +4045,11 @@ def cmd_revert(args: argparse.Namespace) -> int:
         return revert_every_state(args)
     state = open_state(args)
     if not state.exists() and not state.orphaned_backups():
-        if os.path.isfile(registry_record(state.root)):
-            raise vanished_state(state)
-        others = others_applied(args, state)
-        if others:
-            raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at "
-                               "%s; run `overlay_setup.py --state DIR revert` for one, or "
-                               "`overlay_setup.py revert --all`"
-                               % (state.root, ", ".join(other.root for other, _ in others)))
+        try:
+            require_overlay(args, state, "revert")
+        except OverlayError as exc:
+            if exc.code != "E207":  # E208 and E209: it may be elsewhere, or lost
+                raise
         print("nothing to revert: no overlay at %s" % state.root)
         return 0
     done, inexact = revert_state(state, args.force, args.keep_untracked)

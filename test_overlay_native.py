@@ -304,6 +304,10 @@ class CProjectTest(OverlayTestCase):
 
     def test_verify_native_with_nothing_built_fails(self) -> None:
         self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E207 no overlay at %s; `apply` or `add-native` first\n"
+            % self.state))
+        self.assertOk(self.tool("init"))
+        self.assertEqual(self.tool("verify-native"), (
             1, "", "overlay_setup: E405 no built artifact to verify; pass --artifact to add-native "
             "or apply\n"))
 
@@ -515,7 +519,7 @@ class CProjectTest(OverlayTestCase):
             del os.environ["OVERLAY_STATE"]
         self.assertTrue(os.path.isdir(other))
         self.assertOk(call("init"))
-        self.assertTrue(os.path.isdir(os.path.join(self.tmp, ".overlay")))
+        self.assertTrue(os.path.isdir(overlay_setup.default_state_dir(self.tmp)))
 
     def test_newer_journal_format_is_refused(self) -> None:
         self.assertOk(self.tool("init"))
@@ -580,7 +584,7 @@ class CProjectTest(OverlayTestCase):
     def test_state_is_named_and_found_from_another_directory(self) -> None:
         before = tree_state(self.proj)
         work = os.path.join(self.tmp, "work")
-        default_state = os.path.join(work, ".overlay")
+        default_state = overlay_setup.default_state_dir(work)
         os.mkdir(work)
         os.chdir(work)
         rc, out, err = call("add-native", "--source", "../proj/kernel_b.c", "--patched",
@@ -589,27 +593,28 @@ class CProjectTest(OverlayTestCase):
                             "../proj/cache", "--build-cmd", "make", "--build-cwd", "../proj")
         self.assertEqual((rc, err), (0, ""), out)
         self.assertIn("state: %s\n" % default_state, out)
-        self.assertEqual(registry_entries(), [default_state])
+        self.assertEqual(overlay_setup.registered_states(), [default_state])
+        self.assertEqual(registry_entries(), [], "the state home's listing is its record")
         os.chdir(self.tmp)
+        here = overlay_setup.default_state_dir(self.tmp)
         self.assertEqual(call("status"), (
             0, "no overlay at %s\napplied overlays of this user:\n  %s: 1 native entry, 0 Python "
-            "module(s), 0 rebind(s); owner %s\nnext: `overlay_setup.py --state DIR status` for "
-            "one of them, or `overlay_setup.py revert --all`\n"
-            % (os.path.join(self.tmp, ".overlay"), default_state,
+            "module(s), 0 rebind(s); owner %s\nnext: `overlay_setup.py --state %s status`, or "
+            "`overlay_setup.py revert --all`\n"
+            % (here, default_state,
                overlay_setup.describe_owner(read_json(os.path.join(
-                   default_state, "manifest.json"))["owner"])), ""))
+                   default_state, "manifest.json"))["owner"]), default_state), ""))
         self.assertEqual(call("revert"), (
             1, "", "overlay_setup: E208 no overlay at %s, but this user has applied overlays at "
-            "%s; run `overlay_setup.py --state DIR revert` for one, or `overlay_setup.py revert "
-            "--all`\n" % (os.path.join(self.tmp, ".overlay"), default_state)))
+            "%s; run `overlay_setup.py --state %s revert`\n" % (here, default_state,
+                                                                default_state)))
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(call("revert", "--all"), (
             0, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"), default_state),
             ""))
-        self.assertEqual(registry_entries(), [])
+        self.assertEqual(overlay_setup.registered_states(), [])
         self.assertEqual(tree_state(self.proj), before)
-        self.assertEqual(call("revert"), (
-            0, "nothing to revert: no overlay at %s\n" % os.path.join(self.tmp, ".overlay"), ""))
+        self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n" % here, ""))
 
     def test_revert_all_reverts_every_registered_state_and_refuses_state(self) -> None:
         before = tree_state(self.proj)
@@ -735,8 +740,9 @@ class CProjectTest(OverlayTestCase):
                               "--build-cwd", self.proj), (
             1, "", "overlay_setup: E121 the state directory %s lies inside the build directory "
             "%s, where a clean step of the build (`make clean`, `git clean -xdf`) would delete "
-            "the journal and the backups; nothing was changed: pass --state DIR outside it, e.g. "
-            "--state %s\n" % (inside, self.proj, os.path.join(self.tmp, ".overlay-proj"))))
+            "the journal and the backups; nothing was changed: pass --state DIR outside it, or "
+            "leave --state and $OVERLAY_STATE unset for the default, %s\n"
+            % (inside, self.proj, overlay_setup.default_state_dir(self.tmp))))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(call("--state", self.p("cache/state"), "add-native", "--source",
                               self.p("kernel_b.c"), "--patched", self.patched,
@@ -754,11 +760,11 @@ class CProjectTest(OverlayTestCase):
         subprocess.run(git + ["init", "-q"], check=True)
         subprocess.run(git + ["add", "proj"], check=True)
         subprocess.run(git + ["commit", "-qm", "install"], check=True)
-        state = os.path.join(self.tmp, ".overlay")  # the default, in the repository
+        state = os.path.join(self.tmp, ".overlay")  # in the repository, as 1.0 made it by default
         write_tree(self.tmp, {"outside/fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
         rc, out, err = call("add-native", "--source", self.p("kernel_b.c"), "--patched",
                             os.path.join(self.tmp, "outside/fast.c"), "--artifact", self.lib,
-                            "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
+                            "--state", state, "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
                             "sleep 0.05; done; git clean -xdfq .. && make",
                             "--build-cwd", self.proj)
         record = overlay_setup.registry_record(state)
@@ -777,7 +783,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(call("gc-stale", "--root", self.proj)[0], 1)
         subprocess.run(git + ["checkout", "-q", "proj"], check=True)
         os.unlink(record)
-        self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n" % state, ""))
+        self.assertEqual(call("revert"), (0, "nothing to revert: no overlay at %s\n"
+                                          % overlay_setup.default_state_dir(self.tmp), ""))
 
 
     def test_update_rebuilds_in_place_and_one_revert_restores_the_original(self) -> None:
@@ -877,6 +884,148 @@ class CProjectTest(OverlayTestCase):
             self.assertEqual(trial.returncode, status, err)
             self.assertIn("revert: the install is byte-identical to before\n", out)
             self.assertEqual(tree_state(self.proj), before)
+
+
+class DefaultStateTest(OverlayTestCase):
+    """The first natural use: run from the install directory with no --state,
+    every command finds the overlay; the state lives under $XDG_STATE_HOME."""
+
+    MAKEFILE = ("libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.pkg = os.path.join(self.tmp, "pkg")
+        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
+                              "Makefile": self.MAKEFILE})
+        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        write_tree(self.tmp, {"k_new.c": "double k(void) { return 2.0; }\n",
+                              "k_newer.c": "double k(void) { return 3.0; }\n"})
+        self.before = tree_state(self.pkg)
+        os.chdir(self.pkg)
+
+    def add(self, *extra: str) -> tuple:
+        return call("add-native", "--source", "k.c", "--patched", "../k_new.c",
+                    "--artifact", "libk.so", "--build-cmd", "make", *extra)
+
+    def test_every_command_run_from_the_install_directory_finds_its_overlay(self) -> None:
+        state = overlay_setup.default_state_dir(self.pkg)
+        self.assertTrue(state.startswith(os.path.join(self.tmp, "xdg-state", "overlay_setup",
+                                                      "tmp-overlay-test-")), state)
+        self.assertRegex(os.path.basename(state), r"-pkg-[0-9a-f]{8}$")
+        rc, out, err = self.add()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("state: %s\n" % state, out)
+        self.assertEqual(call("verify-native"),
+                         (0, "1 artifact(s) rebuilt from the patched sources\n", ""))
+        rc, out, err = call("update", "--patched", "../k_newer.c")
+        self.assertEqual((rc, err), (0, ""), out)
+        rc, out, err = call("status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("state: %s\nowner: " % state, out)
+        self.assertIn("entry 1: built", out)
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"), state), ""))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_from_elsewhere_status_lists_and_each_message_names_the_exact_command(self) -> None:
+        self.assertOk(self.add())
+        state = overlay_setup.default_state_dir(self.pkg)
+        os.chdir(self.tmp)
+        here = overlay_setup.default_state_dir(self.tmp)
+        rc, out, err = call("status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.startswith("no overlay at %s\napplied overlays of this user:\n  %s: "
+                                       "1 native entry" % (here, state)), out)
+        self.assertTrue(out.endswith("next: `overlay_setup.py --state %s status`, or "
+                                     "`overlay_setup.py revert --all`\n" % state), out)
+        for command in ("update", "verify-native", "revert"):
+            self.assertEqual(call(command), (
+                1, "", "overlay_setup: E208 no overlay at %s, but this user has applied "
+                "overlays at %s; run `overlay_setup.py --state %s %s`\n"
+                % (here, state, state, command)))
+        self.assertOk(call("--state", state, "revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+        self.assertEqual(call("update"), (1, "", "overlay_setup: E207 no overlay at %s; `apply` "
+                                          "or `add-native` first\n" % here))
+
+    def test_an_unset_or_relative_state_home_means_local_state_of_home(self) -> None:
+        home = os.path.join(self.tmp, "home")
+        for value in (None, "relative/state", ""):
+            env = {"HOME": home}
+            if value is not None:
+                env["XDG_STATE_HOME"] = value
+            with self.subTest(XDG_STATE_HOME=value):
+                done = subprocess.run(
+                    [sys.executable, "-c", "import overlay_setup; "
+                     "print(overlay_setup.default_state_dir('/srv/pkg'))"],
+                    env=dict({k: v for k, v in os.environ.items() if k != "XDG_STATE_HOME"},
+                             PYTHONPATH=HERE, **env), stdout=subprocess.PIPE,
+                    universal_newlines=True, check=True)
+                self.assertRegex(done.stdout, r"^%s/srv-pkg-[0-9a-f]{8}\n$" % re.escape(
+                    os.path.join(home, ".local", "state", "overlay_setup")))
+
+    def test_an_unwritable_state_location_is_refused_before_anything_changes(self) -> None:
+        blocked = os.path.join(self.tmp, "not-a-directory")
+        write_text_file(blocked, "a file where the state home would go\n")
+        os.environ["XDG_STATE_HOME"] = blocked
+        home = os.path.join(blocked, "overlay_setup")
+        rc, out, err = self.add()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E210 cannot write the state directory %s (Not a "
+                              "directory); nothing was changed: pass --state DIR on a writable "
+                              "filesystem, or set XDG_STATE_HOME to a writable directory for the "
+                              "default (now %s)\n"
+                         % (overlay_setup.default_state_dir(self.pkg), home))
+        self.assertNotIn("E601", err)
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_the_directory_of_make_minus_c_is_a_build_directory_too(self) -> None:
+        work = os.path.join(self.tmp, "work")
+        os.mkdir(work)
+        os.chdir(work)
+        inside = os.path.join(self.pkg, ".state")
+        self.assertEqual(call("--state", inside, "add-native", "--source", "../pkg/k.c",
+                              "--patched", "../k_new.c", "--build-cmd", "make -C ../pkg"), (
+            1, "", "overlay_setup: E121 the state directory %s lies inside the build directory "
+            "%s, where a clean step of the build (`make clean`, `git clean -xdf`) would delete "
+            "the journal and the backups; nothing was changed: pass --state DIR outside it, or "
+            "leave --state and $OVERLAY_STATE unset for the default, %s\n"
+            % (inside, self.pkg, overlay_setup.default_state_dir(work))))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_the_readme_walkthrough_runs_the_overlay_with_no_state_option(self) -> None:
+        # test_check_contract's RepositoryTest runs these blocks as written.
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            readme = handle.read()
+        blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
+        overlay = [block for block in blocks if "overlay_setup.py" in block]
+        self.assertGreaterEqual(len(overlay), 2)
+        for block in overlay:
+            self.assertNotIn("--state", block)
+            self.assertNotIn("OVERLAY_STATE", block)
+
+    def test_an_overlay_applied_by_version_1_0_in_dot_overlay_still_reverts(self) -> None:
+        # Version 1.0 kept its state in ./.overlay (manifest.json) with a
+        # record in $XDG_STATE_HOME/overlay_setup/applied; the journal format
+        # is unchanged, so --state writes exactly that layout.
+        legacy = os.path.join(self.pkg, ".overlay")
+        self.assertOk(call("--state", legacy, "add-native", "--source", "k.c", "--patched",
+                           "../k_new.c", "--no-build"))
+        self.assertTrue(os.path.isfile(os.path.join(legacy, "manifest.json")))
+        self.assertEqual(registry_entries(), [legacy])
+        rc, out, err = call("status")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("state: %s\n" % legacy, out)
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"), legacy), ""))
+        self.assertEqual(registry_entries(), [])
+        shutil.rmtree(legacy)
+        self.assertEqual(tree_state(self.pkg), self.before)
+        rc, out, err = self.add()  # the next apply uses the default state directory
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("state: %s\n" % overlay_setup.default_state_dir(self.pkg), out)
+        self.assertOk(call("revert"))
 
 
 class HelpTest(unittest.TestCase):
