@@ -62,8 +62,10 @@ Usage:
 
   The owner (--owner-pid, default: the leader of this process's session: the
   login or terminal shell, or the program that started the commands) is
-  recorded with its start time and host so that gc-stale tells a crashed run
-  from a live one, also after the pid was reused.  The session outlives
+  recorded with its start time and host so that gc-stale tells a completed
+  overlay whose owner is gone from a live one, also after the pid was reused.
+  An entry that a run of the tool was applying, building, updating or
+  reverting when it died is stale whoever the owner is.  The session outlives
   `timeout`, make recipes and a fresh shell per command; `sudo` and `setsid`
   start a session of their own, so the session of what started them is taken.
 
@@ -1156,6 +1158,20 @@ def tool_at(state: State) -> str:
     """The command line that reaches `state` from any directory, for the
     next command a message tells the user to run."""
     return "overlay_setup.py --state %s" % shell_quote(state.root)
+
+
+def interrupted(manifest: dict) -> Optional[str]:
+    """What a run of this tool was doing when it stopped halfway: an entry
+    being applied, built or updated, or a revert begun.  Found with the lock
+    free, nobody is doing it any more: the entry is stale whoever the owner
+    is, as a hot journal nobody holds is rolled back."""
+    if manifest.get("reverting"):
+        return "reverting"
+    for entry in manifest["entries"]:
+        if entry["state"] == "applying":
+            return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
+                                    else "applying", entry["id"])
+    return None
 
 
 def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
@@ -3019,8 +3035,12 @@ def settle_after_build(manifest: dict) -> None:
 
 
 def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
-    """Artifacts and caches changed since the state's last build."""
+    """Artifacts and caches changed since the state's last build.  After a
+    build of this state that was interrupted (an apply or update killed in
+    it) they hold what that build wrote, which no hash records: ours."""
     changed = []
+    if any(entry["state"] == "applying" for entry in entries):
+        return changed
     for entry in entries:
         for record in entry["artifacts"]:
             if "after_build_sha256" in record and content_identity(record["path"]) != record.get(
@@ -3277,6 +3297,9 @@ def revert_all(state: State, manifest: dict, force: bool,
                                "revert --force` to restore the original anyway" % changed[0])
     done: List[str] = []
     inexact: List[str] = []
+    # A revert killed halfway is a crash whoever the owner is (interrupted()).
+    manifest["reverting"] = True
+    state.save(manifest)
     python = manifest["python"]
     if python["modules"] or python["rebinds"]:
         done.append("Python overlay switched off (%d module(s), %d rebind(s))"
@@ -3291,6 +3314,8 @@ def revert_all(state: State, manifest: dict, force: bool,
         inexact += revert_entry(state, manifest, entry, keep_untracked)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+    del manifest["reverting"]
+    state.save(manifest)
     remove_path(state.backups)
     return done, inexact
 
@@ -3371,6 +3396,8 @@ class Locked:
             if self.create and not self.state.exists():
                 self.state.save(empty_manifest())
             manifest = self.state.load()
+            if not anything_applied(manifest):  # a revert killed after its last entry
+                manifest.pop("reverting", None)
             if self.create:  # after the journal exists, before the install changes
                 register(self.state)
             return manifest
@@ -3959,6 +3986,8 @@ def next_step(state: State, manifest: dict, tool_running: bool) -> str:
         return "wait for the running command to finish, then `%s status`" % here
     if not anything_applied(manifest):
         return "nothing applied; nothing to do"
+    if manifest.get("reverting"):
+        return "a revert stopped halfway: `%s revert` finishes it" % here
     if "applying" in states:
         return ("`%s revert` (it stops a build left running and restores everything)" % here)
     if states & {"build-failed", "build-changed-nothing"}:
@@ -4138,17 +4167,19 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                         remove_orphaned_backups(state, manifest)
                         unregister(state)
                     continue
-                if liveness != "gone":
+                # The owner's liveness decides for a completed overlay only.
+                crashed = interrupted(manifest)
+                if liveness != "gone" and crashed is None:
                     print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
                     continue
+                why = "owner %s%s" % (describe_owner(manifest["owner"]), "" if liveness == "gone"
+                                      else "; the run %s stopped halfway" % crashed)
                 if args.dry_run:
-                    print("stale: %s (owner %s): would revert" % (
-                        directory, describe_owner(manifest["owner"])))
+                    print("stale: %s (%s): would revert" % (directory, why))
                     continue
                 _, inexact = revert_all(state, manifest, force=False, keep_untracked=False)
                 unregister(state)
-                print("stale: %s (owner %s): reverted" % (directory,
-                                                          describe_owner(manifest["owner"])))
+                print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
                     report_inexact(inexact)
                     not_exact = True

@@ -1028,6 +1028,96 @@ class DefaultStateTest(OverlayTestCase):
         self.assertOk(call("revert"))
 
 
+class CrashIsACrashTest(OverlayTestCase):
+    """A run of the tool killed while it applied, built, updated or reverted
+    leaves a stale entry whoever the owner is: gc-stale finishes it."""
+
+    MAKEFILE = ("libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "\tif grep -q slow k.c; then touch ../building; exec sleep 60; fi\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.pkg = os.path.join(self.tmp, "pkg")
+        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
+                              "Makefile": self.MAKEFILE})
+        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        write_tree(self.tmp, {"fast.c": "double k(void) { return 2.0; }\n",
+                              "slow.c": "/* slow */ double k(void) { return 3.0; }\n"})
+        self.marker = os.path.join(self.tmp, "building")
+        self.before = tree_state(self.pkg)
+
+    def start(self, *args: str) -> subprocess.Popen:
+        """The tool as a real process with its default owner (the session
+        leader, which stays alive), killed with SIGKILL once its build runs."""
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        tool = subprocess.Popen([sys.executable, TOOL, "--state", self.state] + list(args),
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.marker) and tool.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tool.kill()
+        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
+        os.unlink(self.marker)
+        return tool
+
+    def apply_args(self, patched: str) -> list:
+        return ["add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched", patched,
+                "--artifact", os.path.join(self.pkg, "libk.so"), "--build-cmd", "make",
+                "--build-cwd", self.pkg]
+
+    def test_apply_killed_in_its_build_is_stale_although_its_owner_lives(self) -> None:
+        self.start(*self.apply_args(os.path.join(self.tmp, "slow.c")))
+        owner = read_json(os.path.join(self.state, "manifest.json"))["owner"]
+        self.assertEqual(overlay_setup.owner_liveness(owner), "live")
+        self.assertEqual(call("gc-stale", "--root", self.tmp, "--dry-run"), (
+            0, "stale: %s (owner %s; the run building entry 1 stopped halfway): would revert\n"
+            % (self.state, overlay_setup.describe_owner(owner)), ""))
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, out), (0, "stale: %s (owner %s; the run building entry 1 stopped "
+                                        "halfway): reverted\n"
+                                     % (self.state, overlay_setup.describe_owner(owner))), err)
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_a_completed_overlay_of_a_live_owner_stays(self) -> None:
+        self.assertOk(self.tool(*self.apply_args(os.path.join(self.tmp, "fast.c"))))
+        patched = tree_state(self.pkg)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.startswith("live: %s (owner pid " % self.state), out)
+        self.assertEqual(tree_state(self.pkg), patched)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_update_killed_in_its_build_reverts_without_e509(self) -> None:
+        self.assertOk(self.tool(*self.apply_args(os.path.join(self.tmp, "fast.c"))))
+        self.start("update", "--patched", os.path.join(self.tmp, "slow.c"))
+        # k.o and the library are what the killed build wrote: no hash records that.
+        self.assertEqual(call("--state", self.state, "status")[1].splitlines()[-1],
+                         "next: `overlay_setup.py --state %s revert` (it stops a build left "
+                         "running and restores everything)" % self.state)
+        rc, out, err = self.tool("revert")
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(err, r"^stopping the build that entry 1 left running \(process group "
+                              r"\d+\)\n$")
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_revert_killed_halfway_is_finished_by_gc_stale(self) -> None:
+        self.assertOk(self.tool(*self.apply_args(os.path.join(self.tmp, "fast.c"))))
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.pkg, "Makefile"),
+                                "--patched", os.path.join(self.tmp, "fast.c"), "--no-build"))
+        killed = run_tool(["--state", self.state, "revert"], env={"OVERLAY_TEST_KILL_AT": "3"})
+        self.assertEqual(killed.returncode, -9, killed)
+        self.assertNotEqual(tree_state(self.pkg), self.before)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertRegex(out, r"^stale: %s \(owner pid \d+ on \S+ \(live\); the run reverting "
+                              r"stopped halfway\): reverted\n$" % re.escape(self.state))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+
 class HelpTest(unittest.TestCase):
     def test_every_command_help_shows_an_example(self) -> None:
         for command in overlay_setup.COMMANDS:
@@ -3228,7 +3318,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         before = tree_state(self.proj)
         self.assertOk(self.add("--invalidate-cache", cache, "--no-build",
                                "--owner-pid", str(os.getpid())))
-        failed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": "1"})
+        # the 1st write journals that a revert begins, the 2nd restores the source
+        failed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": "2"})
         self.assertEqual((failed.returncode, failed.stdout), (1, ""))
         self.assertEqual(failed.stderr, "overlay_setup: E601 could not write %s (No space left on "
                                         "device) while reverting; the journal keeps what is left: "
