@@ -74,8 +74,9 @@ Exit codes:
   1  failed; the message says what to run next
   2  usage: a wrong option, a relative or unnormalised path, a bad module name,
      a missing input file or directory
-  3  revert or gc-stale finished, but the files named (E506) are not back
-     byte-exact: the build rewrote them and nothing had backed them up
+  3  revert or gc-stale finished, but the files named are not back
+     byte-exact: the build rewrote or deleted them and nothing had backed
+     them up (E506), or they changed after the build and were kept (E510)
   10-14  trial: the step that failed (the install is reverted first):
      10 the reference run, 11 apply or its build, 12 the verification,
      13 the candidate run, 14 the revert (or the install differs from before)
@@ -91,7 +92,8 @@ how to fix it):
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
         running, E109 bad build option (--timeout, -p), E110 the build
-        products to back up are over the size budget, E111 a .py file the
+        products to back up are over the size budget, or the build
+        directory is too large to scan whole, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
         directory
@@ -114,9 +116,10 @@ how to fix it):
         E501 source changed after apply, E502 unsafe or unreadable cache
         snapshot, E503 backup missing, E504 a directory stands where a file
         is restored or removed, E505 a path changed since it was recorded
-        (a symlink in the way), E506 not byte-exact: the build rewrote a
-        file nothing backed up (exit status 3), E509 an artifact or cache
-        changed since the overlay's build
+        (a symlink in the way), E506 not byte-exact: the build rewrote or
+        deleted a file nothing backed up (exit status 3), E509 an artifact
+        or cache changed since the overlay's build, E510 a build product
+        changed since the overlay's build, kept (exit status 3)
   E6xx  I/O errors during a change
         E601 could not write (no space, permission); the state stays
         recoverable
@@ -1062,8 +1065,9 @@ class State:
                         raise OverlayError("E203", "journal %s names build product %r outside "
                                            "the build directory %s; nothing was changed"
                                            % (self.manifest_path, product["path"], build["cwd"]))
-            if entry.get("scan") is not None:
-                self.state_path(entry["scan"])
+            for key in ("scan", "build_scan"):
+                if entry.get(key) is not None:
+                    self.state_path(entry[key])
             for directory in entry.get("dirs", {}):
                 target(directory, "directory")
         for name, module in manifest.get("python", {}).get("modules", {}).items():
@@ -1849,31 +1853,34 @@ def scan_exclusions(state: State, entry: dict) -> List[str]:
                for name in VCS_FOLDERS])
 
 
-def prebuild_scan(state: State, entry: dict) -> dict:
-    """What the build directory held before the build ({} when unknown)."""
-    if not entry.get("scan") or not entry.get("build"):
-        return {}
+def prebuild_scan(state: State, entry: dict, key: str = "scan") -> Optional[dict]:
+    """What the build directory held before the first build ("scan") or the
+    latest one ("build_scan"); None when unknown (an empty one is known)."""
+    if not entry.get(key) or not entry.get("build"):
+        return None
     try:
-        with open(state.state_path(entry["scan"]), encoding="utf-8") as handle:
-            return json.load(handle)
+        with open(state.state_path(entry[key]), encoding="utf-8") as handle:
+            found = json.load(handle)
     except (OSError, ValueError):
-        return {}
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def build_trees(build: Optional[dict]) -> List[str]:
-    """The directories a build writes into: its working directory, and the
-    build directory of `make -C`, `ninja -C` or `cmake --build` when that
-    lies outside it (an out-of-tree build run from the sources)."""
+    """The directory a build writes into: the build directory of `make -C`,
+    `ninja -C` or `cmake --build` when the command names one, else its
+    working directory.  A file written beside `make -C pkg` (an optimizer's
+    results) is no product of it."""
     if not build:
         return []
-    return [build["cwd"]] + ([build["tree"]] if build.get("tree") else [])
+    return [build["tree"]] if build.get("tree") else [build["cwd"]]
 
 
-def build_tree_outside(command: str, cwd: str) -> Optional[str]:
+def build_tree_of(command: str, cwd: str) -> Optional[str]:
     """The build directory the build tool of `command` works in, when that
-    is an existing directory outside `cwd`; else None."""
+    is an existing directory other than `cwd`; else None."""
     tool = build_tool(command, cwd)
-    if tool is None or is_within(tool[2], cwd) or not os.path.isdir(tool[2]):
+    if tool is None or tool[2] == cwd or not os.path.isdir(tool[2]):
         return None
     return tool[2]
 
@@ -1893,7 +1900,7 @@ def restore_build_dir_mtimes(state: State, entry: dict) -> None:
     makes and removes files where nothing is tracked (CMake's Progress
     folder), and removing its products touches their directories."""
     trees = build_trees(entry.get("build"))
-    for path, info in sorted(prebuild_scan(state, entry).items(), reverse=True):
+    for path, info in sorted((prebuild_scan(state, entry) or {}).items(), reverse=True):
         if (isinstance(info, list) and len(info) == 3 and info[0] == "d"
                 and type(info[2]) is int and info[2]
                 and any(is_within(path, tree) for tree in trees)
@@ -1903,12 +1910,17 @@ def restore_build_dir_mtimes(state: State, entry: dict) -> None:
 
 
 def untracked_products(state: State, entry: dict) -> List[dict]:
-    """Files and directories the build created or changed that nothing tracks."""
+    """Files and directories that the entry's builds created, rewrote or
+    deleted and that nothing tracks: as recorded after its last build, else
+    (the run died in a build) what changed since the scan before that build,
+    with what earlier builds of the entry recorded."""
     if entry.get("untracked") is not None:
         return entry["untracked"]
-    before = prebuild_scan(state, entry)
-    if not before:
-        return []
+    before = prebuild_scan(state, entry, "build_scan")
+    if before is None:
+        before = prebuild_scan(state, entry)
+    if before is None:
+        return entry.get("earlier_untracked") or []
     after, _ = scan_build(state, entry)
     products = []
     for path, info in sorted(after.items()):
@@ -1917,7 +1929,32 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
             products.append({"path": path, "kind": info[0], "created": True})
         elif info[0] != "d" and old[:3] != info and scanned_link(old) is None:
             products.append({"path": path, "kind": info[0], "created": False})
-    return products
+    for path, old in sorted(before.items()):
+        if path not in after and isinstance(old, list) and old and old[0] == "f":
+            products.append({"path": path, "kind": "f", "created": False, "deleted": True})
+    return merge_products(entry.get("earlier_untracked") or [], products)
+
+
+def merge_products(earlier: List[dict], later: List[dict]) -> List[dict]:
+    """What all builds of an entry made: a file the first build created
+    stays created when an update rebuilds it."""
+    merged = {product["path"]: product for product in later}
+    for product in earlier:
+        if product["path"] in merged:
+            merged[product["path"]] = dict(merged[product["path"]], created=product["created"])
+        else:
+            merged[product["path"]] = product
+    return [merged[path] for path in sorted(merged)]
+
+
+def seen(path: str) -> Optional[list]:
+    """The identity of what is at `path` now (None: nothing).  The same
+    identity later proves that nobody wrote, replaced or removed it since:
+    any write, rename or chmod sets a new ctime, which nobody can set back."""
+    try:
+        return file_identity(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def scanned_link(info: object) -> Optional[str]:
@@ -1928,25 +1965,47 @@ def scanned_link(info: object) -> Optional[str]:
     return None
 
 
-def restore_build_dir_links(state: State, entry: dict) -> None:
-    """Symlinks of the build directory come back with their target and mtime:
-    a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
-    no rule names them, so a build after revert would not make them again."""
+def moved_links(state: State, entry: dict) -> List[Tuple[str, str, int]]:
+    """The symlinks of the build directory that are no longer as the scan
+    before the first build saw them (path, target, mtime); someone's
+    directory standing there now is left out."""
     trees = build_trees(entry.get("build"))
-    for path, info in sorted(prebuild_scan(state, entry).items()):
+    moved = []
+    for path, info in sorted((prebuild_scan(state, entry) or {}).items()):
         target = scanned_link(info)
         if target is None or path != os.path.normpath(path) or \
                 not any(is_within(path, tree) for tree in trees):
             continue
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             st = None
-        if st is not None and (stat.S_ISDIR(st.st_mode) or (
+        if st is None or not (stat.S_ISDIR(st.st_mode) or (
                 stat.S_ISLNK(st.st_mode) and st.st_mtime_ns == info[2]
                 and os.readlink(path) == target)):
-            continue  # as it was, or someone's directory now
-        put_symlink(path, target, info[2])
+            moved.append((path, target, info[2]))
+    return moved
+
+
+def changed_links(state: State, entry: dict) -> Dict[str, Optional[list]]:
+    """After a build: the links it changed, with what it left there."""
+    return {path: seen(path) for path, _, _ in moved_links(state, entry)}
+
+
+def restore_build_dir_links(state: State, entry: dict, force: bool) -> List[str]:
+    """Symlinks of the build directory come back with their target and mtime:
+    a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
+    no rule names them, so a build after revert would not make them again.
+    A link changed or removed after the build is someone's: it is kept, and
+    returned."""
+    left = entry.get("links_seen")  # None: the run died in its build
+    kept = []
+    for path, target, mtime_ns in moved_links(state, entry):
+        if left is not None and not force and (path not in left or seen(path) != left[path]):
+            kept.append(path)
+            continue
+        put_symlink(path, target, mtime_ns)
+    return kept
 
 
 # ---------------------------------------------------------------- what the build will rewrite
@@ -2060,7 +2119,7 @@ def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List
     readers = depfile_readers(directory, sources)
     what_if = []
     for source in sources + readers:
-        for name in what_if_names(source, cwd):
+        for name in what_if_names(source, directory):
             what_if += ["-W", name]
     sub_make = " ".join(shlex.quote(word) for word in [argv[0]] + what_if)
     output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if
@@ -2222,7 +2281,7 @@ def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tu
         if predicted is None:
             how = "found in the build directory (asking %s failed)" % kind
     if predicted is None:
-        predicted = product_files(build["cwd"], excluded)
+        predicted = product_files(build_trees(build)[0], excluded)
     paths = []
     for path in [name for target in predicted for name in side_products(target)]:
         if path not in paths and not any(is_within(path, other) for other in excluded) and \
@@ -2637,7 +2696,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     tracked = changes_paths(changes) + artifacts + caches + [p for p, _ in protected]
     # Every path a revert acts on lies under one of these (checked on load).
     entry["roots"] = sorted({os.path.dirname(path) for path in tracked}
-                            | set(build_trees(build)))
+                            | set(build_trees(build)) | ({build["cwd"]} if build else set()))
     # Parent directories get their mtimes back too: temp files and renames touch them.
     entry["dirs"] = {}
     for path in tracked:
@@ -2651,6 +2710,12 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
     makedirs_durable(backup_dir)
+    if build is not None:
+        try:
+            write_prebuild_scan(state, entry)
+        except OverlayError:
+            remove_path(backup_dir)
+            raise
     for record in entry_files(entry):
         record["sha256"] = None
         if record["present"] and record["links"] > 1 and record["role"] == "source":
@@ -2666,8 +2731,6 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     for cache in entry["caches"]:
         if cache["present"] and cache["method"] == "tar":
             snapshot_cache(cache["path"], state.state_path(cache["backup"]))
-    if build is not None:
-        write_prebuild_scan(state, entry)
     fsync_dir(backup_dir)
     manifest["next_id"] = entry_id + 1
     manifest["entries"].append(entry)
@@ -2691,22 +2754,34 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     return entry
 
 
-def write_prebuild_scan(state: State, entry: dict) -> None:
-    """What the build directory holds before the build, to find its untracked
-    products afterwards (also after a crash during the build)."""
-    cwd = entry["build"]["cwd"]
+def scan_limit_reached(tree: str) -> OverlayError:
+    """A scan that stops at its limit is no record of what was there: the
+    files beyond it would count as made by the build, and revert would delete
+    them.  Refused before anything changes."""
+    return OverlayError("E110", "the build directory %s holds more than %d entries, more than "
+                        "the scan that tells the build's new files from yours records; nothing "
+                        "was changed: pass --build-cwd (or make -C) at the folder the build "
+                        "writes in, or --no-build and run the build yourself (revert then "
+                        "leaves what it makes)" % (tree, SCAN_LIMIT))
+
+
+def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> None:
+    """What the build directory holds before a build, to find its untracked
+    products afterwards (also after a crash during the build): before the
+    first build ("scan", also what revert puts back), before the latest
+    ("build_scan", what that build is compared with)."""
     before, truncated = scan_build(state, entry)
+    if truncated:
+        raise scan_limit_reached(build_trees(entry["build"])[0])
     for link, info in before.items():
         if info[0] == "l":
             try:
                 info.append(os.readlink(link))
             except OSError:
                 pass
-    if truncated:
-        print("warning: more than %d entries under %s; untracked build products are looked for "
-              "only among the first %d" % (SCAN_LIMIT, cwd, SCAN_LIMIT), file=sys.stderr)
-    entry["scan"] = "backups/%d/prebuild-scan.json" % entry["id"]
-    path = state.state_path(entry["scan"])
+    entry[key] = "backups/%d/%s.json" % (entry["id"], "prebuild-scan" if key == "scan"
+                                         else "build-scan-%d" % entry["builds"])
+    path = state.state_path(entry[key])
     mutation_point()
     write_point(path)
     with open(path, "w", encoding="utf-8") as handle:
@@ -2916,6 +2991,8 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
+    ours = still_ours(manifest) + [record for record in entry.get("protected") or []
+                                   if "seen" not in record]
     mutation_point()
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
@@ -2945,6 +3022,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
             identity, record["built_sha256"]
     settle_after_build(manifest)
     entry["untracked"] = untracked_products(state, entry)
+    entry.pop("earlier_untracked", None)
+    # What the build left, to be restored or removed at revert only while it
+    # still is exactly that; what earlier builds of the entry left keeps its
+    # record (a file edited between two builds is no longer theirs).
+    for record in ours + [product for product in entry["untracked"]
+                          if product["kind"] != "d" and "seen" not in product]:
+        record["seen"] = seen(record["path"])
+    entry["links_seen"] = changed_links(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
     noop = status == 0 and entry["artifacts"] and all(
         record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
@@ -2955,7 +3040,12 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     if created:
         print("warning: the build created files that no --artifact or --invalidate-cache covers "
               "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
-    rewritten = inexact_products(entry["untracked"])
+    rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
+    deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
+    if deleted:
+        print("warning: the build deleted files that nothing backed up, so revert cannot give "
+              "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
+              file=sys.stderr)
     compiled = [path for path in rewritten if compiled_output(path)]
     for paths, fate in ((compiled, "it removes them, the next build makes them again"),
                         ([path for path in rewritten if path not in compiled],
@@ -3197,21 +3287,56 @@ def compiled_output(path: str) -> bool:
 
 
 def inexact_products(products: List[dict]) -> List[str]:
-    """Files that were there before and that the build changed without a backup."""
-    return [product["path"] for product in products
-            if not product["created"] and product["kind"] != "d"]
+    """Files that were there before and that the build changed or deleted
+    without a backup, as (path, why) for report_inexact."""
+    return [(product["path"], "deleted" if product.get("deleted") else "rewritten")
+            for product in products if not product["created"] and product["kind"] != "d"]
 
 
-def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> List[str]:
+def still_ours(manifest: dict) -> List[dict]:
+    """The build products of the state's entries that are still what its
+    builds and reverts left: what the next build or revert leaves there is
+    ours too (one changed since, by hand or an upgrade, stays someone's)."""
+    return [record for entry in manifest["entries"]
+            for record in (entry.get("protected") or []) + (entry.get("untracked") or [])
+            if record.get("kind") != "d" and "seen" in record and unchanged_since_build(record)]
+
+
+def unchanged_since_build(record: dict) -> bool:
+    """Whether a file is still what the tool saw after the entry's last build
+    (True when nothing was recorded: an entry without a completed build, or
+    a journal of version 1.0)."""
+    return "seen" not in record or seen(record["path"]) == record["seen"]
+
+
+def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool,
+                 force: bool = False) -> List[Tuple[str, str]]:
     """Restore one entry (idempotent: safe to run again after a crash); returns
-    the files that are not back byte-exact (rewritten without a backup)."""
+    the files that are not back byte-exact, as (path, why): rewritten or
+    deleted without a backup, or kept because they changed after the build
+    (`force` restores and removes those all the same)."""
     stop_leftover_build(entry)
     found = untracked_products(state, entry)
     products = [] if keep_untracked else found
+    ours = [record for record in still_ours(manifest) if record not in entry_files(entry)
+            and record not in found]
+    kept = []
+    if not force and entry.get("untracked") is not None:  # the entry's last build completed
+        # Only what is still exactly what the build left is the build's:
+        # a library upgraded since, a file edited or a link changed is not.
+        kept = [record["path"] for record in entry.get("protected") or []
+                if not unchanged_since_build(record)
+                and seen(record["path"]) != record.get("identity")]
+        kept += [product["path"] for product in products
+                 if product["kind"] != "d" and not unchanged_since_build(product)]
+        products = [product for product in products if product["path"] not in kept]
     aside = None
     if products and entry.get("untracked") is None:
-        # The run died during its build: what changed in the build directory
-        # since it started may be the build's or the caller's own work.
+        # The run died during its build: what appeared in the build directory
+        # since it started may be the build's or the caller's own work.  What
+        # was there before stays where it is (a version file the package
+        # imports), named as not byte-exact.
+        products = [product for product in products if product["created"]]
         aside = (os.path.commonpath(build_trees(entry["build"])),
                  os.path.join(state.root, "leftovers", str(entry["id"])))
         print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
@@ -3228,6 +3353,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                     or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
     for record in entry_files(entry):
+        if record["path"] in kept:
+            continue
         try:
             restore_file(state, record)
             remove_file(temp_beside(record["path"]))
@@ -3243,7 +3370,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                            "is left: fix the cause and run `%s revert` again"
                            % (", ".join(failures), tool_at(state)))
     remove_products(products, aside)
-    restore_build_dir_links(state, entry)
+    kept += restore_build_dir_links(state, entry, force)
     restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
@@ -3253,7 +3380,11 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         settle_after_build(manifest)
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
-    return inexact_products(found)
+    if ours:  # after the backups went: a file restored as a link to one had its ctime set
+        for record in ours:
+            record["seen"] = seen(record["path"])
+        state.save(manifest)
+    return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
 
 
 def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
@@ -3311,7 +3442,7 @@ def revert_all(state: State, manifest: dict, force: bool,
         state.save(manifest)
     remove_path(state.python)
     for entry in reversed(list(manifest["entries"])):
-        inexact += revert_entry(state, manifest, entry, keep_untracked)
+        inexact += revert_entry(state, manifest, entry, keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
     del manifest["reverting"]
@@ -3324,11 +3455,26 @@ def protect_flags(paths: List[str]) -> str:
     return " ".join("--protect %s" % shell_quote(path) for path in paths)
 
 
-def report_inexact(inexact: List[str]) -> None:
-    print("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup; the next "
-          "build makes %s again (to keep %s next time, pass %s)"
-          % (", ".join(inexact), "it" if len(inexact) == 1 else "them",
-             "it" if len(inexact) == 1 else "them", protect_flags(inexact)), file=sys.stderr)
+def report_inexact(inexact: List[Tuple[str, str]]) -> None:
+    """E506 for what the build rewrote or deleted with no backup, E510 for
+    what changed after the build and was left as it is."""
+    rewritten = [path for path, why in inexact if why == "rewritten"]
+    deleted = [path for path, why in inexact if why == "deleted"]
+    kept = [path for path, why in inexact if why == "kept"]
+    if rewritten or deleted:
+        paths = rewritten + deleted
+        what = " and ".join(part for part in (
+            "rewrote %s" % ", ".join(rewritten) if rewritten else "",
+            "deleted %s" % ", ".join(deleted) if deleted else "") if part)
+        print("overlay_setup: E506 not byte-exact: the build %s with no backup; the next "
+              "build makes %s again (to keep %s next time, pass %s)"
+              % (what, "it" if len(paths) == 1 else "them",
+                 "it" if len(paths) == 1 else "them", protect_flags(paths)), file=sys.stderr)
+    if kept:
+        print("overlay_setup: E510 kept %s: changed after the overlay's build (not what the "
+              "build left, nor the original), so it is not the overlay's to restore or remove; "
+              "run `overlay_setup.py revert --force` to restore or remove it all the same"
+              % ", ".join(kept), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -3521,7 +3667,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
-        build["tree"] = build_tree_outside(build["cmd"], build["cwd"])
+        build["tree"] = build_tree_of(build["cmd"], build["cwd"])
     return artifacts, caches, build
 
 
@@ -3621,6 +3767,10 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
                                 args.no_protect) if changes else []
+    if changes and build is not None:
+        for tree in build_trees(build):
+            if scan_tree(tree, [state.root])[1]:
+                raise scan_limit_reached(tree)
     print_plan(changes, modules, artifacts, caches, build, protected, args.no_build)
     return 0
 
@@ -3833,8 +3983,15 @@ def cmd_update(args: argparse.Namespace) -> int:
             record["previous_patched_sha256"] = record.get("patched_sha256")
             record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
         if entry["build"] is not None:
+            # This build is compared with the tree just before it: what was
+            # made or written since the last build (results, notes, another
+            # entry's products) is not this entry's.
+            entry["earlier_untracked"] = untracked_products(state, entry)
+            entry["builds"] = entry.get("builds", 1) + 1
+            write_prebuild_scan(state, entry, "build_scan")
             entry["state"] = "applying"
             entry["untracked"] = None
+            entry.pop("links_seen", None)
             if args.timeout is not None:
                 entry["build"]["timeout"] = args.timeout
         state.save(manifest)
@@ -4257,7 +4414,7 @@ def cmd_trial(args: argparse.Namespace) -> int:
                            "pass another --state" % (state.root, state.root))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or os.getcwd(), "--build-cwd")
-    roots = sorted({root, build_cwd, build_tree_outside(args.build_cmd or "", build_cwd) or root})
+    roots = sorted({root, build_cwd, build_tree_of(args.build_cmd or "", build_cwd) or root})
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
               "runs": [], "verify": None, "revert": None, "failed_step": None}

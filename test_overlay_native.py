@@ -1118,6 +1118,185 @@ class CrashIsACrashTest(OverlayTestCase):
         self.assertEqual(tree_state(self.pkg), self.before)
 
 
+class OwnedFilesTest(OverlayTestCase):
+    """Revert restores or deletes a file only while it is exactly what the
+    tool recorded after the build; a build product is deleted only if the
+    tool's own build created it."""
+
+    MAKEFILE = ("libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.pkg = os.path.join(self.tmp, "pkg")
+        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
+                              "Makefile": self.MAKEFILE})
+        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        write_tree(self.tmp, {"fast.c": "double k(void) { return 2.0; }\n",
+                              "faster.c": "double k(void) { return 3.0; }\n"})
+        self.before = tree_state(self.pkg)
+
+    def add(self, *extra: str, cwd_build: bool = True) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), *(
+                             ("--build-cmd", "make", "--build-cwd", self.pkg) if cwd_build
+                             else ()), *extra)
+
+    def test_a_scan_that_reaches_its_limit_is_refused_before_anything(self) -> None:
+        self.addCleanup(setattr, overlay_setup, "SCAN_LIMIT", overlay_setup.SCAN_LIMIT)
+        overlay_setup.SCAN_LIMIT = 20
+        write_tree(self.pkg, {"data/%02d.txt" % number: "keep\n" for number in range(30)})
+        before = tree_state(self.pkg)
+        message = ("overlay_setup: E110 the build directory %s holds more than 20 entries, more "
+                   "than the scan that tells the build's new files from yours records; nothing "
+                   "was changed: pass --build-cwd (or make -C) at the folder the build writes "
+                   "in, or --no-build and run the build yourself (revert then leaves what it "
+                   "makes)\n" % self.pkg)
+        self.assertEqual(self.add(), (1, "", message))
+        self.assertEqual(self.add("--dry-run"), (1, "", message))
+        self.assertEqual(tree_state(self.pkg), before)
+        self.assertFalse(os.path.exists(os.path.join(self.state, "backups", "1")))
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"),
+                                "--patched", os.path.join(self.tmp, "fast.c"), "--no-build"))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_make_minus_c_builds_in_its_directory_not_the_current_one(self) -> None:
+        work = os.path.join(self.tmp, "work")
+        os.mkdir(work)
+        os.chdir(work)
+        # The recipe stands for an optimizer writing its results beside the
+        # build while the build runs: no product of the build in pkg.
+        write_tree(self.pkg, {"Makefile": self.MAKEFILE.replace(
+            "-o $@ k.o\n", "-o $@ k.o\n\techo 0.93 > ../work/results.txt\n")})
+        subprocess.run(["make", "-s", "-C", self.pkg, "-B"], check=True,
+                       stdout=subprocess.DEVNULL)
+        os.unlink(os.path.join(work, "results.txt"))
+        before = tree_state(self.pkg)
+        rc, out, err = self.add("--build-cmd", "make -C ../pkg", cwd_build=False)
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("backed up 2 build product(s) the build may rewrite: %s (predicted by "
+                      "make -n -W), %s (predicted by make -n -W)"
+                      % (os.path.join(self.pkg, "k.o"), os.path.join(self.pkg, "libk.so")), out)
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
+                                               % (os.path.join(self.pkg, "k.c"), self.state), ""))
+        self.assertEqual(tree_state(self.pkg), before)
+        self.assertEqual(read_text(os.path.join(work, "results.txt")), "0.93\n")
+
+    def test_files_written_after_the_build_survive_update_and_revert(self) -> None:
+        self.assertOk(self.add())
+        write_tree(self.pkg, {"results.txt": "0.93\n", "notes/run1.md": "fast\n"})
+        rc, out, err = self.tool("update", "--patched", os.path.join(self.tmp, "faster.c"))
+        self.assertEqual((rc, err), (0, ""), out)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(read_text(os.path.join(self.pkg, "results.txt")), "0.93\n")
+        self.assertEqual(read_text(os.path.join(self.pkg, "notes/run1.md")), "fast\n")
+        os.unlink(os.path.join(self.pkg, "results.txt"))
+        shutil.rmtree(os.path.join(self.pkg, "notes"))
+        after = tree_state(self.pkg)
+        self.assertEqual({k: v for k, v in after.items() if k != "."},
+                         {k: v for k, v in self.before.items() if k != "."})
+
+    def test_update_of_one_entry_does_not_take_another_entrys_products(self) -> None:
+        write_tree(self.pkg, {"m.c": "int m;\n"})
+        before = tree_state(self.pkg)
+        self.assertOk(self.add())
+        write_tree(self.tmp, {"m_new.c": "int m = 2;\n"})
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.pkg, "m.c"),
+                                "--patched", os.path.join(self.tmp, "m_new.c"), "--build-cmd",
+                                "cc -c -o m.o m.c", "--build-cwd", self.pkg))
+        self.assertOk(self.tool("update", "--entry", "1", "--patched",
+                                os.path.join(self.tmp, "faster.c")))
+        journal = read_json(os.path.join(self.state, "manifest.json"))
+        first = [product["path"] for product in journal["entries"][0]["untracked"]]
+        self.assertNotIn(os.path.join(self.pkg, "m.o"), first)
+        self.assertEqual([product["path"] for product in journal["entries"][1]["untracked"]],
+                         [os.path.join(self.pkg, "m.o")])
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_a_library_upgraded_while_applied_is_kept_and_named(self) -> None:
+        self.assertOk(self.add())
+        library = os.path.join(self.pkg, "libk.so")
+        os.unlink(library)
+        write_text_file(library, "version 2 of the package\n")  # an upgrade replaced it
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (3, "entry 1 restored: %s\nreverted %s\n"
+                                     % (os.path.join(self.pkg, "k.c"), self.state)))
+        self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
+                              "(not what the build left, nor the original), so it is not the "
+                              "overlay's to restore or remove; run `overlay_setup.py revert "
+                              "--force` to restore or remove it all the same\n" % library)
+        self.assertEqual(read_text(library), "version 2 of the package\n")
+        self.assertEqual(read_text(os.path.join(self.pkg, "k.c")),
+                         "double k(void) { return 1.0; }\n")
+
+    def test_force_restores_what_changed_after_the_build(self) -> None:
+        self.assertOk(self.add())
+        with open(os.path.join(self.pkg, "k.o"), "ab") as handle:
+            handle.write(b"\0")
+        self.assertOk(self.tool("revert", "--force"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_a_run_killed_in_a_build_that_rewrote_a_version_file_leaves_it_in_place(
+            self) -> None:
+        write_tree(self.pkg, {"_version.py": "version = '1.0'\n"})
+        before = tree_state(self.pkg)
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.pkg, "k.c"), "--patched",
+                           os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                           "echo \"version = '1.0+dirty'\" > _version.py; kill -9 $PPID",
+                           "--build-cwd", self.pkg], own=True)
+        self.assertEqual(killed.returncode, -9, killed.stderr)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 3, err)
+        self.assertIn("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup"
+                      % os.path.join(self.pkg, "_version.py"), err)
+        self.assertEqual(read_text(os.path.join(self.pkg, "_version.py")),
+                         "version = '1.0+dirty'\n")
+        self.assertEqual({k: v[1] for k, v in tree_state(self.pkg).items() if k != "_version.py"},
+                         {k: v[1] for k, v in before.items() if k != "_version.py"})
+
+    def test_a_link_changed_after_the_build_is_kept(self) -> None:
+        write_tree(self.pkg, {"Makefile": self.MAKEFILE.replace(
+            "-o $@ k.o\n", "-o $@ k.o\n\tln -sf libk.so libk.so.1\n")})
+        subprocess.run(["make", "-s", "-C", self.pkg, "-B"], check=True)
+        self.assertOk(self.add())
+        link = os.path.join(self.pkg, "libk.so.1")
+        os.unlink(link)
+        os.symlink("elsewhere.so", link)  # the user's own link now
+        rc, out, err = self.tool("revert")
+        self.assertEqual(rc, 3, err)
+        self.assertIn("overlay_setup: E510 kept %s: changed after" % link, err)
+        self.assertEqual(os.readlink(link), "elsewhere.so")
+
+    def test_a_build_directory_of_tracked_files_only_still_has_its_products_removed(
+            self) -> None:
+        bare = os.path.join(self.tmp, "bare")
+        write_tree(bare, {"k.c": "int k;\n", "old.txt": "the build deletes me\n"})
+        os.unlink(os.path.join(bare, "old.txt"))
+        before = tree_state(bare)
+        self.assertOk(self.tool("add-native", "--source", os.path.join(bare, "k.c"),
+                                "--patched", os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                                "cc -c -o k.o k.c", "--build-cwd", bare))
+        self.assertTrue(os.path.isfile(os.path.join(bare, "k.o")))
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
+                                               % (os.path.join(bare, "k.c"), self.state), ""))
+        self.assertEqual(tree_state(bare), before)
+
+    def test_a_pre_existing_file_the_build_deletes_is_named(self) -> None:
+        write_tree(self.pkg, {"stale.txt": "old\n"})
+        rc, out, err = self.add("--build-cmd", "make && rm stale.txt")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("warning: the build deleted files that nothing backed up, so revert cannot "
+                      "give them back: %s" % os.path.join(self.pkg, "stale.txt"), err)
+        rc, out, err = self.tool("revert")
+        self.assertEqual(rc, 3, err)
+        self.assertIn("overlay_setup: E506 not byte-exact: the build deleted %s with no backup"
+                      % os.path.join(self.pkg, "stale.txt"), err)
+
+
 class HelpTest(unittest.TestCase):
     def test_every_command_help_shows_an_example(self) -> None:
         for command in overlay_setup.COMMANDS:
