@@ -95,9 +95,12 @@ Diagnostic codes (stable; never reused):
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
     X  trace tier    X001 a compiler run by a path the shims do not intercept
-                     (warning); a traced run reports R001/R002 when the script
-                     fails or times out, and the B codes, marked "traced", when
-                     what it builds differs from the manifest
+                     (warning), X002 the script changed the checkout, X004 the
+                     script changed the trace's own files (its shims, their
+                     call log, <output-dir> itself); a traced run reports
+                     R001/R002 when the script fails or times out, and the B
+                     codes, marked "traced", when what it builds differs from
+                     the manifest
 """
 
 import argparse
@@ -3518,7 +3521,8 @@ def run_streaming(command, cwd, timeout, stream, env=None):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             if not first:
                 first.append(line)
-            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, line))
+            # Escaped: a \r or an escape sequence must not forge a line of the report.
+            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, escape_control(line)))
             stream.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -3529,20 +3533,27 @@ def run_streaming(command, cwd, timeout, stream, env=None):
             returncode = child.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _signal_group(child, signal.SIGTERM)
-            try:
-                returncode = child.wait(5)
-            except subprocess.TimeoutExpired:
-                _signal_group(child, signal.SIGKILL)
-                returncode = child.wait()
+            returncode = _stop(child)
     except BaseException:
-        _signal_group(child, signal.SIGKILL)
-        child.wait()
+        _stop(child)
         raise
     _signal_group(child, signal.SIGKILL)  # what the child left running in its group
     reader.join(5)
     child.stdout.close()
     return ChildOutcome(returncode, timed_out, time.monotonic() - start, first[0] if first else None)
+
+
+def _stop(child):
+    """Terminate the child's process group (a trace launcher then kills
+    everything the script started), then kill it; returns its status."""
+    import signal
+    import subprocess
+    _signal_group(child, signal.SIGTERM)
+    try:
+        return child.wait(5)
+    except subprocess.TimeoutExpired:
+        _signal_group(child, signal.SIGKILL)
+        return child.wait()
 
 
 def _signal_group(child, signum):
@@ -3716,14 +3727,20 @@ def parity_backend(repo, run, backend, args, stream):
 #
 # `trace` runs a build script as CI would, on a temporary copy of the
 # repository (the files git lists, or every file but .git outside a git work
-# tree), with a shim in place of every compiler: first on PATH, in $NVCC,
+# tree, copied once per command and again for each run from that snapshot),
+# with a fresh, read-only shim in place of every compiler: first on PATH, in $NVCC,
 # $HIPCC, $CC and $CXX, and in the fake toolkit that CUDA_HOME, CUDA_PATH,
 # HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
 # arguments, creates the file its -o names (never /dev/null), answers
 # --version-style probes and does nothing else: no toolchain is needed and
 # nothing is compiled.  The script itself does run: what it does besides
-# calling compilers (mkdir, make, cp, and any download) happens, inside the
-# copy and the temporary directory.  A compiler called by an absolute path
+# calling compilers (mkdir, make, cp) happens, inside the copy and the
+# temporary directory.  It runs from a launcher (TRACE_LAUNCHER) with an empty
+# environment; where unprivileged namespaces are allowed, in user, mount, PID
+# and network namespaces that hide the checkout, the caller's home and the
+# checker, else as the launcher's subreaped descendant.  Either way every
+# process it started is killed when it ends, and the checkout, the snapshot
+# and the shims are compared with what they were before it ran.  A compiler called by an absolute path
 # (/usr/bin/gcc) gets past the shims; bash's xtrace, switched on in every
 # bash the script starts (BASH_ENV), shows such calls.
 
@@ -3738,6 +3755,13 @@ TRACE_TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "HIP_PATH", "ROCM_PATH")
 # invocation sets no optional variable.
 TRACE_KEPT_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME")
 TRACE_TIMEOUT = 120.0  # seconds a run of a script may take, unless --timeout says otherwise
+TRACE_LOG_CAP = 1 << 20       # bytes a shim's record of one call may hold
+TRACE_LOG_ENTRIES = 100000    # records in the call log of one run
+TRACE_XTRACE_CAP = 64 << 20   # bytes of bash's trace read for compilers run by their path
+# Set (to anything but empty) to isolate traced scripts by the launcher alone.
+NO_NAMESPACES_VARIABLE = "CHECK_CONTRACT_NO_NAMESPACES"
+UNSHARE_OPTIONS = ("--user", "--map-root-user", "--mount", "--pid", "--fork", "--net",
+                   "--mount-proc", "--kill-child")
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
@@ -3794,6 +3818,120 @@ PS4='+ '
 set -x
 """
 
+# Started as `python -I -S -c TRACE_LAUNCHER <config>` with an empty
+# environment; it runs the traced script with the environment the config
+# gives.  In namespaces it is pid 1 of its own PID namespace: it hides the
+# checkout and the caller's home under empty read-only tmpfs mounts, makes
+# the shims read-only, and enters one more user namespace, which locks
+# those mounts (the script, root there, cannot undo them).  Without, it
+# becomes the subreaper of all the script starts.  When the script ends, or
+# on SIGTERM, it kills every process left below it.  A script that cannot
+# be started has its reason written to the config's "status" file.
+TRACE_LAUNCHER = r"""
+import ctypes, json, os, signal, sys
+config = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER = 0x20000, 0x10000000, 36
+
+
+def fail(what):
+    os.write(2, ("check_contract.py: the trace's isolation cannot be set up: %s\n" % what).encode())
+    os._exit(125)
+
+
+def call(result, what):
+    if result != 0:
+        fail("%s: %s" % (what, os.strerror(ctypes.get_errno())))
+
+
+def mount(source, target, fstype, flags, data=None):
+    call(libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                    data and data.encode()), "mount " + target)
+
+
+def descendants():
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as handle:
+                parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all():
+    while True:
+        for pid in descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def stop(signum, frame):
+    kill_all()
+    os._exit(128 + signum)
+
+
+if config["namespaces"]:
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    for path in config["hidden"]:
+        mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for path in config["read_only"]:
+        mount(path, path, None, MS_BIND | MS_REC)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    uid, gid = os.getuid(), os.getgid()
+    call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare")
+    # Bytes, not text: the home holding the interpreter's codecs may be hidden now.
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+        fd = os.open("/proc/self/" + name, os.O_WRONLY)
+        os.write(fd, text.encode())
+        os.close(fd)
+else:
+    call(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(signum, stop)
+failed, started = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(failed)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        os.chdir(config["cwd"])
+        os.execve(config["command"][0], config["command"], config["env"])
+    except OSError as exc:
+        os.write(started, (exc.strerror or str(exc)).encode())
+    os._exit(127)
+os.close(started)
+reason = os.read(failed, 4096)
+if reason:
+    with open(config["status"], "wb") as handle:
+        handle.write(reason)
+status = 0
+while True:
+    try:
+        done, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    if done == pid:
+        break
+kill_all()
+os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+"""
+
 
 class RecordedCall:
     """One compiler call a traced script made: its words (the compiler word
@@ -3811,7 +3949,7 @@ class RecordedCall:
 class Trace:
     """What one run of a build script under the shims did.  Paths inside the
     temporary directory are shown as what they stand for: <output-dir>, the
-    repository (relative), <toolkit> and <tmp>."""
+    repository (relative), <toolkit>, ~ (the run's HOME), $TMPDIR and <tmp>."""
 
     def __init__(self, command, child, calls, uncaught, written, binaries, out_dir, places):
         self.command = command    # as run, shown
@@ -3822,6 +3960,8 @@ class Trace:
         self.binaries = binaries  # the ELF files among them, which no shim writes
         self.out_dir = out_dir    # the temporary <output-dir>
         self.places = places      # (temporary path, shown as), longest first
+        self.tampered = []        # what the script changed of the trace's own files
+        self.changed = []         # checkout paths the run changed
 
     def show(self, text):
         for path, name in self.places:
@@ -3836,37 +3976,49 @@ def shell_quote(word):
 
 
 class Shims:
-    """The compiler shims of one trace or init, in a temporary directory:
-    toolkit/bin holds a shim for every compiler name (those on PATH among
-    them, so that no installed compiler is reached by its name), calls/ the
-    calls of the run in progress, xtrace what its bash ran.  Each run gets a
-    fresh run/ directory: the repository's copy, <output-dir>, HOME, TMPDIR."""
+    """The compiler shims of one run, in a toolkit directory of their own:
+    bin/ holds a shim for every compiler name (those on PATH among them, so
+    that no installed compiler is reached by its name), bash_env what every
+    bash the script starts sources.  The toolkit is read-only to the script
+    (and in namespaces mounted so); its state is kept to show a change."""
 
-    def __init__(self):
-        import tempfile
-        self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
-        self.toolkit = os.path.join(self.top, "toolkit")
-        self.log = os.path.join(self.top, "calls")
-        self.xtrace = os.path.join(self.top, "xtrace")
-        self.bash_env = os.path.join(self.top, "bash_env")
-        self.run_dir = os.path.join(self.top, "run")
-        bin_dir = os.path.join(self.toolkit, "bin")
+    def __init__(self, toolkit, log, xtrace):
+        self.toolkit = toolkit
+        self.bash_env = os.path.join(toolkit, "bash_env")
+        bin_dir = os.path.join(toolkit, "bin")
         os.makedirs(bin_dir)
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_SHIM % {"log": shell_quote(self.log)})
-        os.chmod(shim, 0o755)
+            handle.write(TRACE_SHIM % {"log": shell_quote(log)})
         for name in sorted(shim_names()):
             os.symlink(".shim", os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
         os.symlink(".", os.path.join(self.toolkit, "llvm"))
         os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
         with open(self.bash_env, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(self.xtrace)})
+            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
+        self._chmod(0o444, 0o555)
+        self.state = tree_state(toolkit)
+
+    def _chmod(self, file_mode, dir_mode):
+        for top, dirs, files in os.walk(self.toolkit):
+            for name in dirs + files:
+                path = os.path.join(top, name)
+                if not os.path.islink(path):
+                    os.chmod(path, dir_mode if name in dirs or name == ".shim" else file_mode)
+        os.chmod(self.toolkit, dir_mode)
+
+    def changes(self):
+        """What the script changed in the toolkit, as <toolkit>/<path>."""
+        return ["<toolkit>/" + p for p in state_changes(self.state, tree_state(self.toolkit))]
 
     def close(self):
         import shutil
-        shutil.rmtree(self.top, ignore_errors=True)
+        try:
+            self._chmod(0o644, 0o755)
+        except OSError:
+            pass  # what the script left in their place goes too
+        shutil.rmtree(self.toolkit, ignore_errors=True)
 
 
 def shim_names():
@@ -3885,6 +4037,108 @@ def shim_names():
             if match and match.group(1) not in ("ld", "ld.lld"):  # a linker gcc itself runs
                 names.add(entry)
     return names
+
+
+def tree_state(root):
+    """{path relative to root: its lstat fingerprint} for everything under
+    root, links not followed.  The inode change time is in it: no write,
+    chmod or rename leaves it as it was, even with the times put back."""
+    state = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            # A directory changes when its entries do; those are listed themselves.
+            state[os.path.relpath(path, root)] = (info.st_mode,) if stat.S_ISDIR(info.st_mode) else (
+                info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
+    return state
+
+
+def state_changes(before, after):
+    """The paths added, removed or changed between two tree_states."""
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
+def namespace_problem(top):
+    """None when traced scripts can run in namespaces here, else why not."""
+    import shutil
+    import subprocess
+    if os.environ.get(NO_NAMESPACES_VARIABLE):
+        return "%s is set" % NO_NAMESPACES_VARIABLE
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "unshare is not installed"
+    hidden, locked = os.path.join(top, "hidden"), os.path.join(top, "locked")
+    os.mkdir(hidden)
+    os.mkdir(locked)
+    config = {"namespaces": True, "hidden": [hidden], "read_only": [locked], "cwd": "/",
+              "command": ["/bin/sh", "-c", "exit 0"], "env": {},
+              "status": os.path.join(top, "status")}
+    try:
+        probe = subprocess.run(launcher_command(unshare, config), env={}, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
+                               check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "unshare cannot be run (%s)" % (getattr(exc, "strerror", None) or exc)
+    finally:
+        os.rmdir(hidden)
+        os.rmdir(locked)
+    if probe.returncode != 0:
+        said = probe.stdout.decode("utf-8", "replace").strip().splitlines()
+        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), said[-1] if said else
+                                         "exit status %d" % probe.returncode)
+    return None
+
+
+def launcher_command(unshare, config):
+    """The command that runs config's script from TRACE_LAUNCHER, in
+    namespaces when unshare is given."""
+    command = [sys.executable, "-I", "-S", "-c", TRACE_LAUNCHER, json.dumps(config)]
+    return [unshare] + list(UNSHARE_OPTIONS) + command if unshare else command
+
+
+class TraceSession:
+    """What the runs of one trace or init command share: the temporary
+    directory, the snapshot of the repository (copied once), how scripts
+    are isolated, and the checkout's state, which every run is checked
+    against."""
+
+    def __init__(self, repo):
+        import shutil
+        import tempfile
+        self.root = repo.root
+        self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
+        self.snapshot = os.path.join(self.top, "snapshot")
+        self.run_dir = os.path.join(self.top, "run")
+        self.toolkit = os.path.join(self.top, "toolkit")
+        os.mkdir(self.snapshot)
+        copy_repository(repo.root, self.snapshot)
+        self.snapshot_state = tree_state(self.snapshot)
+        self.checkout = tree_state(repo.root)
+        home = os.path.realpath(os.path.expanduser("~"))
+        self.hidden = [os.path.realpath(repo.root), self.snapshot] + ([home] if home != "/" else [])
+        holding = [h for h in self.hidden[:1] + self.hidden[2:]
+                   if self.top.startswith(h.rstrip("/") + "/") or h == "/"]
+        self.problem = ("the temporary directory is inside %s; set TMPDIR elsewhere" % (
+            "the repository" if holding[0] == self.hidden[0] else "your home")
+            if holding else namespace_problem(self.top))
+        self.unshare = shutil.which("unshare") if self.problem is None else None
+
+    def describe(self):
+        """One line: how the scripts are isolated."""
+        if self.problem is None:
+            return ("namespaces: the script sees neither the checkout, nor your home, nor the "
+                    "checker's processes, and has no network")
+        return ("launcher only, no namespaces (%s): the script starts with an empty environment, "
+                "every process it started is killed when it ends, and the checkout is compared "
+                "with what it was" % self.problem)
+
+    def close(self):
+        import shutil
+        shutil.rmtree(self.top, ignore_errors=True)
 
 
 def repository_files(root):
@@ -3912,8 +4166,8 @@ def repository_files(root):
 def copy_repository(root, copy):
     """Copy the repository's files into copy, modes kept.  A symbolic link
     is copied as a link, except that one leading into the repository by an
-    absolute path leads to the same place in the copy: nothing the script
-    does reaches the repository."""
+    absolute path leads, relatively, to the same place in the copy: nothing
+    the script does reaches the repository, and a copy of the copy holds."""
     import shutil
     real_root = os.path.realpath(root)
     for rel in repository_files(root):
@@ -3926,21 +4180,62 @@ def copy_repository(root, copy):
             if os.path.isabs(link):
                 real = os.path.realpath(link)
                 if real == real_root or real.startswith(real_root + os.sep):
-                    link = os.path.join(copy, os.path.relpath(real, real_root))
+                    link = os.path.relpath(os.path.join(copy, os.path.relpath(real, real_root)),
+                                           os.path.dirname(target))
             os.symlink(link, target)
         elif os.path.isfile(source):
             shutil.copy2(source, target)
 
 
+def read_bounded(path, cap):
+    """(data, problem): at most cap bytes of a regular file, never through a
+    link, never blocking; problem says why it is not (all) there."""
+    try:
+        fd = os.open(path, O_READ | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return None, "a link" if os.path.islink(path) else exc.strerror or str(exc)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, "not a regular file"
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(READ_CHUNK, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > cap:
+        return data[:cap], "larger than %d bytes" % cap
+    return data, None
+
+
 def read_calls(log):
-    """The RecordedCalls the shims recorded, in the order they were made."""
-    calls = []
-    for entry in sorted(os.listdir(log), key=call_order):
-        with open(os.path.join(log, entry), "rb") as handle:
-            fields = [os.fsdecode(f) for f in handle.read().split(b"\0")[:-1]]
+    """(the RecordedCalls the shims recorded, in the order they were made;
+    the log's entries that no shim wrote, with why)."""
+    calls, odd = [], []
+    try:
+        if not stat.S_ISDIR(os.lstat(log).st_mode):
+            return [], ["the log itself (not a directory)"]
+        entries = os.listdir(log)
+    except OSError as exc:
+        return [], ["the log itself (%s)" % (exc.strerror or exc)]
+    if len(entries) > TRACE_LOG_ENTRIES:
+        return [], ["more than %d entries" % TRACE_LOG_ENTRIES]
+    for entry in sorted(entries, key=call_order):
+        data, problem = read_bounded(os.path.join(log, entry), TRACE_LOG_CAP)
+        if problem is not None:
+            odd.append("%s (%s)" % (entry, problem))
+            continue
+        fields = [os.fsdecode(f) for f in data.split(b"\0")[:-1]]
         if len(fields) >= 3:
             calls.append(RecordedCall(fields[2:], fields[1], fields[0] or None))
-    return calls
+    return calls, odd
 
 
 def call_order(name):
@@ -3949,19 +4244,23 @@ def call_order(name):
     return [int(part) if part.isdigit() else -1 for part in name.split(".")]
 
 
-def read_uncaught(xtrace, toolkit):
+def read_xtrace(xtrace):
+    """The command lines of bash's trace, and what is wrong with the file
+    (None when nothing is; a trace too long is read in part)."""
+    if not os.path.lexists(xtrace):
+        return [], None  # no bash ran
+    data, problem = read_bounded(xtrace, TRACE_XTRACE_CAP)
+    lines = [] if data is None else [line for line in data.decode("utf-8", "replace").split("\n")
+                                     if line.startswith("+")]
+    return lines, problem if data is None else None
+
+
+def read_uncaught(lines, toolkit):
     """The compiler words bash ran by a path outside the shims' toolkit."""
     import shlex
-    try:
-        with open(xtrace, encoding="utf-8", errors="replace") as handle:
-            lines = handle.read().split("\n")
-    except OSError:
-        return []
     inside = os.path.realpath(toolkit) + os.sep
     found = []
     for line in lines:
-        if not line.startswith("+"):
-            continue
         try:
             words = shlex.split(line.lstrip("+"))
         except ValueError:
@@ -3979,36 +4278,49 @@ def read_uncaught(xtrace, toolkit):
 
 
 def written_files(out):
-    """({path under out: size}, [the paths of ELF files]) of what the run left
-    in out.  A shim writes empty files: an ELF file was compiled by a
-    program the shims did not stand in for."""
+    """({path under out: size}, [the paths of ELF files], problem) of what the
+    run left in out.  A shim writes empty files: an ELF file was compiled by
+    a program the shims did not stand in for.  No link is followed: out
+    itself replaced by one is the problem, and nothing under it is read."""
     written, binaries = {}, []
+    try:
+        info = os.lstat(out)
+    except OSError:
+        return written, binaries, None  # the script made no <output-dir>
+    if not stat.S_ISDIR(info.st_mode):
+        return written, binaries, "<output-dir> itself (replaced by %s)" % (
+            "a link" if stat.S_ISLNK(info.st_mode) else "a file")
     for top, dirs, files in os.walk(out):
         for name in files:
             path = os.path.join(top, name)
             rel = os.path.relpath(path, out)
             try:
                 info = os.lstat(path)
-                written[rel] = info.st_size
-                if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
-                    with open(path, "rb") as handle:
-                        if handle.read(len(ELF_MAGIC)) == ELF_MAGIC:
-                            binaries.append(rel)
             except OSError:
-                pass
-    return written, sorted(binaries)
+                continue
+            written[rel] = info.st_size
+            if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
+                data, _ = read_bounded(path, len(ELF_MAGIC))
+                if data == ELF_MAGIC:
+                    binaries.append(rel)
+    return written, sorted(binaries), None
 
 
-def trace_script(repo, backend, arch, timeout, stream, shims):
-    """Run the backend's build script under the shims, `<script> <out>` or,
-    with arch, `<script> <out> <arch>`, and return the Trace of that run."""
+def trace_script(session, backend, arch, timeout, stream):
+    """Run the backend's build script under fresh shims, `<script> <out>`
+    or, with arch, `<script> <out> <arch>`, on a fresh copy of the snapshot,
+    and return the Trace of that run."""
     import shutil
-    top = shims.run_dir
-    copy, out, home, tmp = (os.path.join(top, n) for n in ("repo", "out", "home", "tmp"))
+    top = session.run_dir
+    copy, out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
+        "repo", "out", "home", "tmp", "calls", "xtrace", "status"))
+    shims = None
     try:
-        for path in (shims.log, top, copy, home, tmp):
+        os.mkdir(top)
+        for path in (home, tmp, log):
             os.mkdir(path)
-        copy_repository(repo.root, copy)
+        shutil.copytree(session.snapshot, copy, symlinks=True)
+        shims = Shims(session.toolkit, log, xtrace)
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
@@ -4018,19 +4330,42 @@ def trace_script(repo, backend, arch, timeout, stream, shims):
         script = backend.rel(backend.build_script)
         command = [os.path.join(copy, script), out] + ([arch] if arch is not None else [])
         places = [(out, "<output-dir>"), (shims.toolkit, "<toolkit>"), (copy, "."),
-                  (shims.top, "<tmp>")]
+                  (home, "~"), (tmp, "$TMPDIR"), (session.top, "<tmp>")]
         shown = " ".join(["./" + script, "<output-dir>"] + command[2:])
         stream.write("==> trace %s: %s\n" % (backend.key, shown))
         stream.flush()
-        child = run_streaming(command, copy, timeout, stream, env=env)
-        written, binaries = written_files(out)
-        return Trace(shown, child, read_calls(shims.log),
-                     read_uncaught(shims.xtrace, shims.toolkit), written, binaries, out, places)
+        config = {"namespaces": session.unshare is not None, "hidden": session.hidden,
+                  "read_only": [shims.toolkit], "cwd": copy, "command": command, "env": env,
+                  "status": status}
+        child = run_streaming(launcher_command(session.unshare, config), copy, timeout, stream,
+                              env={})
+        reason, _ = read_bounded(status, READ_CHUNK)
+        if reason and child.error is None:
+            child.error = reason.decode("utf-8", "replace")
+        written, binaries, out_problem = written_files(out)
+        calls, odd = read_calls(log)
+        lines, xtrace_problem = read_xtrace(xtrace)
+        trace = Trace(shown, child, calls, read_uncaught(lines, shims.toolkit), written,
+                      binaries, out, places)
+        trace.tampered = shims.changes()
+        trace.tampered += ["the call log's %s" % o for o in odd]
+        trace.tampered += ["bash's trace (%s)" % xtrace_problem] if xtrace_problem else []
+        trace.tampered += [out_problem] if out_problem else []
+        snapshot = tree_state(session.snapshot)
+        if snapshot != session.snapshot_state:
+            trace.tampered.append("the trace's copy of the repository")
+            shutil.rmtree(session.snapshot)
+            os.mkdir(session.snapshot)
+            copy_repository(session.root, session.snapshot)
+            session.snapshot_state = tree_state(session.snapshot)
+        checkout = tree_state(session.root)
+        trace.changed = state_changes(session.checkout, checkout)
+        session.checkout = checkout
+        return trace
     finally:
-        for path in (top, shims.log):
-            shutil.rmtree(path, ignore_errors=True)
-        if os.path.exists(shims.xtrace):
-            os.unlink(shims.xtrace)
+        if shims is not None:
+            shims.close()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def traced_facts(trace):
@@ -4078,7 +4413,7 @@ def traced_build(trace, calls, platform):
             "written": sorted(trace.written)}
 
 
-def trace_backend(repo, run, backend, args, stream, shims):
+def trace_backend(repo, run, backend, args, stream, session):
     """Trace one backend's build script: its default invocation, and its
     single-target invocation for --arch, build.default_arch or the first of
     build.architectures; compare what they did with the manifest."""
@@ -4096,7 +4431,7 @@ def trace_backend(repo, run, backend, args, stream, shims):
     arch = args.arch or backend.default_arch or (backend.architectures or [None])[0]
     found, runs = [], []
     for target in (None, arch) if arch is not None else (None,):
-        trace = trace_script(repo, backend, target, args.timeout, stream, shims)
+        trace = trace_script(session, backend, target, args.timeout, stream)
         facts, calls = traced_facts(trace)
         built = traced_build(trace, calls, platform)
         runs.append(built)
@@ -4106,6 +4441,14 @@ def trace_backend(repo, run, backend, args, stream, shims):
         def report(level, code, message):
             found.append(Diagnostic(level, code, key, backend.rel(script), None, said + message))
 
+        if trace.changed:
+            report("error", "X002", "the script changed the checkout: %s; a build script must "
+                   "write only into its <output-dir> argument and temporary files"
+                   % show_paths(trace.changed))
+        if trace.tampered:
+            report("error", "X004", "the script changed the trace's own files: %s; what it built "
+                   "cannot be told" % show_paths(trace.tampered))
+            continue
         for word in trace.uncaught:
             report("warning", "X001", "the script runs the compiler %s by its path, which the "
                    "trace cannot intercept; what that call built is not in this report (call it "
@@ -4146,6 +4489,12 @@ def trace_backend(repo, run, backend, args, stream, shims):
     return result
 
 
+def show_paths(paths, most=5):
+    """Paths for a message: the first few, then how many more."""
+    shown = ", ".join(paths[:most])
+    return shown + (" and %d more" % (len(paths) - most) if len(paths) > most else "")
+
+
 def trace_summary(built):
     """One line: what a traced run built."""
     parts = ["%d compiler call(s)" % sum(1 for c in built["calls"] if not c["probe"])]
@@ -4160,10 +4509,13 @@ def trace_summary(built):
     return "; ".join(parts)
 
 
-def report_tier(results, fmt, out, root):
+def report_tier(results, fmt, out, root, isolation=None):
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
-        json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
+        found = dict({"results": [r.as_dict() for r in results]}, **counts)
+        if isolation is not None:
+            found["isolation"] = isolation
+        json.dump(found, out, indent=2)
         out.write("\n")
         return
     locator = Locator(root)
@@ -4183,16 +4535,20 @@ def report_tier(results, fmt, out, root):
             out.write("    -> %s\n" % escape_control(trace_summary(built)))
         for d in result.diagnostics:
             out.write(finding_line(d, locator))
+    if isolation is not None:
+        out.write("isolation: %s\n" % isolation)
     out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
 
 
-def run_tier(args, run_one, choose=None):
-    repo = repository(args)
+def run_tier(args, run_one, choose=None, repo=None, isolation=None):
+    repo = repo or repository(args)
     run = run_check(repo, args.names)
     backends = run.backends if choose is None else choose(run.backends, args.names)
     stream = tier_stream(args)
+    if isolation is not None:
+        stream.write("==> isolation: %s\n" % isolation)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
-    report_tier(results, args.format, sys.stdout, repo.root)
+    report_tier(results, args.format, sys.stdout, repo.root, isolation)
     return 1 if any(r.outcome == "failed" for r in results) else 0
 
 
@@ -4448,11 +4804,11 @@ def init_trace(repo, backend, default_target):
     import io
     script = backend.build_script
     output = io.StringIO()
-    shims = Shims()
+    session = TraceSession(repo)
     try:
-        trace = trace_script(repo, backend, None, TRACE_TIMEOUT, output, shims)
+        trace = trace_script(session, backend, None, TRACE_TIMEOUT, output)
     finally:
-        shims.close()
+        session.close()
     child = trace.child
     failure = (child.error if child.error is not None else
                "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
@@ -4487,11 +4843,13 @@ def cmd_test(args):
 def cmd_trace(args):
     if args.arch is not None and not args.arch.strip():
         raise UsageError("--arch must name an architecture, e.g. --arch 90")
-    shims = Shims()
+    repo = repository(args)
+    session = TraceSession(repo)
     try:
-        return run_tier(args, lambda *a: trace_backend(*a, shims=shims))
+        return run_tier(args, lambda *a: trace_backend(*a, session=session), repo=repo,
+                        isolation=session.describe())
     finally:
-        shims.close()
+        session.close()
 
 
 def cmd_parity(args):
@@ -4681,9 +5039,12 @@ def add_trace_parser(sub, common, formatter):
         "compiler replaced by a shim that records its arguments and creates the file -o names; "
         "report the compiler calls, where the library lands, its targets and -D flags, and "
         "check the manifest against them with the codes of the contract check. No toolchain "
-        "is needed; the repository is not changed. The script itself runs (with bash, in an "
-        "environment holding only PATH, the locale, HOME and TMPDIR in the temporary "
-        "directory, and the compiler variables): a script that downloads, downloads.",
+        "is needed. The script itself runs (with bash, in an environment holding only PATH, "
+        "the locale, HOME and TMPDIR in the temporary directory, and the compiler variables), "
+        "where the machine allows it in namespaces that hide the checkout, your home and the "
+        "checker, with no network; else (or with CHECK_CONTRACT_NO_NAMESPACES=1) from a "
+        "launcher that kills all it started, the checkout compared with what it was before "
+        "(a change is X002). The isolation used is the report's last line but one.",
         epilog="examples:\n"
         "  python3 check_contract.py trace\n"
         "  python3 check_contract.py trace cuda/llm_ops --arch 89\n"

@@ -1968,6 +1968,26 @@ class WorkflowTest(TreeTest):
         self.assertEqual(json.loads(outputs[0][len("matrix="):])["include"][0]["name"], "demo")
 
 
+class WorkflowCredentialsTest(unittest.TestCase):
+    def test_no_job_leaves_a_build_script_a_token(self):
+        """A traced build script can read .git/config: no checkout persists the
+        token there, and the token reads only."""
+        with open(os.path.join(HERE, ".github", "workflows", "ci.yml"), encoding="utf-8") as handle:
+            lines = handle.read().split("\n")
+        checkouts = [n for n, line in enumerate(lines) if "uses: actions/checkout@" in line]
+        self.assertTrue(checkouts)
+        for n in checkouts:
+            self.assertEqual(lines[n + 1].strip(), "with:", n)
+            self.assertTrue(lines[n + 2].strip().startswith("persist-credentials: false"), n)
+        self.assertEqual(lines[lines.index("permissions:") + 1], "  contents: read")
+        granted = [line.split(":", 1)[1].strip() for line in lines
+                   if re.match(r"\s+(contents|actions|packages|id-token|pull-requests|checks|"
+                               r"statuses|deployments|issues|pages|security-events)\s*:", line)]
+        self.assertEqual(set(granted), {"read"})
+        self.assertEqual([line for line in lines if line.strip().startswith("permissions:")],
+                         ["permissions:"])
+
+
 # -- Robustness and the schema ---------------------------------------------
 
 VALUES = (None, 42, True, "x", [], {}, [1, 2], ["a", 3])
@@ -2492,6 +2512,24 @@ def tree_digest(root):
     return digest
 
 
+def survivors(marker, wait=10):
+    """The pids of live processes whose command line holds marker, once
+    they are gone or wait seconds have passed."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open("/proc/%s/cmdline" % entry, "rb") as handle:
+                    if marker.encode() in handle.read() and running(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 class TraceTierTest(TreeTest):
     def trace(self, *args):
         rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"] + list(args))
@@ -2655,25 +2693,16 @@ class TraceTierTest(TreeTest):
         self.assertIn("cannot build\n", err)
 
     def test_timeout_stops_the_script_and_what_it_started(self):
-        pid_file = self.path("pid")
-        self.backend('#!/usr/bin/env bash\nsleep 300 &\necho $! > %s\nwait\n' % pid_file)
+        # Found by its name: in a PID namespace the script's pids are not the checker's.
+        marker = "check-contract-sleep-%d" % os.getpid()
+        self.backend('#!/usr/bin/env bash\n(exec -a %s sleep 300) &\nwait\n' % marker)
         start = time.monotonic()
         rc, report, err = self.trace("--timeout", "1")
         self.assertLess(time.monotonic() - start, 30)
         (result,) = report["results"]
         self.assertEqual(rc, 1)
         self.assertEqual(result["issues"][0]["code"], "R002")
-        with open(pid_file) as handle:
-            pid = int(handle.read())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            self.fail("the script's background sleep (pid %d) outlived the trace" % pid)
+        self.assertEqual(survivors(marker), [], "the script's background sleep outlived the trace")
 
     def test_manifest_disagreeing_with_the_trace_is_reported(self):
         self.tree(fat_files(output="libother.so", architectures=[80, 86, 90]))
@@ -2698,6 +2727,155 @@ class TraceTierTest(TreeTest):
         self.assertEqual((rc, report["results"][0]["result"]), (0, "skipped"))
         self.assertEqual(report["results"][0]["detail"], "no build script to trace (build.script "
                          "does not exist); run check_contract.py check cuda/k")
+
+
+class TraceIsolationTest(TreeTest):
+    """Hostile build scripts, traced in namespaces (the first class) and by the
+    launcher alone (the second): what they try fails or is reported, and never
+    reaches the checker, the checkout or another backend."""
+
+    ENV = {}
+    NAMESPACES = True
+
+    def setUp(self):
+        super().setUp()
+        with tempfile.TemporaryDirectory() as top:
+            problem = check_contract.namespace_problem(top)
+        if self.NAMESPACES and problem is not None:
+            self.skipTest("no namespaces here: %s" % problem)
+
+    def trace(self, *args):
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"] + list(args),
+                                env=self.ENV)
+        return rc, json.loads(out), err
+
+    def backend(self, script, name="k"):
+        self.tree({
+            "backends/cuda/%s/%s.backend.json" % (name, name): {
+                "name": name, "abi_version": 1, "status": "experimental", "sources": ["k.cu"],
+                "build": {"script": "build.sh", "output": "lib%s.so" % name, "architectures": [80]}},
+            "backends/cuda/%s/k.cu" % name: "#define K_ABI_VERSION 1\n",
+            "backends/cuda/%s/build.sh" % name: Executable(
+                '#!/usr/bin/env bash\nset -u\nmkdir -p "$1"\nhere=$(cd "$(dirname "$0")" && pwd)\n'
+                + script + 'nvcc -arch=sm_80 -shared -o "$1/lib%s.so" "$here/k.cu"\n' % name)})
+
+    def outcomes(self, report):
+        return {r["backend"]: (r["result"], [(i["code"], i["message"]) for i in r["issues"]])
+                for r in report["results"]}
+
+    def in_both_runs(self, code, message):
+        """A finding of the single-target run and of the default one, sorted so."""
+        return [(code, "running build.sh <output-dir>%s shows: %s" % (arch, message))
+                for arch in (" 80", "")]
+
+    def test_the_isolation_is_named(self):
+        self.backend("")
+        rc, out, err = run_main(["--repo-root", self.root, "trace"], env=self.ENV)
+        self.assertEqual(rc, 0, out)
+        line = [l for l in out.splitlines() if l.startswith("isolation: ")]
+        self.assertEqual(len(line), 1, out)
+        if self.NAMESPACES:
+            self.assertEqual(line[0], "isolation: namespaces: the script sees neither the "
+                             "checkout, nor your home, nor the checker's processes, and has no "
+                             "network")
+        else:
+            self.assertEqual(line[0], "isolation: launcher only, no namespaces "
+                             "(CHECK_CONTRACT_NO_NAMESPACES is set): the script starts with an "
+                             "empty environment, every process it started is killed when it "
+                             "ends, and the checkout is compared with what it was")
+        rc, report, err = self.trace()
+        self.assertEqual(report["isolation"], line[0][len("isolation: "):])
+
+    def test_the_script_cannot_read_the_checkers_environment(self):
+        self.backend('parent=no any=no\n'
+                     'tr "\\0" "\\n" < /proc/$PPID/environ | grep -q CHECK_CONTRACT_SECRET && parent=yes\n'
+                     'for f in /proc/[0-9]*/environ; do\n'
+                     '  tr "\\0" "\\n" < "$f" 2>/dev/null | grep -q CHECK_CONTRACT_SECRET && any=yes\n'
+                     'done\necho "parent=$parent any=$any"\n')
+        # A process of its own: the checker's environment as it was started.
+        env = dict(os.environ, CHECK_CONTRACT_SECRET="token", **self.ENV)
+        done = subprocess.run([sys.executable, CHECKER, "--root", self.root, "trace"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stdout)
+        # Without namespaces the launcher's environment is empty, but a process of the
+        # same user can still read the checker's: the threat model says so.
+        self.assertIn("parent=no any=%s\n" % ("no" if self.NAMESPACES else "yes"), done.stdout)
+
+    def test_writing_the_checkout_fails_or_is_an_error_and_other_backends_never_see_it(self):
+        self.backend('echo hacked > %s 2>/dev/null\necho x > %s 2>/dev/null\n'
+                     % (self.path("backends/cuda/a/k.cu"), self.path("stamp")), name="a")
+        self.backend('if grep -q hacked "$here/../a/k.cu"; then echo "a copy of a changed '
+                     'checkout"; exit 1; fi\n', name="b")
+        rc, report, err = self.trace()
+        found = self.outcomes(report)
+        self.assertEqual(found["cuda/b"], ("passed", []), err)
+        if self.NAMESPACES:
+            self.assertEqual((rc, found["cuda/a"]), (0, ("passed", [])))
+            self.assertFalse(os.path.exists(self.path("stamp")))
+        else:
+            self.assertEqual(rc, 1)
+            self.assertEqual(found["cuda/a"], ("failed", self.in_both_runs(
+                "X002", "the script changed the checkout: backends/cuda/a/k.cu, stamp; a build "
+                "script must write only into its <output-dir> argument and temporary files")))
+
+    def test_processes_the_script_sends_off_die_with_it(self):
+        marker = "check-contract-orphan-%d" % os.getpid()
+        self.backend('setsid bash -c "exec -a %s-setsid sleep 300" >/dev/null 2>&1 </dev/null &\n'
+                     'set -m\n(exec -a %s-job sleep 300) &\nset +m\n' % (marker, marker))
+        rc, report, err = self.trace()
+        self.assertEqual((rc, self.outcomes(report)), (0, {"cuda/k": ("passed", [])}), err)
+        self.assertEqual(survivors(marker), [])
+
+    def test_a_shim_rewritten_by_one_backend_reaches_no_other(self):
+        self.backend('printf "#!/bin/sh\\nexit 0\\n" > "$(command -v nvcc)" 2>/dev/null\n', name="a")
+        self.backend("", name="b")
+        rc, report, err = self.trace()
+        found = self.outcomes(report)
+        self.assertEqual(found["cuda/b"], ("passed", []))
+        runs = [r for r in report["results"] if r["backend"] == "cuda/b"][0]["runs"]
+        self.assertEqual([len(run["calls"]) for run in runs], [1, 1])
+        if self.NAMESPACES or os.geteuid() != 0:  # the shim cannot be written
+            self.assertEqual((rc, found["cuda/a"]), (0, ("passed", [])))
+        else:
+            self.assertEqual((rc, found["cuda/a"]), (1, ("failed", self.in_both_runs(
+                "X004", "the script changed the trace's own files: <toolkit>/bin/.shim; what it "
+                "built cannot be told"))))
+
+    def test_odd_entries_in_the_call_log_neither_hang_nor_crash_the_checker(self):
+        self.backend('log=$(sed -n "s/^printf.* > \'\\([^\']*\\)\'.*/\\1/p" "$(command -v nvcc)")\n'
+                     'mkfifo "$log/1.fifo"\nmkdir "$log/2.dir"\nln -s /dev/zero "$log/3.zero"\n')
+        done = subprocess.run([sys.executable, CHECKER, "--root", self.root, "trace", "--format",
+                               "json"], env=dict(os.environ, **self.ENV), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(self.outcomes(json.loads(done.stdout))["cuda/k"], ("failed", self.in_both_runs(
+            "X004", "the script changed the trace's own files: the call log's 1.fifo (not a "
+            "regular file), the call log's 2.dir (not a regular file), the call log's 3.zero (a "
+            "link); what it built cannot be told")))
+
+    def test_an_output_dir_replaced_by_a_link_is_not_followed(self):
+        self.backend('mkdir -p "$here/data"\necho secret > "$here/data/secret.txt"\n'
+                     'trap \'rm -rf "$1"; ln -s "$here/data" "$1"\' EXIT\n')
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual(rc, 1)
+        self.assertEqual(result["runs"][0]["written"], [])
+        self.assertEqual(self.outcomes(report)["cuda/k"], ("failed", self.in_both_runs(
+            "X004", "the script changed the trace's own files: <output-dir> itself (replaced by "
+            "a link); what it built cannot be told")))
+
+    def test_control_characters_in_the_scripts_output_are_escaped(self):
+        self.backend('printf "x\\r::error file=a::forged\\033[2J\\n"\n')
+        rc, out, err = run_main(["--repo-root", self.root, "trace"], env=self.ENV)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("] x\\r::error file=a::forged\\x1b[2J\n", out)
+        self.assertNotIn("\r", out)
+
+
+class TraceLauncherIsolationTest(TraceIsolationTest):
+    ENV = {"CHECK_CONTRACT_NO_NAMESPACES": "1"}
+    NAMESPACES = False
 
 
 class TraceAgreesWithRealBuildTest(unittest.TestCase):
