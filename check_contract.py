@@ -95,7 +95,8 @@ Diagnostic codes (stable; never reused):
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
     X  trace tier    X001 a compiler run by a path the shims do not intercept
-                     (warning), X002 the script changed the checkout, X004 the
+                     (warning), X002 the script changed the checkout, X003 the
+                     script failed where the shims are no toolkit (warning), X004 the
                      script changed the trace's own files (its shims, their
                      call log, <output-dir> itself); a traced run reports
                      R001/R002 when the script fails or times out, and the B
@@ -3765,8 +3766,9 @@ UNSHARE_OPTIONS = ("--user", "--map-root-user", "--mount", "--pid", "--fork", "-
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
-# arguments, creates the file -o names and answers version probes; it
-# compiles nothing and runs nothing.
+# arguments, creates the file -o names (a shared object nm and strip read,
+# an executable that does nothing, or an empty object file) and answers
+# version probes; it compiles nothing and runs nothing.
 name=${0##*/} via= word=${0##*/}
 case $name in
 ccache|sccache)
@@ -3775,10 +3777,14 @@ ccache|sccache)
     shift ;;
 esac
 printf '%%s\0' "$via" "$PWD" "$word" "$@" > %(log)s/"$(date +%%s%%N).$$"
-out= next= probe= stdin=
+out= next= probe= stdin= made=program
 for arg in "$@"; do
     if [ -n "$next" ]; then out=$arg next=; continue; fi
     case $arg in
+    -shared|--shared) [ "$made" = object ] || made=library ;;
+    -c|--compile|-S|-E|-M|-MM|-dc|--device-c|-ptx|--ptx|-cubin|--cubin|-fatbin|--fatbin|--genco\
+    |--cuda-device-only)
+        made=object ;;
     -o|--output-file) next=1 ;;
     --output-file=*) out=${arg#*=} ;;
     -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
@@ -3792,7 +3798,7 @@ done
 case $probe in
 --version)
     case $name in
-    nvcc*) printf 'nvcc: NVIDIA (R) Cuda compiler driver (trace shim)\nCuda compilation tools, release 12.8, V12.8.93\n' ;;
+    nvcc*) printf '%%s\n' %(nvcc_version)s ;;
     hipcc*) printf 'HIP version: 6.2.41133 (trace shim)\nAMD clang version 18.0.0\nTarget: x86_64-unknown-linux-gnu\n' ;;
     *clang*) printf 'clang version 18.1.8 (trace shim)\nTarget: x86_64-unknown-linux-gnu\n' ;;
     *) printf '%%s (trace shim) 12.2.0\n' "$name" ;;
@@ -3805,7 +3811,11 @@ case $probe in
 esac
 case $out in
 ''|-|/dev/null) ;;
-*) : > "$out" || exit 1 ;;
+*)  case $made in
+    library) cat %(library)s > "$out" && chmod +x "$out" || exit 1 ;;
+    program) printf '#!/bin/sh\nexit 0\n' > "$out" && chmod +x "$out" || exit 1 ;;
+    *) : > "$out" || exit 1 ;;
+    esac ;;
 esac
 exit 0
 """
@@ -3962,6 +3972,7 @@ class Trace:
         self.places = places      # (temporary path, shown as), longest first
         self.tampered = []        # what the script changed of the trace's own files
         self.changed = []         # checkout paths the run changed
+        self.commands = []        # the command lines of bash's trace
 
     def show(self, text):
         for path, name in self.places:
@@ -3982,17 +3993,20 @@ class Shims:
     bash the script starts sources.  The toolkit is read-only to the script
     (and in namespaces mounted so); its state is kept to show a change."""
 
-    def __init__(self, toolkit, log, xtrace):
+    def __init__(self, toolkit, log, xtrace, nvcc_version):
         self.toolkit = toolkit
         self.bash_env = os.path.join(toolkit, "bash_env")
         bin_dir = os.path.join(toolkit, "bin")
         os.makedirs(bin_dir)
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_SHIM % {"log": shell_quote(log)})
+            handle.write(TRACE_SHIM % {"log": shell_quote(log), "nvcc_version": shell_quote(
+                nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so"))})
         for name in sorted(shim_names()):
             os.symlink(".shim", os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
+        with open(os.path.join(self.toolkit, "lib", "shim.so"), "wb") as handle:
+            handle.write(SHIM_LIBRARY)
         os.symlink(".", os.path.join(self.toolkit, "llvm"))
         os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
         with open(self.bash_env, "w", encoding="utf-8") as handle:
@@ -4093,6 +4107,27 @@ def namespace_problem(top):
     return None
 
 
+def machine_nvcc_version():
+    """What the shims' nvcc --version says: the machine's nvcc's words where
+    there is one (a script checking the CUDA release sees the one its
+    compile job has), else those of a recent release."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        try:
+            done = subprocess.run([nvcc, "--version"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=30,
+                                  check=False)
+            said = done.stdout.decode("utf-8", "replace").strip()
+            if done.returncode == 0 and "release" in said:
+                return said
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return ("nvcc: NVIDIA (R) Cuda compiler driver\n"
+            "Cuda compilation tools, release 12.8, V12.8.93")
+
+
 def launcher_command(unshare, config):
     """The command that runs config's script from TRACE_LAUNCHER, in
     namespaces when unshare is given."""
@@ -4126,6 +4161,7 @@ class TraceSession:
             "the repository" if holding[0] == self.hidden[0] else "your home")
             if holding else namespace_problem(self.top))
         self.unshare = shutil.which("unshare") if self.problem is None else None
+        self.nvcc_version = machine_nvcc_version()
 
     def describe(self):
         """One line: how the scripts are isolated."""
@@ -4185,6 +4221,35 @@ def copy_repository(root, copy):
             os.symlink(link, target)
         elif os.path.isfile(source):
             shutil.copy2(source, target)
+
+
+def shim_library():
+    """The shared object a shim writes for -shared: an x86-64 ELF file with
+    an empty dynamic symbol table, an empty code section named SHIM_SECTION
+    (strip keeps it) and no program header, which nm, strip and objdump
+    accept and nothing can load."""
+    import struct
+    names = b"\0.dynsym\0.dynstr\0" + SHIM_SECTION + b"\0.shstrtab\0"
+    symbols, strings = bytes(24), b"\0"  # the null symbol; the empty name
+    at_symbols = 64
+    at_strings = at_symbols + len(symbols)
+    at_names = at_strings + len(strings)
+    at_sections = (at_names + len(names) + 7) & ~7
+    header = ELF_MAGIC + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack(
+        "<HHIQQQIHHHHHH", ELF_TYPE_SHARED, 62, 1, 0, 0, at_sections, 0, 64, 0, 0, 64, 5, 4)
+    body = header + symbols + strings + names
+    body += bytes(at_sections - len(body))
+
+    def section(name, kind, flags, offset, size, link=0, info=0, align=1, entsize=0):
+        return struct.pack("<IIQQQQIIQQ", name, kind, flags, 0, offset, size, link, info, align,
+                           entsize)
+    return (body + bytes(64) + section(1, SECTION_DYNSYM, 2, at_symbols, 24, 2, 1, 8, 24)
+            + section(9, 3, 2, at_strings, 1) + section(17, 1, 6, at_names, 0, align=16)
+            + section(18 + len(SHIM_SECTION), 3, 0, at_names, len(names)))
+
+
+SHIM_SECTION = b".check_contract_shim"
+SHIM_LIBRARY = shim_library()
 
 
 def read_bounded(path, cap):
@@ -4255,19 +4320,26 @@ def read_xtrace(xtrace):
     return lines, problem if data is None else None
 
 
+def xtrace_words(line):
+    """The words of a command line of bash's trace, from the command on:
+    VAR=value and wrapper words before it dropped."""
+    import shlex
+    try:
+        words = shlex.split(line.lstrip("+"))
+    except ValueError:
+        words = line.lstrip("+").split()
+    while words and (ENV_WORD_RE.match(words[0]) or words[0] in (
+            "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
+        words.pop(0)
+    return words
+
+
 def read_uncaught(lines, toolkit):
     """The compiler words bash ran by a path outside the shims' toolkit."""
-    import shlex
     inside = os.path.realpath(toolkit) + os.sep
     found = []
     for line in lines:
-        try:
-            words = shlex.split(line.lstrip("+"))
-        except ValueError:
-            words = line.lstrip("+").split()
-        while words and (ENV_WORD_RE.match(words[0]) or words[0] in (
-                "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
-            words.pop(0)  # VAR=value and wrapper words before the compiler
+        words = xtrace_words(line)
         if not words or "/" not in words[0]:
             continue
         word = words[0]
@@ -4279,8 +4351,9 @@ def read_uncaught(lines, toolkit):
 
 def written_files(out):
     """({path under out: size}, [the paths of ELF files], problem) of what the
-    run left in out.  A shim writes empty files: an ELF file was compiled by
-    a program the shims did not stand in for.  No link is followed: out
+    run left in out.  A shim writes no ELF file but SHIM_LIBRARY (stripped
+    or not, its SHIM_SECTION names it): another was compiled by a program
+    the shims did not stand in for.  No link is followed: out
     itself replaced by one is the problem, and nothing under it is read."""
     written, binaries = {}, []
     try:
@@ -4300,8 +4373,9 @@ def written_files(out):
                 continue
             written[rel] = info.st_size
             if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
-                data, _ = read_bounded(path, len(ELF_MAGIC))
-                if data == ELF_MAGIC:
+                data, _ = read_bounded(path, READ_CHUNK)
+                shim = b"\0" + SHIM_SECTION + b"\0"
+                if data and data[:len(ELF_MAGIC)] == ELF_MAGIC and shim not in data:
                     binaries.append(rel)
     return written, sorted(binaries), None
 
@@ -4320,7 +4394,7 @@ def trace_script(session, backend, arch, timeout, stream):
         for path in (home, tmp, log):
             os.mkdir(path)
         shutil.copytree(session.snapshot, copy, symlinks=True)
-        shims = Shims(session.toolkit, log, xtrace)
+        shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
@@ -4347,6 +4421,7 @@ def trace_script(session, backend, arch, timeout, stream):
         lines, xtrace_problem = read_xtrace(xtrace)
         trace = Trace(shown, child, calls, read_uncaught(lines, shims.toolkit), written,
                       binaries, out, places)
+        trace.commands = lines
         trace.tampered = shims.changes()
         trace.tampered += ["the call log's %s" % o for o in odd]
         trace.tampered += ["bash's trace (%s)" % xtrace_problem] if xtrace_problem else []
@@ -4466,7 +4541,13 @@ def trace_backend(repo, run, backend, args, stream, session):
                    % args.timeout)
             continue
         if child.returncode != 0:
-            report("error", "R001", "the script failed with exit status %d" % child.returncode)
+            limit = shim_limit(trace, facts)
+            if limit is None:
+                report("error", "R001", "the script failed with exit status %d" % child.returncode)
+            else:
+                report("warning", "X003", "the script failed with exit status %d, and %s: the "
+                       "trace cannot tell whether it builds what the manifest says (build, with "
+                       "the toolchain, can)" % (child.returncode, limit))
             continue
         checked = copy.copy(backend)
         checked.diagnostics = []
@@ -4493,6 +4574,38 @@ def show_paths(paths, most=5):
     """Paths for a message: the first few, then how many more."""
     shown = ", ".join(paths[:most])
     return shown + (" and %d more" % (len(paths) - most) if len(paths) > most else "")
+
+
+# Tools whose own compiler checks build and run test programs.
+PROBING_TOOLS = ("cmake", "meson", "configure")
+# Tools that read a compiled file, which a shim only stands in for.
+INSPECTING_TOOLS = ("nm", "strip", "objdump", "readelf", "objcopy", "ldd", "file", "patchelf",
+                    "cuobjdump", "nvdisasm")
+VERSION_PROBES = ("--version", "-dumpversion", "-dumpfullversion", "-V")
+SHIM_LIMIT_LINES = 3  # the last command lines of a failed run that may show a shim's limit
+
+
+def shim_limit(trace, facts):
+    """Why a run that failed may have failed for the shims and not for the
+    script (it runs CMake; its last commands run or inspect what a shim
+    wrote, or ask a compiler its version), or None."""
+    made = {posixpath.basename(o) for call in facts.calls for o in call.outputs}
+    parsed = [w for w in (xtrace_words(line) for line in trace.commands) if w]
+    for words in parsed:
+        if posixpath.basename(words[0]) in PROBING_TOOLS:
+            return ("it runs %s, whose compiler checks build and run test programs that the "
+                    "shims only stand in for" % posixpath.basename(words[0]))
+    for words in parsed[-SHIM_LIMIT_LINES:]:
+        first = posixpath.basename(words[0])
+        if first in made and "/" in words[0]:
+            return "it runs %s, which a shim wrote in place of compiling it" % trace.show(words[0])
+        inspected = [w for w in words[1:] if posixpath.basename(w) in made]
+        if first in INSPECTING_TOOLS and inspected:
+            return "it runs %s on %s, which a shim wrote in place of compiling it" % (
+                first, trace.show(inspected[0]))
+        if is_compiler_name(words[0]) and any(w in VERSION_PROBES for w in words[1:]):
+            return "it asks %s its version, which a shim answers" % trace.show(words[0])
+    return None
 
 
 def trace_summary(built):

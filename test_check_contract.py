@@ -2878,6 +2878,97 @@ class TraceLauncherIsolationTest(TraceIsolationTest):
     NAMESPACES = False
 
 
+class TraceLimitsTest(TreeTest):
+    """Where a script fails because the shims are no toolkit, trace says it
+    cannot tell (X003, a warning), never R001; the shims are as faithful as
+    is cheap."""
+
+    def trace(self, *args):
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"] + list(args))
+        return rc, json.loads(out), err
+
+    def backend(self, script, **extra):
+        files = {
+            "backends/cuda/k/k.backend.json": {
+                "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.cu"],
+                "build": {"script": "build.sh", "output": "libk.so", "architectures": [80]}},
+            "backends/cuda/k/k.cu": "#define K_ABI_VERSION 1\n",
+            "backends/cuda/k/build.sh": Executable(
+                '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n' + script)}
+        files.update(extra)
+        self.tree(files)
+
+    def assertCannotTell(self, report, why):
+        (result,) = report["results"]
+        self.assertEqual(result["result"], "passed", result)
+        self.assertEqual([(i["level"], i["code"], i["message"]) for i in result["issues"]], [
+            ("warning", "X003", "running build.sh <output-dir>%s shows: the script failed with "
+             "exit status 1, and %s: the trace cannot tell whether it builds what the manifest "
+             "says (build, with the toolchain, can)" % (arch, why)) for arch in (" 80", "")])
+
+    def test_cmake_with_the_cuda_language_cannot_be_told(self):
+        if shutil.which("cmake") is None:
+            self.skipTest("cmake is not installed")
+        self.backend('cmake -S . -B "$1" && cmake --build "$1"\n', **{
+            "backends/cuda/k/CMakeLists.txt": "cmake_minimum_required(VERSION 3.18)\n"
+            "project(k LANGUAGES CUDA)\nadd_library(k SHARED k.cu)\n"
+            "set_target_properties(k PROPERTIES CUDA_ARCHITECTURES 80)\n"})
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "it runs cmake, whose compiler checks build and run test "
+                              "programs that the shims only stand in for")
+
+    def test_a_program_the_script_builds_runs(self):
+        self.backend('cc -o "$1/probe" probe.c\n"$1/probe"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
+                     **{"backends/cuda/k/probe.c": "int main(void) { return 0; }\n"})
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+
+    def test_a_script_that_checks_what_its_program_prints_cannot_be_told(self):
+        self.backend('cc -o "$1/probe" probe.c\n"$1/probe" | grep -q ok\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
+                     **{"backends/cuda/k/probe.c": "int main(void) { return 0; }\n"})
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "it runs <output-dir>/probe, which a shim wrote in place "
+                              "of compiling it")
+
+    def test_nm_and_strip_read_the_shims_library(self):
+        self.backend('nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\nstrip "$1/libk.so"\n'
+                     'nm -D "$1/libk.so"\nobjdump -T "$1/libk.so" > /dev/null\n')
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+        self.assertNotIn("X001", err)
+
+    def test_a_symbol_looked_for_in_the_shims_library_cannot_be_told(self):
+        self.backend('nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'
+                     'nm -D "$1/libk.so" | grep -q k_abi_version\n')
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "it runs nm on <output-dir>/libk.so, which a shim wrote "
+                              "in place of compiling it")
+
+    def test_a_version_check_cannot_be_told(self):
+        self.backend('nvcc --version | grep -q "release 99\\."\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "it asks nvcc its version, which a shim answers")
+
+    def test_the_shims_nvcc_says_the_machines_cuda_release(self):
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            self.skipTest("nvcc is not installed")
+        real = subprocess.run([nvcc, "--version"], stdout=subprocess.PIPE,
+                              universal_newlines=True, check=True).stdout
+        release = re.search(r"release ([0-9.]+),", real).group(1)
+        self.backend('nvcc --version | grep -q "release %s,"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n' % release)
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+
+
 class TraceAgreesWithRealBuildTest(unittest.TestCase):
     def test_trace_agrees_with_a_real_cc_build_of_the_cpu_backend(self):
         if shutil.which("cc") is None or shutil.which("make") is None:
