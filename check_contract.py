@@ -14,14 +14,23 @@ its arguments, and checks the manifest against what the script really does.
 
 Usage:
     check_contract.py [--root DIR] [--backends-dir DIR] [check]
-                      [--format text|json|github] [--json] [--strict] [NAME ...]
+                      [--format text|json|github|sarif] [--json] [--strict]
+                      [--ignore CODE] [NAME ...]
     check_contract.py list [--buildable] [--format text|json|github-matrix] [--json]
-    check_contract.py init DIR [--force]
+    check_contract.py init DIR [--force] [--no-trace] [--format text|json|github] [--json]
     check_contract.py build [NAME ...] [--out DIR] [--arch A] [--timeout S]
-                            [--format text|json] [--json]
-    check_contract.py test [NAME ...] [--timeout S] [--format text|json] [--json]
-    check_contract.py parity [NAME ...] [--timeout S] [--format text|json] [--json]
-    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json] [--json]
+                            [--format text|json|github] [--json] [--ignore CODE]
+    check_contract.py test [NAME ...] [--timeout S] [--format text|json|github] [--json]
+                           [--ignore CODE]
+    check_contract.py parity [NAME ...] [--timeout S] [--format text|json|github] [--json]
+                             [--ignore CODE]
+    check_contract.py trace [NAME ...] [--arch A] [--timeout S] [--format text|json|github]
+                            [--json] [--ignore CODE]
+
+--format github (GitHub Actions annotations) is the default of every command
+that offers it when GITHUB_ACTIONS=true.  A warning is accepted on purpose by
+the manifest's "ignore": {"B017": "<why>"} or by --ignore B017: it is counted
+in the summary line as suppressed and listed by --format json, never dropped.
 
 NAME is a backend's directory name (`llm_ops`) or `<platform>/<name>`
 (`cpu/llm_ops`).  Backends are reported as `<platform>/<name>`.
@@ -34,9 +43,10 @@ else to the repository root; `<path>: [...]` when the finding has no line
 (a whole file or directory), and `[<level>] <CODE> <backend>: <message>`
 when it has no place at all.  Then `checked <backend>: status=<status>
 abi=<n>` per backend checked, and last `N backend(s), N error(s), N
-warning(s)`.  Control characters in names and messages (a newline in a
-file name) are written as backslash escapes (\n, \x1b), so every line of
-the report is one finding.
+warning(s)` (then `, N suppressed ...` when ignore entries accepted some).
+Control characters in names and messages (a newline in a file name) are
+written as backslash escapes (\n, \x1b), so every line of the report is
+one finding.
 
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
@@ -58,12 +68,16 @@ Diagnostic codes (stable; never reused):
                      not an object, J004 manifest cannot be read
     M  manifest keys M001 required key missing, M002 wrong type or value,
                      M003 unknown key (warning), M004 name differs from the
-                     directory, M005 platform differs from the directory
+                     directory, M005 platform differs from the directory,
+                     M006 an ignore entry matches no warning (warning)
     S  sources       S001 declared source missing, S002 path escapes the
                      backend directory, S003 duplicate source, S004 kernel
                      source not declared, S005 source cannot be read,
                      S006 source is not UTF-8 (warning), S007 directory link
-                     leading out of the backend directory
+                     leading out of the backend directory, S008 a compiled
+                     file undeclared, excluded or outside the backend
+                     directory, S009 a declared source nothing compiles
+                     (warning)
     A  ABI           A001 abi_version differs from the header macro,
                      A002 several ABI versions defined, A003 no ABI version
                      macro (warning; error when validated), A004 missing
@@ -73,7 +87,7 @@ Diagnostic codes (stable; never reused):
                      tree, B003 not executable in the git index, B004 output
                      differs from build.output, B005 no compiler -o found,
                      B006 claimed architecture not built, B007 built
-                     architecture not claimed (warning), B008 default_arch not
+                     architecture not claimed, B008 default_arch not
                      in architectures, B009 default_arch differs from the
                      script's default, B010 architecture below min_capability,
                      B011 architecture is not a valid target for the platform,
@@ -81,7 +95,8 @@ Diagnostic codes (stable; never reused):
                      written under <output-dir>, B014 no #! line or an interpreter
                      not on a standard system, B015 build.output absolute or
                      with .., B016 -D<PREFIX>_ABI_VERSION differs from
-                     abi_version, B017 the script reader cannot tell (warning)
+                     abi_version, B017 the script reader cannot tell (warning),
+                     B018 a target flag the compiler rejects
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -90,7 +105,8 @@ Diagnostic codes (stable; never reused):
                      R005 ABI symbol not exported, R006 loaded ABI version
                      differs, R007 library cannot be loaded here (warning),
                      R008 fatbinary SASS targets differ from the manifest,
-                     R009 backend not buildable
+                     R009 backend not buildable, R010 an exported name
+                     without the backend's prefix
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
@@ -105,6 +121,7 @@ Diagnostic codes (stable; never reused):
 """
 
 import argparse
+import collections
 import fnmatch
 import json
 import os
@@ -122,12 +139,16 @@ STATUSES = ("planned", "experimental", "validated")
 KERNEL_SUFFIXES = (".cu", ".cuh", ".hip", ".c", ".h", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C",
                    ".CPP", ".hpp", ".hh", ".hxx", ".hp", ".h++", ".H", ".HPP", ".inl", ".ipp",
                    ".tpp", ".tcc", ".inc")
+# What a compiler compiles (the headers a file includes are not compiled on their own).
+COMPILED_SUFFIXES = (".cu", ".hip", ".c", ".cpp", ".cc", ".cxx", ".cp", ".c++", ".C", ".CPP")
 MANIFEST_SUFFIX = ".backend.json"
 O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 SKIPPED_DIRS = (".git", "__pycache__")
 
 
 NAME_RE = re.compile(r"[a-z0-9_]+\Z")
+CODE_RE = re.compile(r"[DJMSABTORUPX][0-9]{3}\Z")  # a diagnostic code, as B017
+CHECK_FAMILIES = "DJMSABTO"  # the codes `check` reports; the others are the tiers'
 ARCH_FORMS = {
     "cuda": (re.compile(r"[1-9][0-9]{1,2}[a-z]?\Z"), 'a compute capability such as 89 or "90a"'),
     # A processor (gfx90a) or a generic target (gfx11-generic), feature settings after it.
@@ -154,6 +175,7 @@ MAX_DIGITS = 18      # a number with more digits is no ABI version, target or #i
 ABI_SUFFIX = "_ABI_VERSION"
 ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
 DIGITS_RE = re.compile(r"[0-9]+")
+ABI_FUNCTION_RE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*?)_abi_version[ \t\n]*\(")
 
 # Build scripts.
 SH_TOKEN_RE = re.compile(r"""
@@ -189,12 +211,25 @@ SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHEL
                                   "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
                                   "BASH_SOURCE", "BASH_VERSION", "OSTYPE", "HOSTTYPE", "PPID"))
 SH_DECLARE_WORDS = frozenset(("export", "local", "declare", "typeset", "readonly"))
-SH_PREFIX_WORDS = frozenset(("exec", "time", "nohup", "builtin", "nice"))
+# Commands that run the command after them: the options of each that take a
+# value, and how many operands come before the command (timeout's duration).
+SH_PREFIX_COMMANDS = {
+    "exec": (("-a",), 0), "time": ((), 0), "nohup": ((), 0), "builtin": ((), 0),
+    "command": ((), 0), "nice": (("-n", "--adjustment"), 0),
+    "timeout": (("-s", "--signal", "-k", "--kill-after"), 1),
+    "stdbuf": (("-i", "-o", "-e", "--input", "--output", "--error"), 0),
+    "env": (("-u", "--unset"), 0)}
+# Options of those that change what runs in a way the reader does not follow.
+SH_PREFIX_UNFOLLOWED = ("-C", "--chdir", "-S", "--split-string")
 # Commands whose success says something about the machine, not the script.
 SH_QUERY_COMMANDS = frozenset(("grep", "egrep", "fgrep", "diff", "cmp", "pkg-config", "nvidia-smi",
                                "rocminfo", "rocm_agent_enumerator", "lspci", "ldconfig", "ls",
                                "stat", "find"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
+# Programs that run commands of their own, which the reader does not see.
+SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
+SH_ARITH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--|(?:[-+*/%&|^]|<<|>>)?=(?!=))"
+                                    r"|(?:\+\+|--)\s*([A-Za-z_][A-Za-z0-9_]*)")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -233,7 +268,7 @@ examples:
 class Diagnostic:
     """One finding: what is wrong, where, and how bad."""
 
-    __slots__ = ("level", "code", "backend", "path", "line", "message")
+    __slots__ = ("level", "code", "backend", "path", "line", "message", "suppressed")
 
     def __init__(self, level, code, backend, path, line, message):
         self.level = level
@@ -242,6 +277,7 @@ class Diagnostic:
         self.path = path
         self.line = line
         self.message = message
+        self.suppressed = None  # why the finding is accepted, when an ignore entry matches it
 
     def sort_key(self):
         return (self.backend, self.path or "", self.line or 0, self.code, self.message)
@@ -250,8 +286,11 @@ class Diagnostic:
         return (self.level, self.code, self.backend, self.path, self.line, self.message)
 
     def as_dict(self):
-        return {"level": self.level, "code": self.code, "backend": self.backend,
-                "path": self.path, "line": self.line, "message": self.message}
+        found = {"level": self.level, "code": self.code, "backend": self.backend,
+                 "path": self.path, "line": self.line, "message": self.message}
+        if self.suppressed is not None:
+            found["reason"] = self.suppressed
+        return found
 
 
 class Backend:
@@ -264,7 +303,7 @@ class Backend:
     __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
                  "status", "abi_version", "abi_prefix", "build_script", "output",
                  "architectures", "default_arch", "files", "diagnostics", "index_path",
-                 "sources")
+                 "sources", "ignore", "manifest_text", "key_lines")
 
     def __init__(self, name, platform, dir, rel_dir):
         self.name = name
@@ -284,6 +323,9 @@ class Backend:
         self.diagnostics = []
         self.index_path = None  # the build script, when its git index mode is to be checked
         self.sources = ()  # (as written, normalized or None, problem) per non-empty string
+        self.ignore = {}  # code -> why its warnings are accepted, from the manifest's "ignore"
+        self.manifest_text = None  # the manifest as read, for the lines of its keys
+        self.key_lines = None  # manifest_lines() of it, worked out for the first finding that asks
 
     @property
     def key(self):
@@ -293,16 +335,27 @@ class Backend:
         """Repository-relative path of a path relative to the backend directory."""
         return self.rel_dir + "/" + path
 
-    def report(self, level, code, message, path=None, line=None):
-        """Record a finding; one with no more precise place points at the manifest."""
-        path = path or self.rel(self.name + MANIFEST_SUFFIX)
+    def report(self, level, code, message, path=None, line=None, key=None):
+        """Record a finding; one with no more precise place points at the
+        manifest, at the line of `key` ("build.output", "sources[1]") when
+        it names one."""
+        manifest = self.rel(self.name + MANIFEST_SUFFIX)
+        path = path or manifest
+        if line is None and key is not None and path == manifest:
+            line = self.line_of(key)
         self.diagnostics.append(Diagnostic(level, code, self.key, path, line, message))
 
-    def error(self, code, message, path=None, line=None):
-        self.report("error", code, message, path, line)
+    def error(self, code, message, path=None, line=None, key=None):
+        self.report("error", code, message, path, line, key)
 
-    def warning(self, code, message, path=None, line=None):
-        self.report("warning", code, message, path, line)
+    def warning(self, code, message, path=None, line=None, key=None):
+        self.report("warning", code, message, path, line, key)
+
+    def line_of(self, key):
+        """The manifest's line of a key or list item, or None."""
+        if self.key_lines is None:
+            self.key_lines = manifest_lines(self.manifest_text) if self.manifest_text else {}
+        return self.key_lines.get(key)
 
 
 class UsageError(Exception):
@@ -838,7 +891,15 @@ ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z", re.S)
 GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
+CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
+# Options that make a compiler build something else than machine code: a
+# probe (-E, -M, -fsyntax-only, nvcc --dryrun) builds nothing, nvcc -ptx
+# builds PTX only.
+COMPILER_MODES = {
+    "-E": "probe", "--preprocess": "probe", "-M": "probe", "-MM": "probe",
+    "--generate-dependencies": "probe", "--generate-nonsystem-dependencies": "probe",
+    "-fsyntax-only": "probe", "--dryrun": "probe", "-ptx": "ptx", "--ptx": "ptx"}
 # What compiler_call() reads of each option, given as `-x v` or `-x=v`.
 COMPILER_OPTIONS = {
     "-o": "output", "--output-file": "output", "-D": "define", "--define-macro": "define",
@@ -853,34 +914,40 @@ class CompilerCall:
 
     outputs: the files its -o names (probes to /dev/null apart), relative
     paths joined to the directory it ran in when that is known; sass, ptx,
-    hip and march: the targets it builds (nvcc machine code, nvcc PTX only,
-    AMD gfx targets, CPU -march values); open_targets: -arch=all, all-major
-    or native, which are no fixed list; abi_defines: (PREFIX, value) of each
+    hip, march and mcpu: the targets it builds (nvcc machine code, nvcc PTX
+    only, AMD gfx targets, CPU -march and -mcpu values, of which the last
+    counts); open_targets: -arch=all, all-major or native, which are no
+    fixed list; abi_defines: (PREFIX, value) of each
     -D<PREFIX>_ABI_VERSION=value; unknown: its words the reader cannot tell
     (a target flag whose value it cannot know, a word that may hold target
-    flags); condition: None when the default invocation surely makes this
+    flags); rejected: why the compiler refuses a target flag, with its right
+    spelling; condition: None when the default invocation surely makes this
     call, else why it may not (a condition the reader cannot decide).
     """
 
-    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march",
-                 "open_targets", "abi_defines", "unknown", "condition")
+    __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
+        self.inputs = []  # the files it compiles, joined to its directory as the outputs are
         self.probes = 0
-        self.sass, self.ptx, self.hip, self.march = [], [], [], []
+        self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
         self.abi_defines = []
         self.unknown = []
+        self.rejected = []
         self.condition = None
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
-        (on any, for a platform the checker does not know)."""
-        targets = {"cuda": self.sass, "hip": self.hip, "cpu": self.march}
-        return targets.get(platform, self.sass + self.hip + self.march)
+        (on any, for a platform the checker does not know).  gcc and clang
+        take the last -march (else the last -mcpu: aarch64, ppc64le)."""
+        cpu = self.march[-1:] or self.mcpu[-1:]
+        targets = {"cuda": self.sass, "hip": self.hip, "cpu": cpu}
+        return targets.get(platform, self.sass + self.hip + cpu)
 
 
 def might_hold_targets(word):
@@ -933,6 +1000,7 @@ def compiler_call(words, line=None, cwd=None):
     call = CompilerCall(command.rsplit("/", 1)[-1], line)
     arch = code = None
     genco = "--genco" in args
+    modes = {COMPILER_MODES.get(arg) for arg in args}
     index = 0
     while index < len(args):
         arg = args[index]
@@ -950,6 +1018,9 @@ def compiler_call(words, line=None, cwd=None):
                 call.unknown.append(show_word(arg))
                 continue
             else:
+                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
+                        "-include"]:
+                    call.inputs.append(arg if cwd is None or arg.startswith("/") else cwd + "/" + arg)
                 continue
         elif not equals:
             if kind in ("march", "mcpu"):
@@ -969,8 +1040,9 @@ def compiler_call(words, line=None, cwd=None):
             continue
         if kind == "mcpu":
             if not value.startswith("gfx"):
-                continue
-            kind = "offload"
+                kind = "cpu"
+            else:
+                kind = "offload"
         if kind == "targets" and not genco:
             continue
         if not known(value):
@@ -991,22 +1063,30 @@ def compiler_call(words, line=None, cwd=None):
                     call.hip.append(target)
         elif kind == "march":
             call.march.append(value)
+        elif kind == "cpu":
+            call.mcpu.append(value)
         elif kind == "define":
             define = ABI_DEFINE_FLAG_RE.match(value)
             if define:
                 call.abi_defines.append((define.group(1), define.group(2)))
     if code is not None:
-        cuda_codes(call, code.split(","), "-code=" + code)
+        virtual = cuda_target(call, arch, "-arch=%s" % arch) if arch is not None else None
+        if virtual is not None and virtual[0] == "sm":
+            call.rejected.append("-arch=%s with -code: nvcc takes a virtual architecture there; "
+                                 "write -arch=compute_%s" % (arch, virtual[1]))
+        cuda_codes(call, code.split(","), "-code=" + code, virtual)
     elif arch in OPEN_TARGETS:
         call.open_targets.append("-arch=" + arch)
     elif arch is not None:
-        item = CUDA_CODE_ITEM_RE.match(arch)
-        if item is None:
-            call.unknown.append("-arch=%s, which nvcc does not read" % arch)
-        else:
-            call.ptx.append(item.group(2))
-            if item.group(1) == "sm":
-                call.sass.append(item.group(2))
+        item = cuda_target(call, arch, "-arch=" + arch)
+        if item is not None:
+            call.ptx.append(item[1])
+            if item[0] == "sm":
+                call.sass.append(item[1])
+    if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
+        call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
+    elif "ptx" in modes:
+        call.ptx, call.sass = call.ptx + [t for t in call.sass if t not in call.ptx], []
     return call
 
 
@@ -1017,32 +1097,102 @@ def gencode(call, value):
         call.unknown.append("-gencode %s, which nvcc does not read (a list of codes is written "
                             "code=[sm_80,sm_90])" % value)
         return
-    cuda_codes(call, match.group(2).strip('[]"').split(","), "-gencode " + value)
+    flag = "-gencode " + value
+    virtual = cuda_target(call, match.group(1), flag)
+    if virtual is not None and virtual[0] == "sm":
+        call.rejected.append("%s: nvcc takes a virtual architecture after arch=; write "
+                             "arch=compute_%s" % (flag, virtual[1]))
+    cuda_codes(call, match.group(2).strip('[]"').split(","), flag, virtual)
 
 
-def cuda_codes(call, codes, flag):
+def cuda_target(call, item, flag):
+    """(sm or compute, number) of an nvcc target name; None for a name nvcc
+    rejects (noted with its right spelling) or does not know."""
+    target = CUDA_CODE_ITEM_RE.match(item.strip())
+    if target is not None:
+        return target.groups()
+    typo = CUDA_TARGET_TYPO_RE.match(item.strip())
+    if typo is not None:
+        call.rejected.append("%s: nvcc knows no target %s; write %s_%s"
+                             % (flag, item.strip(), typo.group(1), typo.group(2)))
+    else:
+        call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
+    return None
+
+
+def cuda_codes(call, codes, flag, virtual=None):
+    """The codes of -gencode code=... or -code=..., each checked against the
+    virtual architecture it is generated from."""
     for item in codes:
-        code = CUDA_CODE_ITEM_RE.match(item.strip())
+        code = cuda_target(call, item, flag)
         if code is None:
-            call.unknown.append("%s, whose code %s nvcc does not read" % (flag, item))
-        elif code.group(1) == "sm":
-            call.sass.append(code.group(2))
+            continue
+        refused = virtual is not None and virtual[0] == "compute" and nvcc_refuses(virtual[1], code)
+        if refused:
+            call.rejected.append("%s: nvcc refuses it (incompatible code generation: %s_%s cannot "
+                                 "be built from compute_%s); write %s" % (flag, code[0], code[1],
+                                                                         virtual[1], refused))
+        elif code[0] == "sm":
+            call.sass.append(code[1])
         else:
-            call.ptx.append(code.group(2))
+            call.ptx.append(code[1])
+
+
+def nvcc_refuses(virtual, code):
+    """The spelling nvcc takes, when it refuses to generate `code` (sm or
+    compute, number) from compute_<virtual>; None when it generates it.
+    As nvcc 13 does: PTX only of its own architecture; machine code of the
+    same number or higher, of an arch-specific (a) architecture only
+    arch-specific, of a family (f) one only in that family."""
+    kind, target = code
+    number, base = int(DIGITS_RE.match(target).group()), int(DIGITS_RE.match(virtual).group())
+    if kind == "compute":
+        ok = target == virtual
+    else:
+        ok = number >= base and (not virtual.endswith("a") or target.endswith("a")) and (
+            not virtual.endswith("f") or number // 10 == base // 10)
+    return None if ok else "arch=compute_%s,code=%s_%s" % (target, kind, target)
 
 
 class ScriptFacts:
     """What a build script's default invocation does: its compiler calls in
-    order, the target it takes when no <arch> is given (`${2:-N}`), and the
-    constructs met that the reader does not follow, as (line, what)."""
+    order, the target it takes when no <arch> is given (`${2:-N}`), the
+    constructs met that the reader does not follow, as (line, what), and
+    what it puts into <output-dir> or takes out of it, in order, as (op,
+    path relative to <output-dir> or None when the name cannot be told,
+    line, condition): op "add" (a compiler's -o, cp, mv, ln) or "remove"
+    (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
-    __slots__ = ("calls", "default_target", "unfollowed", "out_dir")
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements")
 
-    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR):
+    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None):
         self.calls = calls
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
+        if placements is None:
+            prefix = out_dir + "/"
+            placements = [("add", posixpath.normpath(o[len(prefix):]), c.line, None)
+                          for c in calls for o in c.outputs if o.startswith(prefix)]
+        self.placements = placements
+
+    def landing(self):
+        """(the files surely in <output-dir> when the script ends, {file or
+        None: why it may or may not be there})."""
+        landed, maybe = set(), {}
+        for op, path, line, condition in self.placements:
+            if path is None:
+                maybe[None] = "line %d puts a file there whose name the checker cannot tell" % line
+            elif op == "add":
+                landed.add(path)
+            else:
+                gone = {p for p in landed if not path or p.startswith(path + "/")
+                        or fnmatch.fnmatchcase(p, path)}
+                landed -= gone
+                if condition:
+                    maybe.update((p, "line %d moves or removes it, depending on %s" % (line, condition))
+                                 for p in gone)
+        return landed, maybe
 
 
 def show_word(word):
@@ -1075,21 +1225,30 @@ def check_build_facts(backend, rel, facts, traced=False):
         if facts.unfollowed:
             backend.warning("B017", "%scannot tell which library %s writes: it has no compiler "
                             "command with -o that the checker can see%s"
-                            % (said, rel, unfollowed), where)
+                            % (said, rel, unfollowed), where, facts.unfollowed[0][0])
         else:
             backend.error("B005", "%sbuild script %s has no compiler command with -o; the script "
                           "must write build.output into its <output-dir> argument" % (said, rel),
                           where)
         return
     prefix = facts.out_dir + "/"
-    written = {posixpath.normpath(o[len(prefix):]) for o, _ in outputs if o.startswith(prefix)}
+    landed, maybe = facts.landing()
     output, call = outputs[-1]
-    if backend.output is not None and posixpath.normpath(backend.output) not in written:
-        if call.condition or UNDECIDED in output:
+    library = posixpath.normpath(backend.output) if backend.output is not None else None
+    if library is not None and library not in landed:
+        why = maybe.get(library) or maybe.get(None)
+        if why:
+            backend.warning("B017", "%scannot tell whether %s is in <output-dir> when %s ends: %s"
+                            % (said, library, rel, why), where)
+        elif call.condition or UNDECIDED in output:
             backend.warning("B017", "%scannot tell which library %s writes: -o %s at line %d %s"
                             % (said, rel, show_word(output), call.line,
                                "depends on " + call.condition if call.condition else
                                "depends on a value the checker cannot decide"), where, call.line)
+        elif output.startswith(prefix) and posixpath.normpath(output[len(prefix):]) == library:
+            backend.error("B013", "%sbuild script %s writes %s with -o, but it is not in <output-dir> "
+                          "when the script ends (moved or removed after); leave build.output there"
+                          % (said, rel, library), where, call.line)
         elif output.startswith(prefix):
             backend.error("B004", "%sbuild script %s writes %s but build.output is %s"
                           % (said, rel, describe(show_word(output[len(prefix):])),
@@ -1101,6 +1260,9 @@ def check_build_facts(backend, rel, facts, traced=False):
                           % (said, rel, show_path(output), backend.output, backend.output),
                           where, call.line)
     check_build_defines(backend, rel, facts, said, where)
+    for call in facts.calls:
+        for why in call.rejected:
+            backend.error("B018", "%s%s builds with %s" % (said, rel, why), where, call.line)
     if backend.architectures is not None:
         check_built_targets(backend, rel, facts, said, where, unfollowed)
     default = backend.default_arch
@@ -1114,6 +1276,10 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
     """B006, B007, B011 and B017 for build.architectures."""
     platform = backend.platform
     built, maybe, ptx, unknown = {}, set(), set(), []
+    # A target not built points at the call that writes the library; one the
+    # reader cannot tell of, at the first place it cannot tell.
+    writes = [call.line for call in facts.calls if call.outputs][-1:]
+    unsure = []
     for call in facts.calls:
         for arch in call.targets(platform):
             if call.condition:
@@ -1123,6 +1289,8 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         ptx.update(call.ptx)
         unknown.extend(what + (" at line %d" % call.line if call.line else "")
                        for what in call.unknown)
+        if call.unknown or call.condition:
+            unsure.append(call.line)
         if call.condition:
             unknown.append("a compiler command at line %d that runs only on %s"
                            % (call.line, call.condition))
@@ -1134,20 +1302,62 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         if arch in built:
             continue
         if arch in maybe or unknown or facts.unfollowed:
+            line = (unsure + [line for line, _ in facts.unfollowed] + writes + [None])[0]
             backend.warning("B017", "%scannot tell whether %s builds %s: %s%s"
                             % (said, rel, arch, "; ".join(unknown) or "no target flag names it",
-                               unfollowed), where)
+                               unfollowed), where, line)
         elif platform == "cuda" and arch in ptx:
             backend.error("B006", "%sbuild.architectures lists %s but %s builds only PTX for it "
                           "(compute_%s), which is compiled when the library is loaded, not machine "
-                          "code; add code=sm_%s" % (said, arch, rel, arch, arch), where)
+                          "code; add code=sm_%s" % (said, arch, rel, arch, arch), where,
+                          (writes + [None])[0])
         else:
             backend.error("B006", "%sbuild.architectures lists %s but the default invocation of "
-                          "%s does not build it" % (said, arch, rel), where)
+                          "%s does not build it" % (said, arch, rel), where, (writes + [None])[0])
     for arch in sorted(built):
         if arch not in backend.architectures:
-            backend.warning("B007", "%s%s also builds %s, which build.architectures does not list"
-                            % (said, rel, arch), where, built[arch])
+            backend.error("B007", "%s%s also builds %s, which build.architectures does not list; "
+                          "list it (the build tier rejects a library with targets the manifest does "
+                          "not name, R008)" % (said, rel, arch), where, built[arch])
+
+
+def check_compiled_sources(repo, backend, calls, repository_path, traced=False, complete=True):
+    """S008, S009: what the compiler calls (CompilerCall, run or read)
+    compiled, against `sources`.  repository_path(path) gives a compiled
+    path's place relative to the repository root, or None outside it; a
+    file the repository does not hold was made by the build, not declared.
+    Without `complete` (a compiler the calls may miss), a declared source
+    no call compiles is not reported."""
+    said = "running %s shows: " % backend.build_script if traced else ""
+    prefix = backend.rel_dir + "/"
+    declared = {rel for _, rel, problem in backend.sources if rel and not problem}
+    excluded = backend.manifest.get("excluded")
+    excluded = [g for g in excluded if isinstance(g, str)] if isinstance(excluded, list) else []
+    compiled, reported = set(), set()
+    for call in calls:
+        for path in call.inputs:
+            rel = repository_path(posixpath.normpath(path))
+            if rel is None or rel in reported or not os.path.isfile(os.path.join(repo.root, rel)):
+                continue
+            local = rel[len(prefix):] if rel.startswith(prefix) else None
+            compiled.add(local)
+            if local in declared:
+                continue
+            reported.add(rel)
+            if local is None:
+                why = ("outside the backend directory, where the check does not look; move it into "
+                       "%s, or build it as a backend of its own" % backend.rel_dir)
+            elif any(glob_matches(g, local) for g in excluded):
+                why = "which excluded says is not part of the library; remove it from excluded and declare it"
+            else:
+                why = "which sources does not declare; add it"
+            backend.error("S008", "%s%s compiles %s, %s" % (said, backend.build_script, rel, why),
+                          rel, call.line)
+    for local in sorted(declared) if complete and compiled else ():
+        if local.endswith(COMPILED_SUFFIXES) and local not in compiled:
+            backend.warning("S009", "%ssources declares %s, but no compiler call of %s compiles it "
+                            "(a file only #included by another is a header: name it so, or list it "
+                            "in excluded)" % (said, local, backend.build_script), backend.rel(local))
 
 
 def check_build_defines(backend, rel, facts, said, where):
@@ -1372,14 +1582,22 @@ def tokenize(text):
     return tokens
 
 
-# -- the tree of commands
-#
-# ("simple", line, words), ("if", line, [(condition, body), ...], else body or
-# None), ("case", line, word, [(patterns, body), ...]), ("for", line, name,
-# words or None, body), ("while", line, until, condition, body),
-# ("function", line, name, body), ("group", line, body, subshell),
-# ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
-# negated, commands); a body or condition is a list of these.
+# -- the tree of commands: named nodes, each with the line it starts at; a
+# body or a condition is a list of them.
+
+Simple = collections.namedtuple("Simple", "line words")
+If = collections.namedtuple("If", "line clauses otherwise")  # [(condition, body)], a body or None
+Case = collections.namedtuple("Case", "line word items")  # [(patterns, body, ";;", ";&" or ";;&")]
+Arithmetic = collections.namedtuple("Arithmetic", "line expression")  # (( expression ))
+For = collections.namedtuple("For", "line name words body")  # words None: "$@"
+While = collections.namedtuple("While", "line until condition body")
+Function = collections.namedtuple("Function", "line name body")
+Group = collections.namedtuple("Group", "line body subshell")  # ( body ) or { body; }
+AndOr = collections.namedtuple("AndOr", "line first rest")  # rest: [("&&" or "||", pipeline)]
+Pipeline = collections.namedtuple("Pipeline", "line negated commands")
+# A function defined differently on the branches of a condition the reader
+# cannot decide: each definition (None where it is not defined).
+Choice = collections.namedtuple("Choice", "label bodies")
 
 
 class ScriptParser:
@@ -1443,7 +1661,7 @@ class ScriptParser:
             op = self.next()[1]
             self.skip_newlines()
             rest.append((op, self.parse_pipeline()))
-        return ("andor", line, first, rest) if rest else first
+        return AndOr(line, first, rest) if rest else first
 
     def parse_pipeline(self):
         line = self.peek()[2]
@@ -1456,16 +1674,20 @@ class ScriptParser:
             self.skip_newlines()
             commands.append(self.parse_command())
         if negated or len(commands) > 1:
-            return ("pipeline", line, negated, commands)
+            return Pipeline(line, negated, commands)
         return commands[0]
 
     def parse_command(self):
         kind, text, line = self.peek()
+        if kind == "op" and text == "(" and self.tokens[self.pos + 1][:2] == ("op", "("):
+            arithmetic = self.parse_arithmetic()
+            if arithmetic is not None:
+                return arithmetic
         if kind == "op" and text == "(":
             self.next()
             body = self.parse_list(())
             self.expect_op(")")
-            return self.redirected(("group", line, body, True))
+            return self.redirected(Group(line, body, True))
         if kind != "word":
             raise ShellSyntax(line, "%s out of place" % text.strip())
         if text == "if":
@@ -1474,7 +1696,7 @@ class ScriptParser:
             self.next()
             condition = self.parse_list(("do",))
             body = self.parse_do()
-            return self.redirected(("while", line, text == "until", condition, body))
+            return self.redirected(While(line, text == "until", condition, body))
         if text in ("for", "select"):
             return self.redirected(self.parse_for())
         if text == "case":
@@ -1483,7 +1705,7 @@ class ScriptParser:
             self.next()
             body = self.parse_list(("}",))
             self.expect_word("}")
-            return self.redirected(("group", line, body, False))
+            return self.redirected(Group(line, body, False))
         if text == "function":
             self.next()
             name = self.next()[1]
@@ -1491,7 +1713,7 @@ class ScriptParser:
                 self.next()
                 self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, name, self.parse_command())
+            return Function(line, name, self.parse_command())
         if text in SH_RESERVED:
             raise ShellSyntax(line, "%s out of place" % text)
         after = self.tokens[self.pos + 1] if self.pos + 1 < len(self.tokens) else None
@@ -1500,8 +1722,25 @@ class ScriptParser:
             self.next()
             self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, text, self.parse_command())
+            return Function(line, text, self.parse_command())
         return self.parse_simple()
+
+    def parse_arithmetic(self):
+        """(( expression )), or None (and nothing taken) when the text is
+        two subshells instead: ( (cd x; make) )."""
+        start, line, depth, words = self.pos, self.peek()[2], 0, []
+        self.pos += 2
+        while not self.at_end():
+            kind, text, _ = self.next()
+            if kind == "newline" or text in (";", "&", "&&", "||", "|"):
+                break
+            if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
+                self.next()
+                return self.redirected(Arithmetic(line, " ".join(words)))
+            depth += {"(": 1, ")": -1}.get(text, 0) if kind == "op" else 0
+            words.append(text)
+        self.pos = start
+        return None
 
     def expect_op(self, op):
         kind, text, line = self.next()
@@ -1527,7 +1766,7 @@ class ScriptParser:
                 if self.peek()[0] == "word":
                     self.next()
             else:
-                return ("simple", line, words)
+                return Simple(line, words)
 
     def parse_if(self):
         line = self.next()[2]
@@ -1546,7 +1785,7 @@ class ScriptParser:
                 self.expect_word("fi")
             elif word[1] != "fi":
                 raise ShellSyntax(word[2], "an if without its fi")
-            return ("if", line, clauses, otherwise)
+            return If(line, clauses, otherwise)
 
     def parse_do(self):
         self.skip_newlines()
@@ -1569,7 +1808,7 @@ class ScriptParser:
                 words.append(self.next()[1])
         if self.peek()[0] == "op" and self.peek()[1] == ";":
             self.next()
-        return ("for", line, name, words, self.parse_do())
+        return For(line, name, words, self.parse_do())
 
     def parse_case(self):
         line = self.next()[2]
@@ -1581,7 +1820,7 @@ class ScriptParser:
             self.skip_newlines()
             if self.is_word("esac"):
                 self.next()
-                return ("case", line, word, items)
+                return Case(line, word, items)
             if self.peek()[:2] == ("op", "("):
                 self.next()
             patterns = []
@@ -1596,9 +1835,10 @@ class ScriptParser:
                 if (kind, text) != ("op", "|"):
                     raise ShellSyntax(at, "a case pattern the checker does not read")
             body = self.parse_list(("esac",))
-            items.append((patterns, body))
+            end = ";;"
             if self.peek()[0] == "op" and self.peek()[1] in (";;", ";&", ";;&"):
-                self.next()
+                end = self.next()[1]
+            items.append((patterns, body, end))
 
 
 # -- following the default invocation
@@ -1621,8 +1861,10 @@ class ScriptReader:
         self.cwd = None          # None: the directory the script is run from
         self.dirs = []           # pushd's stack
         self.functions = {}
+        self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
+        self.placements = []     # ScriptFacts.placements
         self.unfollowed = []     # (line, what)
         self.arg2_defaults = []
         self.condition = None    # why the commands being read may not run
@@ -1645,7 +1887,8 @@ class ScriptReader:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
-        return ScriptFacts(self.calls, self.default_target(), self.unfollowed)
+        return ScriptFacts(self.calls, self.default_target(), self.unfollowed,
+                           placements=self.placements)
 
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
@@ -1656,45 +1899,76 @@ class ScriptReader:
         self.unfollowed.append((self.line or line, what))
 
     # -- state, for the branches of a condition the reader cannot decide
-    def snapshot(self):
-        return (dict(self.vars), dict(self.arrays), list(self.args), self.cwd)
+    def change(self, table, name, value):
+        """Set (None: unset) a variable, array or function.  Every change
+        goes through here and onto the trail, so that a branch is undone by
+        what it changed, not by copying every variable (which made the time
+        grow with variables times conditions)."""
+        self.trail.append((table, name, table.get(name)))
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
 
-    def restore(self, state):
-        self.vars, self.arrays = dict(state[0]), dict(state[1])
-        self.args, self.cwd = list(state[2]), state[3]
+    def mark(self):
+        return len(self.trail), list(self.args), self.cwd
+
+    def undo(self, mark):
+        """Back to the state at `mark`; what was changed since, as it is now."""
+        changed = {}
+        while len(self.trail) > mark[0]:
+            table, name, before = self.trail.pop()
+            changed.setdefault((id(table), name), (table, name, table.get(name)))
+            if before is None:
+                table.pop(name, None)
+            else:
+                table[name] = before
+        self.args, self.cwd = list(mark[1]), mark[2]
+        return changed
+
+    def subshell(self, run):
+        """What a ( subshell ) or a pipeline's command sets stays inside."""
+        mark = self.mark()
+        try:
+            return run()
+        except ScriptExit:
+            return None
+        finally:
+            self.undo(mark)
 
     def either(self, label, alternatives):
         """Run each alternative from the same state, then merge what they
-        left: a variable they set differently is UNDECIDED.  Status None."""
-        start = self.snapshot()
+        left: a variable they set differently is UNDECIDED, a function they
+        define differently is each definition in turn.  Status None."""
+        start = self.mark()
         ends = []
         outer = self.condition
         self.condition = outer or label
         try:
             for alternative in alternatives:
-                self.restore(start)
                 try:
                     alternative()
                 except ScriptExit:
+                    self.undo(start)
                     continue
                 except (FunctionReturn, LoopBreak, LoopContinue):
                     pass
-                ends.append(self.snapshot())
+                ends.append((self.undo(start), self.args, self.cwd))
         finally:
             self.condition = outer
         if not ends:
             raise ScriptExit()
-        vars, arrays, args, cwd = ends[0]
-        for end in ends[1:]:
-            for name in set(vars) | set(end[0]):
-                if vars.get(name) != end[0].get(name):
-                    vars[name] = undecided("$%s (%s)" % (name, label))
-            for name in set(arrays) | set(end[1]):
-                if arrays.get(name) != end[1].get(name):
-                    arrays[name] = [undecided("${%s[@]} (%s)" % (name, label))]
-            if cwd != end[3]:
-                cwd = undecided("the directory (%s)" % label)
-        self.restore((vars, arrays, args, cwd))
+        for key in {key for changed, _, _ in ends for key in changed}:
+            table, name = next(c[key] for c, _, _ in ends if key in c)[:2]
+            values = [c[key][2] if key in c else table.get(name) for c, _, _ in ends]
+            if any(v != values[0] for v in values):
+                values[0] = (undecided("$%s (%s)" % (name, label)) if table is self.vars else
+                             [undecided("${%s[@]} (%s)" % (name, label))] if table is self.arrays
+                             else Choice(label, list(values)))
+            self.change(table, name, values[0])
+        self.args, self.cwd = ends[0][1], ends[0][2]
+        if any(cwd != self.cwd for _, _, cwd in ends):
+            self.cwd = undecided("the directory (%s)" % label)
         return None
 
     # -- commands; each returns its status: True, False or None (cannot tell)
@@ -1705,45 +1979,42 @@ class ScriptReader:
         return status
 
     def run(self, node):
-        kind, line = node[0], node[1]
-        if kind == "simple":
-            return self.run_simple(line, node[2])
-        if kind == "andor":
+        kind, line = type(node), node.line
+        if kind is Simple:
+            return self.run_simple(line, node.words)
+        if kind is AndOr:
             return self.run_andor(node)
-        if kind == "pipeline":
+        if kind is Pipeline:
             status = True
-            for command in node[3]:
-                status = self.run(command)
-            return (None if status is None else not status) if node[2] else status
-        if kind == "if":
-            return self.run_if(line, node[2], node[3])
-        if kind == "case":
-            return self.run_case(line, node[2], node[3])
-        if kind == "for":
-            return self.run_for(line, node[2], node[3], node[4])
-        if kind == "while":
-            return self.run_while(line, node[2], node[3], node[4])
-        if kind == "function":
-            self.functions[node[2]] = node[3]
+            for command in node.commands:  # bash runs each command of a | pipeline in a subshell
+                status = self.run(command) if len(node.commands) == 1 else self.subshell(
+                    lambda: self.run(command))
+            return (None if status is None else not status) if node.negated else status
+        if kind is If:
+            return self.run_if(line, node.clauses, node.otherwise)
+        if kind is Case:
+            return self.run_case(line, node.word, node.items)
+        if kind is Arithmetic:
+            return self.arithmetic_status(line, [node.expression])
+        if kind is For:
+            return self.run_for(line, node.name, node.words, node.body)
+        if kind is While:
+            return self.run_while(line, node.until, node.condition, node.body)
+        if kind is Function:
+            self.change(self.functions, node.name, node.body)
             return True
-        if node[3]:  # ( subshell ): what it sets stays inside
-            state = self.snapshot()
-            try:
-                return self.run_list(node[2])
-            except ScriptExit:
-                return None
-            finally:
-                self.restore(state)
-        return self.run_list(node[2])
+        if node.subshell:
+            return self.subshell(lambda: self.run_list(node.body))
+        return self.run_list(node.body)
 
     def run_andor(self, node):
-        status = self.run(node[2])
-        for op, pipeline in node[3]:
+        status = self.run(node.first)
+        for op, pipeline in node.rest:
             runs = status if op == "&&" else (None if status is None else not status)
             if runs:
                 status = self.run(pipeline)
             elif runs is None:
-                status = self.either("%s at line %d" % (describe_node(node[2]), node[1]),
+                status = self.either("%s at line %d" % (describe_node(node.first), node.line),
                                      [lambda p=pipeline: self.run(p), lambda: None])
         return status
 
@@ -1762,23 +2033,31 @@ class ScriptReader:
 
     def run_case(self, line, word, items):
         value = self.expand_one(word).replace(NOT_REACHED, "")
-        alternatives = []
-        for patterns, body in items:
-            pieces = [self.expand_one(p) for p in patterns]
-            if not known(value) or not all(known(p) for p in pieces):
-                alternatives.append(body)
-                continue
-            if any(fnmatch.fnmatchcase(value, p) for p in pieces):
-                if not alternatives:
-                    return self.run_list(body)
-                alternatives.append(body)
-                break
-        else:
-            if not alternatives:
-                return True
-            alternatives.append([])
+        paths = self.case_paths(value, items, 0)
+        if len(paths) == 1:
+            for body in paths[0]:
+                self.run_list(body)
+            return True
         label = "case %s at line %d" % (word, line)
-        return self.either(label, [lambda b=b: self.run_list(b) for b in alternatives])
+        return self.either(label, [lambda p=p: [self.run_list(b) for b in p] for p in paths])
+
+    def case_paths(self, value, items, start):
+        """The bodies each possible run of a case runs, testing from item
+        `start`: ;& runs the next body untested, ;;& goes on testing."""
+        for at in range(start, len(items)):
+            pieces = [self.expand_one(p) for p in items[at][0]]
+            matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
+            if not matched and known(value) and all(known(p) for p in pieces):
+                continue
+            end = at
+            while items[end][2] == ";&" and end + 1 < len(items):
+                end += 1
+            rest = self.case_paths(value, items, end + 1) if items[end][2] == ";;&" else [[]]
+            paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
+            if matched and known(value) and all(known(p) for p in pieces):
+                return paths
+            return paths + self.case_paths(value, items, at + 1)
+        return [[]]
 
     def run_for(self, line, name, words, body):
         values = list(self.args) if words is None else self.expand_words(words)
@@ -1839,19 +2118,33 @@ class ScriptReader:
                 if words[index] == "local" and self.frames:
                     self.frames[-1].setdefault(name, (self.vars.get(name), self.arrays.get(name)))
                     if not assignment:
-                        self.vars.pop(name, None)
-                        self.arrays.pop(name, None)
+                        self.change(self.vars, name, None)
+                        self.change(self.arrays, name, None)
                 if assignment:
                     self.assign_word(word, line)
             return True
+        if words[index] == "[[" and words[-1] == "]]":
+            return self.double_bracket(words[index + 1:-1])
         argv = self.expand_words(words[index:])
         return self.run_argv(line, argv)
 
+    def double_bracket(self, words):
+        """[[ ... ]]: no word splitting, and the right of == or != is a glob
+        pattern, taken literally where quoted."""
+        args = [self.expand_one(w).replace(NOT_REACHED, "") for w in words]
+        if not any(c in a for a in args for c in "*?["):
+            return test_expression(args)
+        if len(args) != 3 or args[1] not in ("=", "==", "!=") or SH_SPECIAL_RE.search(
+                words[2]) or not known(args[0]) or OUT_DIR in args[0]:
+            return None
+        return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
+
     def run_argv(self, line, argv):
-        while argv and argv[0] in SH_PREFIX_WORDS:
-            argv = argv[1:]
+        while argv and argv[0] in SH_PREFIX_COMMANDS and not (
+                argv[0] == "command" and argv[1:2] in (["-v"], ["-V"])):
+            argv = self.after_prefix(line, argv)
         if not argv:
-            return True
+            return True if argv is not None else None
         command = argv[0]
         if command in self.functions:
             return self.call_function(line, command, argv[1:])
@@ -1862,10 +2155,34 @@ class ScriptReader:
         if call is not None:
             call.condition = self.condition
             self.calls.append(call)
+            self.placements.extend(("add", posixpath.normpath(o[len(OUT_DIR) + 1:]), call.line, None)
+                                   for o in call.outputs if o.startswith(OUT_DIR + "/"))
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
+            return None
+        name = command.rsplit("/", 1)[-1]
+        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))):
+            self.unfollow(line, "%s, a program whose commands it does not read"
+                          % show_word(" ".join(argv[:2]))[:80])
+            return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True
+
+    def after_prefix(self, line, argv):
+        """The command a prefix command (nice -n 19, timeout 600, env A=1)
+        runs; None after an option the reader does not follow."""
+        valued, operands = SH_PREFIX_COMMANDS[argv[0]]
+        words = argv[1:]
+        while words and (words[0].startswith("-") or (argv[0] == "env" and "=" in words[0])):
+            word = words.pop(0)
+            if word == "--":
+                break
+            if word.split("=")[0] in SH_PREFIX_UNFOLLOWED and argv[0] == "env":
+                self.unfollow(line, "env %s" % word)
+                return None
+            if word in valued:
+                words = words[1:]
+        return words[operands:]
 
     def call_function(self, line, name, args):
         if self.depth >= SH_MAX_DEPTH:
@@ -1876,19 +2193,24 @@ class ScriptReader:
         self.frames.append({})
         self.depth += 1
         try:
-            return self.run(self.functions[name])
+            return self.run_function(self.functions[name])
         except FunctionReturn:
             return True
         finally:
             self.depth -= 1
             for local, (value, array) in self.frames.pop().items():
-                self.vars.pop(local, None)
-                self.arrays.pop(local, None)
-                if value is not None:
-                    self.vars[local] = value
-                if array is not None:
-                    self.arrays[local] = array
+                self.change(self.vars, local, value)
+                self.change(self.arrays, local, array)
             self.args, self.origin = saved, origin
+
+    def run_function(self, body):
+        """A function's body; one defined differently on the branches of a
+        condition the reader cannot decide is run as each of them."""
+        if body is None:
+            return None
+        if type(body) is not Choice:
+            return self.run(body)
+        return self.either(body.label, [lambda b=b: self.run_function(b) for b in body.bodies])
 
     # -- builtins
     def builtin_true(self, line, argv):
@@ -1904,12 +2226,14 @@ class ScriptReader:
 
     def builtin_lookup(self, line, argv):
         names = [a for a in argv[1:] if not a.startswith("-")]
-        if argv[0] == "command" and "-v" not in argv and "-V" not in argv:
-            return self.run_argv(line, argv[1:])
         return True if names and all(is_compiler_name(n) for n in names) else None
 
     def builtin_shift(self, line, argv):
-        count = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 1
+        count = argv[1] if len(argv) > 1 else "1"
+        if not count.isdigit():
+            self.args, self.origin = [undecided("the arguments after shift %s" % show_word(count))], None
+            return None
+        count = int(count)
         self.args = self.args[count:]
         if self.origin is not None:
             self.origin += count
@@ -1922,8 +2246,12 @@ class ScriptReader:
 
     def builtin_unset(self, line, argv):
         for name in argv[1:]:
-            self.vars.pop(name, None)
-            self.arrays.pop(name, None)
+            if "[" in name:  # one element: the others keep their indices, which are not modelled
+                array = name.split("[")[0]
+                self.change(self.arrays, array, [undecided("${%s[@]} (after unset %s)" % (array, name))])
+                continue
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, None)
         return True
 
     def builtin_cd(self, line, argv):
@@ -1998,6 +2326,8 @@ class ScriptReader:
             elif not word.startswith("-"):
                 names.append(word)
         if command == "getopts":
+            if len(argv) == 3 and self.vars.get("OPTIND", "1") == "1" and self.args[:1] in ([], [OUT_DIR]):
+                return False  # the default invocation passes no option: <output-dir> ends them
             names = names[1:2]
         elif command in ("mapfile", "readarray"):
             names = names[-1:] or ["MAPFILE"]
@@ -2006,8 +2336,79 @@ class ScriptReader:
                 self.assign(name, runtime("$%s (%s at line %d)" % (name, command, line)))
         return None
 
+    def builtin_place(self, line, argv):
+        """cp, mv, ln, install and rm: what they put into <output-dir> or take out of it."""
+        command, operands, directory, words = argv[0], [], None, iter(argv[1:])
+        for word in words:
+            if word in ("-t", "--target-directory") or word.startswith("--target-directory="):
+                directory = word.partition("=")[2] or next(words, "")
+            elif word in ("-m", "-o", "-g", "--mode", "--owner", "--group") and command == "install":
+                next(words, None)
+            elif not word.startswith("-") or word == "-":
+                operands.append(self.joined(word))
+        if command == "rm":
+            for path in operands:
+                self.place("remove", path, line)
+            return True
+        if directory is None and len(operands) < 2:
+            return True
+        if directory is None:
+            destination, operands = operands[-1], operands[:-1]
+            if len(operands) > 1 or destination.endswith("/") or destination == OUT_DIR:
+                directory = destination
+            else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
+                self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
+        for source in operands:
+            if directory is not None:
+                self.place("add", directory.rstrip("/") + "/" + source.rstrip("/").rsplit("/", 1)[-1],
+                           line)
+            if command == "mv":
+                self.place("remove", source, line)
+        return True
+
+    def joined(self, path):
+        """A path as the compiler outputs are spelt: relative ones joined to the directory."""
+        if self.cwd is not None and not path.startswith(("/",) + MARKERS):
+            return self.cwd + "/" + path
+        return path
+
+    def place(self, op, path, line, named=True):
+        """Record what a command puts into <output-dir> or takes out of it
+        (`named`: whether `path` surely names the file, not a directory)."""
+        if not path.startswith(OUT_DIR) and known(path):
+            return  # elsewhere
+        if path.startswith(OUT_DIR) and known(path) and named:
+            path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
+            self.placements.append((op, "" if path == "." else path, line, self.condition))
+        elif op == "add":
+            self.placements.append((op, None, line, self.condition))
+
+    def builtin_printf(self, line, argv):
+        if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
+            value = printf_value(argv[3], argv[4:])
+            self.assign(argv[2], value if value is not None else runtime(
+                "$%s (printf -v at line %d)" % (argv[2], line)))
+        return True
+
+    def builtin_let(self, line, argv):
+        return self.arithmetic_status(line, argv[1:])
+
+    def arithmetic_status(self, line, expressions):
+        """(( ... )) and let: true when the last expression is not 0; a name
+        they assign to is what the reader cannot tell afterwards."""
+        status = None
+        for expression in expressions:
+            assigned = [a or b for a, b in SH_ARITH_ASSIGNMENT_RE.findall(expression)]
+            for name in assigned:
+                self.assign(name, undecided("$%s (assigned in arithmetic at line %d)" % (name, line)))
+            value = None if assigned else self.arithmetic(expression)
+            status = None if value is None else value != 0
+        return status
+
     def builtin_eval(self, line, argv):
-        self.unfollow(line, "eval")
+        """eval, and trap's command: shell text the reader does not read."""
+        if argv[0] == "eval" or len(argv) > 2:
+            self.unfollow(line, "eval" if argv[0] == "eval" else "the command of trap")
         return None
 
     # -- variables
@@ -2020,9 +2421,9 @@ class ScriptReader:
             items = self.expand_words(array_words(value[1:-1]))
             if append:
                 items = self.arrays.get(name, [self.vars[name]] if name in self.vars else []) + items
-            self.vars.pop(name, None)
-            self.arrays[name] = items if sum(map(len, items)) <= SH_MAX_CHARS else [
-                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))]
+            self.change(self.vars, name, None)
+            self.change(self.arrays, name, items if sum(map(len, items)) <= SH_MAX_CHARS else [
+                undecided("${%s[@]} (longer than %d characters)" % (name, SH_MAX_CHARS))])
             return
         text = self.expand_one(value)
         if index is not None:
@@ -2030,9 +2431,9 @@ class ScriptReader:
             items = list(self.arrays.get(name, []))
             if position.isdigit() and int(position) <= len(items):
                 items[int(position):int(position) + 1] = [text]
-                self.arrays[name] = items
             else:
-                self.arrays[name] = items + [undecided("${%s[%s]}" % (name, position))]
+                items.append(undecided("${%s[%s]}" % (name, position)))
+            self.change(self.arrays, name, items)
             return
         if append:
             text = self.vars.get(name, "") + text
@@ -2041,8 +2442,8 @@ class ScriptReader:
     def assign(self, name, value, line=None):
         if len(value) > SH_MAX_CHARS:
             value = undecided("$%s (longer than %d characters)" % (name, SH_MAX_CHARS))
-        self.arrays.pop(name, None)
-        self.vars[name] = value
+        self.change(self.arrays, name, None)
+        self.change(self.vars, name, value)
 
     def lookup(self, name):
         """The value of a name, or None when the default invocation leaves it unset."""
@@ -2168,13 +2569,36 @@ class ScriptReader:
 
     def substitute(self, source, command):
         """$(...) or `...`: the value is the command's output, unknown here,
-        unless it names the <output-dir> argument (cd "$1" && pwd)."""
+        unless it names the <output-dir> argument (cd "$1" && pwd); and
+        $((...)), arithmetic, when every name in it is known."""
+        if source.startswith("$((") and source.endswith("))"):
+            value = self.arithmetic(source[3:-2])
+            return undecided(source) if value is None else str(value)
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
             if target == OUT_DIR:
                 return OUT_DIR
         return runtime(source)
+
+    def arithmetic(self, expression):
+        """The value of a shell arithmetic expression (an unset name is 0),
+        or None when a name in it holds no number the reader knows."""
+        def value(match):
+            found = self.lookup(match.group(1) or match.group(2))
+            found = "1" if found is None and match.group() == "OPTIND" else found or "0"
+            if not re.match(r"-?[0-9]+\Z", found):
+                raise Unevaluable()
+            return "(%s)" % found
+        expression = self.expand_one(expression)
+        if not known(expression):
+            return None
+        try:
+            text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*|[0-9#])\}?|([A-Za-z_][A-Za-z0-9_]*)",
+                          value, expression)
+        except Unevaluable:
+            return None
+        return if_value(text)
 
     def parameter(self, body, source, in_double):
         """The value of ${body}; a list for ${a[@]} in double quotes."""
@@ -2202,6 +2626,13 @@ class ScriptReader:
                 value = items[int(position)] if position.isdigit() and int(position) < len(items) else None
         elif name == "@" and in_double and op is None:
             return list(self.args)
+        elif name in ("@", "*") and op == ":":  # ${@:N:L}: arguments, not characters
+            numbers = rest.split(":")
+            if not all(n.strip().isdigit() for n in numbers):
+                return undecided(source)
+            start = int(numbers[0])
+            items = ([runtime("$0")] + self.args)[start:start + int(numbers[1]) if len(numbers) > 1 else None]
+            return list(items) if in_double and name == "@" else " ".join(items)
         else:
             value = self.lookup(name)
         if op is None:
@@ -2251,6 +2682,21 @@ def array_words(text):
     """The words of an array value's text (between its parentheses)."""
     return [token[1] for token in tokenize(text) if token[0] == "word"]
 
+
+
+def printf_value(form, args):
+    """What printf writes for a format whose only directive is %s (used
+    again for the arguments left over); None for any other format."""
+    if re.search(r"%[^s]|%\Z|\\", form):
+        return None
+    count = form.count("%s")
+    if count == 0:
+        return form
+    written = []
+    for at in range(0, max(len(args), 1), count):
+        chunk = iter(args[at:at + count] + [""] * count)
+        written.append(re.sub("%s", lambda _: next(chunk), form))
+    return "".join(written)
 
 
 def remove_pattern(value, pattern, op):
@@ -2323,9 +2769,10 @@ def non_empty(value):
 
 def describe_node(node):
     """A condition as a message shows it: its first simple command."""
-    while node is not None and node[0] != "simple":
-        node = node[2] if node[0] == "andor" else (node[3][0] if node[0] == "pipeline" else None)
-    return " ".join(node[2])[:60] if node is not None else "a condition"
+    while node is not None and type(node) is not Simple:
+        node = node.first if type(node) is AndOr else (
+            node.commands[0] if type(node) is Pipeline else None)
+    return " ".join(node.words)[:60] if node is not None else "a condition"
 
 
 SH_BUILTINS = {
@@ -2342,7 +2789,10 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval,
+    "eval": ScriptReader.builtin_eval, "trap": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
+    "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
+    "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,
 }
 
 
@@ -2392,6 +2842,8 @@ NAME = Rule("a string of lowercase letters, digits and _", lambda v: type(v) is 
 PATH = Rule("a non-empty path (no NUL character, valid UTF-8)", is_path)
 POSITIVE = Rule("an integer >= 1", lambda v: type(v) is int and v >= 1)
 ARCHITECTURE = Rule("an architecture (string or integer)", is_architecture)
+REASON = Rule("a non-empty string saying why the warning is accepted",
+              lambda v: type(v) is str and v.strip() != "")
 
 # Every key of a manifest: (key, required, rule).  check_keys applies these
 # rules and words its messages from them, load() takes the values it uses
@@ -2426,6 +2878,8 @@ MANIFEST_KEYS = (
     ("reference.entrypoint", False, PATH),
     ("reference.note", False, Rule("a non-empty string", lambda v: type(v) is str and v != "")),
     ("excluded", False, Rule("a list of glob patterns", lambda v: type(v) is list, PATH)),
+    ("ignore", False, Rule("an object mapping codes to reasons", lambda v: type(v) is dict,
+                           {None: REASON})),
 )
 
 
@@ -2483,6 +2937,13 @@ def candidate_dirs(repo):
             rel = platform_rel + "/" + child.name
             if is_dir:
                 candidates.append(Backend(child.name, platform, child.path, rel))
+            elif child.name.endswith(MANIFEST_SUFFIX):
+                name = child.name[:-len(MANIFEST_SUFFIX)]
+                strays.append(Diagnostic(
+                    "error", "D002", platform, rel, None,
+                    "manifest %s is never discovered: a backend is a directory %s/<name>/ holding "
+                    "<name>%s; move it to %s/%s/%s" % (child.name, platform_rel, MANIFEST_SUFFIX,
+                                                       platform_rel, name, child.name)))
             elif is_kernel_source(child.name):
                 strays.append(Diagnostic(
                     "error", "D005", platform, rel, None,
@@ -2509,7 +2970,9 @@ def listed_dirs(repo, path, rel, key, files=False):
     try:
         with os.scandir(path) as entries:
             for entry in entries:
-                if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:
+                # In a platform directory (`files`), a hidden directory is seen:
+                # a build compiles backends/cpu/.wip/x.c as well as any other.
+                if entry.name in SKIPPED_DIRS or (entry.name.startswith(".") and not files):
                     continue
                 is_dir = _is_dir(entry)
                 if ignored and ignored(entry.name + ("/" if is_dir else "")):
@@ -2560,17 +3023,29 @@ def classify(repo, backend):
     # A manifest under another name: <other>.backend.json, or the likely
     # slips backend.json and <name>.json.
     slips = ("backend.json", backend.name + ".json")
-    stray = [p for p in files if p != manifest_name and (
-        p.endswith(MANIFEST_SUFFIX) and "/" not in p or p in slips)]
+    stray = [p for p in files if p != manifest_name and (p.endswith(MANIFEST_SUFFIX) or p in slips)]
     for name in stray:
+        if "/" not in name:
+            where = "the manifest of directory %s must be named %s" % (backend.name, manifest_name)
+        else:  # a manifest counts only directly in <platform>/<name>/, named after <name>
+            where = ("a backend is a directory %s/<name>/ holding <name>%s; move %s/ there"
+                     % (posixpath.dirname(backend.rel_dir), MANIFEST_SUFFIX,
+                        backend.rel(posixpath.dirname(name))))
         diagnostics.append(Diagnostic(
             "error", "D002", backend.key, backend.rel(name), None,
-            "manifest %s is never discovered: the manifest of directory %s must be "
-            "named %s" % (name, backend.name, manifest_name)))
+            "manifest %s is never discovered: %s" % (name, where)))
     if has_manifest or os.path.lexists(backend.manifest_path):
         return True, relevant, diagnostics
+    if backend.name in ("test", "tests"):  # a platform's own tests, with their fixtures
+        return False, relevant, diagnostics
     kernels = sorted(p for p in files if is_kernel_source(p))
-    if kernels and not stray:
+    if kernels and not stray and backend.name.startswith("."):
+        diagnostics.append(Diagnostic(
+            "error", "D001", backend.key, backend.rel_dir, None,
+            "is a hidden directory with kernel sources (%s) that no manifest declares, which a "
+            "build can still compile; move them into a backend directory, or out of the backends "
+            "directory" % ", ".join(kernels[:3])))
+    elif kernels and not stray:
         diagnostics.append(Diagnostic(
             "error", "D001", backend.key, backend.rel_dir, None,
             "has kernel sources (%s) but no %s manifest"
@@ -2641,6 +3116,49 @@ class ManifestDecoder(json.JSONDecoder):
 
 
 MANIFEST_DECODER = ManifestDecoder()
+JSON_SPACE_RE = re.compile(r"[ \t\n\r]*")
+JSON_SCALAR_RE = re.compile(r"[^,\]} \t\n\r]+")
+
+
+def manifest_lines(text):
+    """{key: line} of the keys and list items of a manifest that decoded,
+    named as the messages name them ("build.output", "sources[1]",
+    "numerics.tolerance.rmsnorm_f32"); of a duplicate key, the last, the
+    one JSON keeps."""
+    import bisect
+    from json.decoder import scanstring
+    starts = [0] + [m.end() for m in re.finditer("\n", text)]
+    lines = {}
+
+    def value(pos, place):
+        """Note the lines below the value at pos; the position after it."""
+        pos = JSON_SPACE_RE.match(text, pos).end()
+        if text[pos] not in "{[":
+            return scanstring(text, pos + 1)[1] if text[pos] == '"' else JSON_SCALAR_RE.match(
+                text, pos).end()
+        close, index = "}" if text[pos] == "{" else "]", 0
+        pos = JSON_SPACE_RE.match(text, pos + 1).end()
+        while text[pos] != close:
+            if close == "}":
+                key, pos = scanstring(text, pos + 1)
+                inner = place + "." + key if place else key
+                lines[inner] = bisect.bisect_right(starts, pos)
+                pos = JSON_SPACE_RE.match(text, pos).end() + 1  # the colon
+            else:
+                inner = "%s[%d]" % (place, index)
+                pos = JSON_SPACE_RE.match(text, pos).end()
+                lines[inner] = bisect.bisect_right(starts, pos)
+                index += 1
+            pos = JSON_SPACE_RE.match(text, value(pos, inner)).end()
+            if text[pos] == ",":
+                pos = JSON_SPACE_RE.match(text, pos + 1).end()
+        return pos + 1
+
+    try:
+        value(0, "")
+    except RecursionError:  # nested deeper than any manifest: the lines found so far
+        pass
+    return lines
 
 
 def load(backend):
@@ -2682,6 +3200,7 @@ def load(backend):
     if not isinstance(manifest, dict):
         backend.error("J003", "the manifest must be a JSON object, not %s" % describe(manifest), rel)
         return
+    backend.manifest_text = text
     take_manifest(backend, manifest)
 
 
@@ -2707,6 +3226,10 @@ def take_manifest(backend, manifest):
             backend.architectures = [str(a) for a in archs]
         if is_architecture(build.get("default_arch")):
             backend.default_arch = str(build["default_arch"])
+    ignore = manifest.get("ignore")
+    if type(ignore) is dict:
+        backend.ignore = {code: why for code, why in ignore.items()
+                          if CODE_RE.match(code) and REASON.test(why)}
 
 
 # ---------------------------------------------------------------------------
@@ -2723,16 +3246,22 @@ def check_keys(repo, backend):
     name, platform = m.get("name"), m.get("platform")
     if NAME.test(name) and name != backend.name:
         backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
-                      % (name, backend.name), rel)
+                      % (name, backend.name), rel, key="name")
     if STRING.test(platform) and platform != backend.platform:
         backend.error("M005", 'platform "%s" differs from its directory "%s"'
-                      % (platform, backend.platform), rel)
+                      % (platform, backend.platform), rel, key="platform")
+    ignore = m.get("ignore")
+    for code in sorted(ignore) if type(ignore) is dict else ():
+        if not CODE_RE.match(code):
+            backend.error("M002", '"ignore" maps codes to reasons; "%s" is no code (a letter and '
+                          "three digits, as B017)" % code, rel, key="ignore." + code)
     build = m.get("build")
     if type(build) is dict and backend.architectures is not None:
         form = ARCH_FORMS.get(backend.platform)
-        for arch in backend.architectures if form else ():
+        for index, arch in enumerate(backend.architectures) if form else ():
             if not form[0].match(arch):
-                backend.error("B011", "architecture %s is not %s" % (describe(arch), form[1]), rel)
+                backend.error("B011", "architecture %s is not %s" % (describe(arch), form[1]), rel,
+                              key="build.architectures[%d]" % index)
 
 
 def check_object(backend, rel, value, where):
@@ -2741,27 +3270,40 @@ def check_object(backend, rel, value, where):
     rules = KEYS_BELOW[where]
     for key in sorted(value) if not rules.keys() >= value.keys() else ():
         if key not in rules:
-            hint = nearest(key, list(rules))
-            backend.warning("M003", 'unknown key "%s%s"%s' % (
-                where, key, '; did you mean "%s"?' % hint if hint else ""), rel)
+            backend.warning("M003", 'unknown key "%s%s"%s' % (where, key, unknown_key_hint(
+                where, key, rules)), rel, key=where + key)
     for name, (required, rule) in rules.items():
         if name not in value:
             if required:
-                backend.error("M001", 'missing required key "%s%s"' % (where, name), rel)
+                backend.error("M001", 'missing required key "%s%s"' % (where, name), rel,
+                              key=where[:-1] or None)
             continue
         item = value[name]
         if not rule.test(item):
             backend.error("M002", '"%s%s" must be %s, not %s'
-                          % (where, name, rule.expected, describe(item)), rel)
+                          % (where, name, rule.expected, describe(item)), rel, key=where + name)
         elif rule.each is not None:
             for index, element in (sorted(item.items()) if type(item) is dict else enumerate(item)):
                 each = rule.each.get(index, rule.each[None]) if type(item) is dict else rule.each
                 if not each.test(element):
                     place = ("%s%s.%s" if type(item) is dict else "%s%s[%d]") % (where, name, index)
                     backend.error("M002", '"%s" must be %s, not %s'
-                                  % (place, each.expected, describe(element)), rel)
+                                  % (place, each.expected, describe(element)), rel, key=place)
         elif type(item) is dict and where + name + "." in KEYS_BELOW:
             check_object(backend, rel, item, where + name + ".")
+
+
+def unknown_key_hint(where, key, rules):
+    """What to say of an unknown key: where it belongs when another object
+    of the manifest has it (a top-level min_capability belongs in build),
+    else the nearest spelling."""
+    homes = sorted(place + key for place, names in KEYS_BELOW.items() if key in names)
+    if homes:
+        return "; it belongs %s" % " or ".join(
+            'under "%s" (as "%s")' % (home.rsplit(".", 1)[0], home) if "." in home else
+            'at the top level (as "%s")' % home for home in homes)
+    hint = nearest(key, list(rules))
+    return '; did you mean "%s"?' % hint if hint else ""
 
 
 def check_abi(repo, backend):
@@ -2777,11 +3319,17 @@ def check_abi(repo, backend):
                           % (rel, prefix, describe(raw)), backend.rel(rel), line)
     literal = [d for d in defines if d[3] is not None]
     if not literal:
-        if defines:  # A005 said what is wrong with the macro there is
-            return
-        level = "error" if backend.status == "validated" else "warning"
-        backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
-                       "add one equal to abi_version")
+        if not defines:  # with one, A005 said what is wrong with the macro there is
+            level = "error" if backend.status == "validated" else "warning"
+            backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
+                           "add one equal to abi_version")
+        # The prefix from the macro there is, else from the <prefix>_abi_version() declared.
+        prefixes = {defines[0][2].lower()} if defines else sources.abi_function_prefixes()
+        if not prefixes:
+            backend.warning("A004", "no declaration of a <prefix>_abi_version() in the declared "
+                            "sources; the C ABI requires it, and <prefix>_error_string()")
+        for prefix in sorted(prefixes):
+            check_abi_functions(backend, sources, prefix)
         return
     values = {d[3] for d in literal}
     backend.abi_prefix = literal[0][2].lower()
@@ -2796,7 +3344,12 @@ def check_abi(repo, backend):
         backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
-    for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
+    check_abi_functions(backend, sources, backend.abi_prefix)
+
+
+def check_abi_functions(backend, sources, prefix):
+    """A004: the two functions every ABI declares."""
+    for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if not sources.declares(symbol):
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
@@ -2855,6 +3408,16 @@ class AbiSources:
         declared = {p for p in prefixes if self.declares(p.lower() + "_abi_version")}
         return declared or prefixes
 
+    def abi_function_prefixes(self):
+        """The prefixes of every <prefix>_abi_version( the sources name."""
+        found = set()
+        for entry in self.texts.values():
+            if "_abi_version" in entry[0]:
+                if entry[1] is None:
+                    entry[1] = preprocess(entry[0])[0]
+                found.update(ABI_FUNCTION_RE.findall(entry[1]))
+        return found
+
     def declares(self, symbol):
         """Whether a source names `symbol(` in its live text."""
         for entry in self.texts.values():
@@ -2901,13 +3464,18 @@ def check_sources(repo, backend):
         return
     declared = {}
     real_dir = None
+    at = {}  # each source's places in the list, for the line of a finding about the entry
+    for index, source in enumerate(m["sources"]):
+        if type(source) is str:
+            at.setdefault(source, []).append(index)
     for source, rel, problem in backend.sources:
+        key = "sources[%d]" % at[source].pop(0)
         if problem:
-            backend.error("S002", "source %s %s" % (describe(source), problem))
+            backend.error("S002", "source %s %s" % (describe(source), problem), key=key)
             continue
         if rel in declared:
             backend.error("S003", "source %s is listed twice (as %s and %s)"
-                          % (rel, describe(declared[rel]), describe(source)))
+                          % (rel, describe(declared[rel]), describe(source)), key=key)
             continue
         declared[rel] = source
         kind = backend.files.get(rel)
@@ -2979,9 +3547,14 @@ def check_build_script(repo, backend):
     rel, problem = normalize_relpath(script)
     rel_path = backend.rel(rel) if rel else None
     if problem:
-        backend.error("S002", "build.script %s %s" % (describe(script), problem))
+        backend.error("S002", "build.script %s %s" % (describe(script), problem), key="build.script")
         return
     path = backend.dir + "/" + rel
+    if not repo.inside(path):
+        backend.error("S002", "build script %s is a symbolic link to %s, outside the repository; "
+                      "keep it in the repository, where CI and the trace run it"
+                      % (rel, os.path.realpath(path)), rel_path)
+        return
     data, problem, mode = read_bytes(path)  # the mode comes with the read
     if mode is None:
         try:
@@ -3003,7 +3576,7 @@ def check_build_script(repo, backend):
         backend.error("B012", "build script %s has Windows (CRLF) line ends, which bash reads as "
                       "part of each command; convert it (dos2unix %s), and if git converts it on "
                       "checkout, add '*.sh text eol=lf' to .gitattributes" % (rel, rel_path),
-                      rel_path)
+                      rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
     check_build_facts(backend, rel, ScriptReader(text, backend.dir).facts())
@@ -3037,7 +3610,8 @@ def check_build_output(backend):
     if output.startswith("/") or ".." in output.split("/"):
         backend.error("B015", "build.output %s is not inside the build script's <output-dir>; give "
                       "the library's path relative to it, e.g. %s"
-                      % (describe(output), describe(posixpath.basename(output) or "libname.so")))
+                      % (describe(output), describe(posixpath.basename(output) or "libname.so")),
+                      key="build.output")
         return False
     return True
 
@@ -3048,14 +3622,15 @@ def check_build_targets(backend, build):
         return
     default = backend.default_arch
     if default is not None and default not in backend.architectures:
-        backend.error("B008", "build.default_arch %s is not in build.architectures" % default)
+        backend.error("B008", "build.default_arch %s is not in build.architectures" % default,
+                      key="build.default_arch")
     minimum = build.get("min_capability")
     if is_int(minimum):
-        for arch in backend.architectures:
+        for index, arch in enumerate(backend.architectures):
             number = arch_number(arch)
             if number is not None and number < minimum:
                 backend.error("B010", "architecture %s is below build.min_capability %d"
-                              % (arch, minimum))
+                              % (arch, minimum), key="build.architectures[%d]" % index)
 
 
 def check_status(repo, backend):
@@ -3067,20 +3642,21 @@ def check_status(repo, backend):
         ops = [k for k in tolerance if k != "note"] if isinstance(tolerance, dict) else []
         if not ops:
             backend.error("T001", "status is validated but numerics.tolerance gives no op "
-                          "tolerance; add one per op")
+                          "tolerance; add one per op", key="status")
     reference = m.get("reference")
     entry = reference.get("entrypoint") if isinstance(reference, dict) else None
     level = "error" if backend.status == "validated" else "warning"
     if not isinstance(entry, str) or not entry:
         if backend.status == "validated":
-            backend.error("T002", "status is validated but reference.entrypoint is not given")
+            backend.error("T002", "status is validated but reference.entrypoint is not given",
+                          key="status")
         return
     if not inside_repository(entry):
         backend.report(level, "T002", "reference.entrypoint %s must be relative to the repository "
-                       "root, and inside it" % describe(entry))
+                       "root, and inside it" % describe(entry), key="reference.entrypoint")
     elif not os.path.isfile(os.path.join(repo.root, entry)):
         backend.report(level, "T002", "reference.entrypoint %s does not exist (it is relative to "
-                       "the repository root)" % describe(entry))
+                       "the repository root)" % describe(entry), key="reference.entrypoint")
 
 
 def inside_repository(path):
@@ -3093,9 +3669,10 @@ def check_models(repo, backend):
     models = backend.manifest.get("models")
     if not isinstance(models, list):
         return
-    for model in models:
+    for index, model in enumerate(models):
         if is_model_dir(model) and not os.path.isdir(os.path.join(repo.root, model)):
-            backend.warning("O001", "models lists %s, which does not exist" % describe(model))
+            backend.warning("O001", "models lists %s, which does not exist" % describe(model),
+                            key="models[%d]" % index)
 
 
 # (check, runs for planned backends too)
@@ -3135,6 +3712,11 @@ def check_index_modes(repo, backends):
 
 
 def check_backend(repo, backend):
+    if not repo.inside(backend.manifest_path):
+        backend.error("S002", "%s is a symbolic link to %s, outside the repository; the check does "
+                      "not follow it (replace the link with the file it stands for)"
+                      % (backend.name + MANIFEST_SUFFIX, os.path.realpath(backend.manifest_path)))
+        return
     load(backend)
     if backend.manifest is None:
         return
@@ -3154,7 +3736,9 @@ class Run:
     def __init__(self, root, backends, diagnostics):
         self.root = root
         self.backends = backends
-        self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
+        found = sorted(diagnostics, key=Diagnostic.sort_key)
+        self.diagnostics = [d for d in found if d.suppressed is None]
+        self.suppressed = [d for d in found if d.suppressed is not None]
 
     def count(self, level):
         return sum(1 for d in self.diagnostics if d.level == level)
@@ -3193,15 +3777,48 @@ def unknown_name(given, name, keys, repo):
             name, name)
     if name in PLATFORMS or os.path.isdir(os.path.join(repo.backends_path, name)):
         return message + '; "%s" is a platform directory: name its backends as %s/<name>' % (name, name)
+    import difflib
     command = nearest(name, list(COMMANDS))
-    if command:
-        return message + '; did you mean the command "%s"?' % command
     hint = nearest(name, keys + sorted({k.split("/", 1)[-1] for k in keys}))
+    if command and not (hint and difflib.SequenceMatcher(None, name, hint).ratio() >
+                        difflib.SequenceMatcher(None, name, command).ratio()):
+        return message + '; did you mean the command "%s"?' % command
     return message + ('; did you mean "%s"?' % hint if hint else "")
 
 
-def run_check(repo, names=()):
-    """Check the named backends (all by default)."""
+def suppress(diagnostics, backends, ignored):
+    """Mark each warning that its backend's manifest ("ignore") or the
+    command line (--ignore, the codes in `ignored`) accepts, with the
+    reason.  Errors are never suppressed: an error means the manifest is
+    not true."""
+    ignores = {b.key: b.ignore for b in backends}
+    for d in diagnostics:
+        if d.level != "warning":
+            continue
+        reason = ignores.get(d.backend, {}).get(d.code)
+        if reason is None and d.code in ignored:
+            reason = "--ignore %s" % d.code
+        d.suppressed = reason
+
+
+def unused_ignores(backends, diagnostics):
+    """M006: an ignore entry for a code of the check that matches none of
+    its warnings.  Entries for the codes of build, test, parity and trace are
+    not judged: whether those warn depends on the machine."""
+    used = {(d.backend, d.code) for d in diagnostics if d.suppressed is not None}
+    errors = {(d.backend, d.code) for d in diagnostics if d.level == "error"}
+    for backend in backends:
+        for code in sorted(backend.ignore):
+            if code[0] in CHECK_FAMILIES and (backend.key, code) not in used:
+                backend.warning("M006", "ignore.%s matches no warning of %s%s; remove the entry"
+                                % (code, backend.key, "; %s is an error here, which no entry can "
+                                   "suppress" % code if (backend.key, code) in errors else ""),
+                                key="ignore." + code)
+
+
+def run_check(repo, names=(), ignored=()):
+    """Check the named backends (all by default); warnings of the codes in
+    `ignored`, and those each manifest's "ignore" names, are suppressed."""
     backends, loose = discover(repo)
     if not backends and not loose:
         loose.append(Diagnostic("warning", "D007", repo.backends_dir, repo.backends_dir, None,
@@ -3212,6 +3829,9 @@ def run_check(repo, names=()):
     for backend in backends:
         check_backend(repo, backend)
     check_index_modes(repo, backends)
+    found = loose + [d for backend in backends for d in backend.diagnostics]
+    suppress(found, backends, ignored)
+    unused_ignores(backends, found)
     return Run(repo.root, backends, loose + [d for backend in backends for d in backend.diagnostics])
 
 
@@ -3220,8 +3840,13 @@ def run_check(repo, names=()):
 
 
 def summary_line(run):
-    return "%d backend(s), %d error(s), %d warning(s)" % (
-        len(run.backends), run.count("error"), run.count("warning"))
+    return "%d backend(s), %d error(s), %d warning(s)%s" % (
+        len(run.backends), run.count("error"), run.count("warning"), suppressed_note(run.suppressed))
+
+
+def suppressed_note(suppressed):
+    """How the summary line counts the suppressed findings (nothing when none)."""
+    return ", %d suppressed (--format json lists them)" % len(suppressed) if suppressed else ""
 
 
 CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -3287,7 +3912,8 @@ def report_text(run, out):
 def report_json(run, out):
     json.dump({"checked": [b.key for b in run.backends],
                "issues": [d.as_dict() for d in run.diagnostics],
-               "errors": run.count("error"), "warnings": run.count("warning")},
+               "errors": run.count("error"), "warnings": run.count("warning"),
+               "suppressed": [d.as_dict() for d in run.suppressed]},
               out, indent=2)
     out.write("\n")
 
@@ -3299,20 +3925,50 @@ def github_escape(text, property=False):
     return text
 
 
+def annotation(d):
+    """A finding as a GitHub Actions workflow command, which GitHub shows on
+    the line of the file."""
+    fields = []
+    if d.path:
+        fields.append("file=" + github_escape(d.path, True))
+        if d.line:
+            fields.append("line=%d" % d.line)
+    fields.append("title=" + d.code)
+    return "::%s %s::%s\n" % (d.level, ",".join(fields),
+                              github_escape("%s: %s" % (d.backend, d.message)))
+
+
 def report_github(run, out):
-    for d in run.diagnostics:
-        fields = []
-        if d.path:
-            fields.append("file=" + github_escape(d.path, True))
-            if d.line:
-                fields.append("line=%d" % d.line)
-        fields.append("title=" + d.code)
-        out.write("::%s %s::%s\n" % (d.level, ",".join(fields),
-                                     github_escape("%s: %s" % (d.backend, d.message))))
+    out.write("".join(annotation(d) for d in run.diagnostics))
     out.write(summary_line(run) + "\n")
 
 
-REPORTERS = {"text": report_text, "json": report_json, "github": report_github}
+def report_sarif(run, out):
+    """SARIF 2.1.0, what GitHub code scanning reads: every finding, the
+    suppressed ones with their reason."""
+    from urllib.parse import quote
+    results = []
+    for d in run.diagnostics + run.suppressed:
+        result = {"ruleId": d.code, "level": d.level,
+                  "message": {"text": "%s: %s" % (d.backend, d.message)}}
+        if d.path:
+            location = {"artifactLocation": {"uri": quote(d.path), "uriBaseId": "%SRCROOT%"}}
+            if d.line:
+                location["region"] = {"startLine": d.line}
+            result["locations"] = [{"physicalLocation": location}]
+        if d.suppressed is not None:
+            result["suppressions"] = [{"kind": "external", "justification": d.suppressed}]
+        results.append(result)
+    codes = sorted({d.code for d in run.diagnostics + run.suppressed})
+    json.dump({"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
+               "runs": [{"tool": {"driver": {"name": "check_contract.py", "version": VERSION,
+                                             "rules": [{"id": code} for code in codes]}},
+                         "results": results}]}, out, indent=2)
+    out.write("\n")
+
+
+REPORTERS = {"text": report_text, "json": report_json, "github": report_github,
+             "sarif": report_sarif}
 
 
 # ---------------------------------------------------------------------------
@@ -3328,6 +3984,8 @@ REPORTERS = {"text": report_text, "json": report_json, "github": report_github}
 # targets; the union is what the library runs on.
 
 ELF_MAGIC = b"\x7fELF"
+# What the linker itself defines in a shared object, whatever its sources.
+LINKER_SYMBOLS = frozenset(("_init", "_fini", "_edata", "_end", "__bss_start"))
 ELF_TYPE_SHARED = 3
 SECTION_DYNSYM = 11
 FATBIN_MAGIC = 0xBA55ED50
@@ -3468,7 +4126,7 @@ TOOLCHAINS = {"cpu": ("CC", "cc"), "cuda": ("NVCC", "nvcc"), "hip": ("HIPCC", "h
 class TierResult:
     """What happened to one backend in a tier: passed, failed or skipped."""
 
-    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics", "trace")
+    __slots__ = ("backend", "outcome", "detail", "elapsed", "diagnostics", "trace", "suppressed")
 
     def __init__(self, backend, outcome, detail="", elapsed=None, diagnostics=()):
         self.backend = backend
@@ -3477,11 +4135,13 @@ class TierResult:
         self.elapsed = elapsed
         self.diagnostics = sorted(diagnostics, key=Diagnostic.sort_key)
         self.trace = None  # trace: what each traced run built (traced_build)
+        self.suppressed = []  # the findings an ignore entry accepts (set aside by run_tier)
 
     def as_dict(self):
         found = {"backend": self.backend, "result": self.outcome, "detail": self.detail,
                  "elapsed": None if self.elapsed is None else round(self.elapsed, 3),
-                 "issues": [d.as_dict() for d in self.diagnostics]}
+                 "issues": [d.as_dict() for d in self.diagnostics],
+                 "suppressed": [d.as_dict() for d in self.suppressed]}
         if self.trace is not None:
             found["runs"] = [dict(r, elapsed=round(r["elapsed"], 3)) for r in self.trace]
         return found
@@ -3639,6 +4299,14 @@ def inspect_library(backend, path, arch, report):
     for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if symbol not in shared.dynamic_symbols:
             report("error", "R005", "%s does not export %s" % (output, symbol))
+    foreign = sorted(s for s in shared.dynamic_symbols
+                     if not s.startswith(prefix + "_") and s not in LINKER_SYMBOLS)
+    if foreign:
+        report("error", "R010", "%s exports %d name(s) without the prefix %s_ (%s%s), which the C "
+               "ABI gives every name; hide them (-fvisibility=hidden, and "
+               "__attribute__((visibility(\"default\"))) on the ABI's functions)"
+               % (output, len(foreign), prefix, ", ".join(foreign[:5]),
+                  ", ..." if len(foreign) > 5 else ""))
     if prefix + "_abi_version" in shared.dynamic_symbols:
         done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
@@ -4452,7 +5120,10 @@ def traced_facts(trace):
         if call is not None:
             call.outputs = [posixpath.normpath(o) for o in call.outputs]
         calls.append(call)
-    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir), calls
+    # What is in <output-dir> when the script ends is what it leaves there, however it got there.
+    left = [("add", path, None, None) for path in sorted(trace.written)]
+    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir,
+                       placements=left), calls
 
 
 def traced_build(trace, calls, platform):
@@ -4554,6 +5225,10 @@ def trace_backend(repo, run, backend, args, stream, session):
         if target is not None:  # the targets of a single-target run are checked below
             checked.architectures = None
         check_build_facts(checked, script, facts, traced=True)
+        if target is None:
+            check_compiled_sources(repo, checked, facts.calls, lambda path: None if trace.show(
+                path).startswith(("<", "/", "~", "$")) else trace.show(path), traced=True,
+                complete=not trace.uncaught and not trace.binaries)
         for d in checked.diagnostics:
             d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
             found.append(d)
@@ -4562,7 +5237,7 @@ def trace_backend(repo, run, backend, args, stream, session):
                 report("error", "B006", "the single-target invocation does not build %s" % target)
             for other in built["targets"]:
                 if other != target:
-                    report("warning", "B007", "the single-target invocation for %s also builds "
+                    report("error", "B007", "the single-target invocation for %s also builds "
                            "%s" % (target, other))
     result = TierResult(key, "failed" if any(d.level == "error" for d in found) else "passed",
                         trace_summary(runs[0]), sum(r["elapsed"] for r in runs), found)
@@ -4623,6 +5298,9 @@ def trace_summary(built):
 
 
 def report_tier(results, fmt, out, root, isolation=None):
+    """The results of build, test, parity or trace: as JSON, or a line per
+    backend (and per traced call) with its findings as text lines or GitHub
+    annotations, then for trace the isolation used, then the counts."""
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
         found = dict({"results": [r.as_dict() for r in results]}, **counts)
@@ -4632,6 +5310,7 @@ def report_tier(results, fmt, out, root, isolation=None):
         out.write("\n")
         return
     locator = Locator(root)
+    finding = annotation if fmt == "github" else lambda d: finding_line(d, locator)
     for result in results:
         line = "%s %s" % (result.outcome, result.backend)
         if result.detail:
@@ -4647,10 +5326,11 @@ def report_tier(results, fmt, out, root, isolation=None):
                     call["cwd"])) + "\n")
             out.write("    -> %s\n" % escape_control(trace_summary(built)))
         for d in result.diagnostics:
-            out.write(finding_line(d, locator))
+            out.write(finding(d))
     if isolation is not None:
         out.write("isolation: %s\n" % isolation)
-    out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped\n" % counts)
+    out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped" % counts)
+    out.write(suppressed_note([d for r in results for d in r.suppressed]) + "\n")
 
 
 def run_tier(args, run_one, choose=None, repo=None, isolation=None):
@@ -4661,6 +5341,10 @@ def run_tier(args, run_one, choose=None, repo=None, isolation=None):
     if isolation is not None:
         stream.write("==> isolation: %s\n" % isolation)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
+    for result in results:
+        suppress(result.diagnostics, backends, args.ignore)
+        result.suppressed = [d for d in result.diagnostics if d.suppressed is not None]
+        result.diagnostics = [d for d in result.diagnostics if d.suppressed is None]
     report_tier(results, args.format, sys.stdout, repo.root, isolation)
     return 1 if any(r.outcome == "failed" for r in results) else 0
 
@@ -4738,11 +5422,8 @@ def nearest_holding(directory, name):
 
 def cmd_check(args):
     repo = repository(args)
-    run = run_check(repo, args.names)
-    fmt = args.format
-    if fmt is None:
-        fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"
-    REPORTERS[fmt](run, sys.stdout)
+    run = run_check(repo, args.names, args.ignore)
+    REPORTERS[args.format](run, sys.stdout)
     if run.count("error") or (args.strict and run.count("warning")):
         return 1
     return 0
@@ -4840,7 +5521,11 @@ def cmd_init(args):
         raise UsageError("init: %s already exists; use --force to overwrite it"
                          % os.path.relpath(manifest_path))
     files = walk_files(target)
-    sources = sorted(p for p in files if files[p] == "file" and is_kernel_source(p)
+    real_target = os.path.realpath(target)
+    # A link to a file inside the directory is a source like any other (the check wants it declared).
+    sources = sorted(p for p in files if (files[p] == "file" or files[p] == "link" and os.path.isfile(
+        target + "/" + p) and os.path.realpath(target + "/" + p).startswith(real_target + "/"))
+                     and is_kernel_source(p)
                      and not p.rsplit("/", 1)[-1].startswith("test_")
                      and "tests" not in p.split("/")[:-1])
     if not sources:
@@ -4878,6 +5563,9 @@ def cmd_init(args):
                                  and len(default) <= MAX_DIGITS else default)
     manifest = {"name": name, "platform": platform, "status": "experimental", "abi_version": abi,
                 "sources": sources, "build": build}
+    kept = replaced_ignore(manifest_path) if args.force else {}
+    if kept:
+        manifest["ignore"] = kept
     schema = os.path.join(repo.backends_path, "backend.schema.json")
     if os.path.isfile(schema):  # a $schema naming no file would mislead editors
         manifest = dict({"$schema": posixpath.relpath(schema, target).replace(os.sep, "/")}, **manifest)
@@ -4905,10 +5593,26 @@ def cmd_init(args):
         sys.stderr.write("check_contract.py: error: init: cannot write %s: %s; nothing was "
                          "written\n" % (os.path.relpath(manifest_path), reason))
         return 1
-    sys.stdout.write("wrote %s\n" % os.path.relpath(manifest_path))
+    (sys.stderr if args.format == "json" else sys.stdout).write("wrote %s%s\n" % (
+        os.path.relpath(manifest_path),
+        " (keeping the ignore entries of the one it replaced: %s)" % ", ".join(sorted(kept))
+        if kept else ""))
     run = run_check(repo, [platform + "/" + name])
-    report_text(run, sys.stdout)
+    REPORTERS[args.format](run, sys.stdout)
     return 1 if run.count("error") else 0
+
+
+def replaced_ignore(path):
+    """The valid "ignore" entries of the manifest that init --force
+    replaces: why a warning is accepted is nothing the directory tells."""
+    text = read_text(path)[0]
+    try:
+        old = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return {}
+    ignore = old.get("ignore") if isinstance(old, dict) else None
+    return {code: why for code, why in sorted(ignore.items())
+            if CODE_RE.match(code) and REASON.test(why)} if isinstance(ignore, dict) else {}
 
 
 def init_trace(repo, backend, default_target):
@@ -4990,10 +5694,31 @@ class Parser(argparse.ArgumentParser):
         raise CommandLineError(message)  # one line, not argparse's usage dump
 
 
-def add_format(parser, formats, help_text):
+# The formats of each command; where github is one, it is the default when
+# GITHUB_ACTIONS=true, as GitHub sets it in every job.
+FORMATS = {"check": ("text", "json", "github", "sarif"), "list": ("text", "json", "github-matrix"),
+           "init": ("text", "json", "github"), "build": ("text", "json", "github"),
+           "test": ("text", "json", "github"), "parity": ("text", "json", "github"),
+           "trace": ("text", "json", "github")}
+
+
+def add_format(parser, name, help_text):
     """--format, and --json as its alias (both tools take both)."""
-    parser.add_argument("--format", choices=formats, default=None, help=help_text)
+    parser.add_argument("--format", choices=FORMATS[name], default=None, help=help_text)
     parser.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def add_ignore(parser):
+    parser.add_argument("--ignore", metavar="CODE", action="append", type=diagnostic_code,
+                        default=[], help="suppress the warnings of this code (repeat it for "
+                        "more); they are counted as suppressed, never dropped")
+
+
+def diagnostic_code(text):
+    if not CODE_RE.match(text):
+        raise argparse.ArgumentTypeError("%r is no diagnostic code; give one such as B017 (a "
+                                         "letter and three digits)" % text)
+    return text
 
 
 def resolve_format(args):
@@ -5001,6 +5726,9 @@ def resolve_format(args):
         if args.format not in (None, "json"):
             raise UsageError("--json and --format %s ask for two formats; give one" % args.format)
         args.format = "json"
+    if args.format is None:
+        args.format = ("github" if "github" in FORMATS[args.command]
+                       and os.environ.get("GITHUB_ACTIONS") == "true" else "text")
 
 
 ROOT_HELP = ("repository root (default: the top of the git work tree here, else the nearest "
@@ -5046,10 +5774,12 @@ def add_check_parser(sub, common, formatter):
                            epilog="examples:\n"
                            "  python3 check_contract.py --root .\n"
                            "  python3 check_contract.py check --format json cpu/llm_ops\n"
-                           "  python3 check_contract.py check --strict --format github\n")
-    add_format(check, ("text", "json", "github"),
-               "output format (default: github when GITHUB_ACTIONS=true, else text)")
+                           "  python3 check_contract.py check --strict --format github\n"
+                           "  python3 check_contract.py check --ignore B017 --format sarif > check.sarif\n")
+    add_format(check, "check", "output format; sarif: SARIF 2.1.0 for GitHub code scanning "
+               "(default: github when GITHUB_ACTIONS=true, else text)")
     check.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    add_ignore(check)
     check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all)")
 
 
@@ -5072,7 +5802,7 @@ def add_list_parser(sub, common, formatter):
                              "  python3 check_contract.py list --buildable --format github-matrix\n")
     listing.add_argument("--buildable", action="store_true",
                          help="only non-planned backends with no errors and an executable build script")
-    add_format(listing, ("text", "json", "github-matrix"),
+    add_format(listing, "list",
                "output format: one line per backend, every field as JSON, or a GitHub Actions "
                "job matrix (default: text)")
 
@@ -5093,6 +5823,9 @@ def add_init_parser(sub, common, formatter):
     init.add_argument("--no-trace", action="store_true",
                       help="read the build script without running it (by default, when bash "
                       "is here, init runs it as trace does, with compiler shims in place)")
+    add_format(init, "init", "the format of the check report after the manifest is written; "
+               "json: the 'wrote' line goes to stderr (default: github when GITHUB_ACTIONS=true, "
+               "else text)")
 
 
 def add_build_parser(sub, common, formatter):
@@ -5115,8 +5848,9 @@ def add_build_parser(sub, common, formatter):
                        help="build only this architecture (passed as the script's second argument)")
     build.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                        help="time limit per build in seconds (default: 1800)")
-    add_format(build, ("text", "json"),
-               "output format; json: results on stdout, build output on stderr (default: text)")
+    add_format(build, "build", "output format; json: results on stdout, build output on stderr "
+               "(default: github when GITHUB_ACTIONS=true, else text)")
+    add_ignore(build)
 
 
 def add_tier_parsers(sub, common, formatter, only):
@@ -5139,8 +5873,9 @@ def add_tier_parsers(sub, common, formatter, only):
                           % ("the validated ones" if name == "parity" else "all"))
         tier.add_argument("--timeout", metavar="S", type=positive_seconds, default=1800.0,
                           help="time limit per backend in seconds (default: 1800)")
-        add_format(tier, ("text", "json"),
-                   "output format; json: results on stdout, child output on stderr (default: text)")
+        add_format(tier, name, "output format; json: results on stdout, child output on stderr "
+                   "(default: github when GITHUB_ACTIONS=true, else text)")
+        add_ignore(tier)
 
 
 def add_trace_parser(sub, common, formatter):
@@ -5168,8 +5903,9 @@ def add_trace_parser(sub, common, formatter):
                        "else the first of build.architectures)")
     trace.add_argument("--timeout", metavar="S", type=positive_seconds, default=TRACE_TIMEOUT,
                        help="time limit per run of a script in seconds (default: 120)")
-    add_format(trace, ("text", "json"),
-               "output format; json: results on stdout, script output on stderr (default: text)")
+    add_format(trace, "trace", "output format; json: results on stdout, script output on "
+               "stderr (default: github when GITHUB_ACTIONS=true, else text)")
+    add_ignore(trace)
 
 
 ROOT_OPTIONS = ("--root", "--repo-root", "--backends-dir")
@@ -5177,25 +5913,36 @@ COMMANDS = {"check": cmd_check, "list": cmd_list, "init": cmd_init, "build": cmd
             "test": cmd_test, "parity": cmd_parity, "trace": cmd_trace}
 
 
+# Options of the subcommands that may also come before the command; they are
+# moved after it, where its parser reads them.
+MOVED_OPTIONS = ("--format",)
+MOVED_FLAGS = ("--json",)
+
+
 def with_default_command(argv):
-    """(argv with `check` inserted when no subcommand is named, the
+    """(argv with `check` inserted when no subcommand is named and the
+    options of the subcommands given before it moved after it, the
     subcommand, or None for a command line that asks for help or version)."""
+    head, moved = [], []
     index = 0
     while index < len(argv):
         arg = argv[index]
-        if arg in ROOT_OPTIONS:
+        if arg in ROOT_OPTIONS + MOVED_OPTIONS:
             if index + 1 == len(argv):
                 break  # no value: the parser says so
+            (moved if arg in MOVED_OPTIONS else head).extend(argv[index:index + 2])
             index += 2
-        elif arg.startswith(tuple(option + "=" for option in ROOT_OPTIONS)):
+        elif arg.startswith(tuple(option + "=" for option in ROOT_OPTIONS + MOVED_OPTIONS)) \
+                or arg in MOVED_FLAGS:
+            (head if arg.startswith(tuple(o + "=" for o in ROOT_OPTIONS)) else moved).append(arg)
             index += 1
         elif arg in COMMANDS:
-            return argv, arg
+            return head + [arg] + moved + argv[index + 1:], arg
         elif arg in ("-h", "--help", "--version"):
             return argv, None
         else:
             break
-    return argv[:index] + ["check"] + argv[index:], "check"
+    return head + ["check"] + moved + argv[index:], "check"
 
 
 class ReportError(Exception):

@@ -143,6 +143,14 @@ def run_main(argv, env=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+def terminal_env(**extra):
+    """The environment, as in a terminal: without GITHUB_ACTIONS, under which
+    the checker prints annotations instead of the text the tests expect."""
+    env = dict(os.environ, **extra)
+    env.pop("GITHUB_ACTIONS", None)
+    return env
+
+
 class TreeTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="check-contract-")
@@ -250,7 +258,11 @@ class DiscoveryTest(TreeTest):
         rc, out, err = self.check("--backends-dir", "src/backends")
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("checked cpu/demo: status=validated abi=1\n", out)
-        self.assertEqual(self.check()[0], 2)
+        self.assertEqual(self.check(), (2, "", "check_contract.py: error: no backends directory: "
+                                       "%s/backends is not there (the root is %s, given by --root); "
+                                       "give --root DIR (the directory that holds backends/) or "
+                                       "--backends-dir DIR, or run from inside the repository\n"
+                                       % (self.root, self.root)))
 
     def test_backends_dir_that_is_not_there_is_a_usage_error(self):
         self.tree(demo_files(**{"README.md": "x\n"}))
@@ -283,6 +295,65 @@ class DiscoveryTest(TreeTest):
                 self.assertEqual(rc, 1)
                 self.assertIn("%s: [error] D004 %s: cannot list directory %s: Permission denied; the "
                               "check cannot see what it holds" % (rel, key, rel), out)
+
+
+class DiscoveryHolesTest(TreeTest):
+    """What discovery once missed, or misnamed."""
+
+    def test_a_hidden_directory_in_a_platform_directory_is_seen(self):
+        self.tree(demo_files(**{"backends/cpu/.wip/wip.c": "int wip(void) { return 1; }\n"}))
+        self.assertIssue("D001", "is a hidden directory with kernel sources (wip.c) that no manifest "
+                         "declares, which a build can still compile; move them into a backend "
+                         "directory, or out of the backends directory")
+
+    def test_a_platform_level_tests_directory_is_no_backend(self):
+        self.tree(demo_files(**{"backends/cpu/tests/fixture.c": "int main(void) { return 0; }\n",
+                                "backends/cpu/test/lib.rs": "#[test] fn t() {}\n",
+                                "backends/cpu/test/fixture.h": "\n"}))
+        self.assertClean()
+
+    def test_a_manifest_in_an_unsupported_place_is_named_with_the_layout(self):
+        manifest = dict(demo_manifest(), name="foo")
+        self.tree({"backends/cpu/group/foo/foo.backend.json": manifest,
+                   "backends/cpu/group/foo/ops.c": "", "backends/cpu/bar.backend.json": manifest})
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["path"], i["message"]) for i in issues], [
+            ("D002", "backends/cpu/bar.backend.json", "manifest bar.backend.json is never discovered: "
+             "a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; move it to "
+             "backends/cpu/bar/bar.backend.json"),
+            ("D002", "backends/cpu/group/foo/foo.backend.json", "manifest foo/foo.backend.json is never "
+             "discovered: a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; "
+             "move backends/cpu/group/foo/ there")])
+
+    def test_a_build_script_or_manifest_linked_out_of_the_repository_is_s002(self):
+        outside = tempfile.mkdtemp(prefix="check-contract-outside-")
+        self.addCleanup(shutil.rmtree, outside, True)
+        files = demo_files()
+        with open(os.path.join(outside, "build.sh"), "w") as handle:
+            handle.write(str(files.pop("backends/cpu/demo/build.sh")))
+        os.chmod(os.path.join(outside, "build.sh"), 0o755)
+        self.tree(files)
+        os.symlink(os.path.join(outside, "build.sh"), self.path("backends/cpu/demo/build.sh"))
+        self.assertIssue("S002", "build script build.sh is a symbolic link to %s/build.sh, outside "
+                         "the repository; keep it in the repository, where CI and the trace run it"
+                         % os.path.realpath(outside))
+        os.replace(self.path("backends/cpu/demo/demo.backend.json"), os.path.join(outside, "m.json"))
+        os.symlink(os.path.join(outside, "m.json"), self.path("backends/cpu/demo/demo.backend.json"))
+        self.assertIssue("S002", "demo.backend.json is a symbolic link to %s/m.json, outside the "
+                         "repository; the check does not follow it (replace the link with the file "
+                         "it stands for)" % os.path.realpath(outside))
+
+    def test_init_declares_a_source_linked_inside_the_directory(self):
+        self.tree({"backends/cpu/demo/include/ops_impl.h": OPS_H,
+                   "backends/cpu/demo/ops.c": '#include "ops.h"\n',
+                   "backends/cpu/demo/build.sh": CPU_BUILD})
+        os.symlink("include/ops_impl.h", self.path("backends/cpu/demo/ops.h"))
+        rc, out, err = run_main(["--repo-root", self.root, "init", "--no-trace",
+                                 self.path("backends/cpu/demo")])
+        self.assertEqual((rc, err), (0, ""), out)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["sources"], ["include/ops_impl.h", "ops.c", "ops.h"])
+        self.assertClean()
 
 
 class ManifestFileTest(TreeTest):
@@ -512,9 +583,9 @@ class SourcesTest(TreeTest):
 
 
 class AbiTest(TreeTest):
-    def cs1(self, header, abi=1, status="experimental"):
+    def cs1(self, header, abi=1, status="experimental", **extra):
         manifest = demo_manifest(abi_version=abi, status=status)
-        return demo_files(manifest, **{"backends/cpu/demo/ops.h": header})
+        return demo_files(manifest, **dict({"backends/cpu/demo/ops.h": header}, **extra))
 
     def test_mismatch_names_file_and_line(self):
         self.tree(self.cs1("// ABI\n#define CS1_ABI_VERSION 4\nunsigned cs1_abi_version(void);\n"
@@ -574,10 +645,20 @@ class AbiTest(TreeTest):
         self.assertIssue("A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; add one "
                          "equal to abi_version", "error")
 
+    def test_abi_functions_are_checked_without_the_macro(self):
+        self.tree(self.cs1("unsigned cs1_abi_version(void);\n"))
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["message"]) for i in issues if i["code"] == "A004"], [
+            ("A004", "no declaration of %s_error_string() in the declared sources; the C ABI "
+             "requires it" % prefix) for prefix in ("cs1", "demo")])  # ops.c defines demo_abi_version()
+        self.tree(self.cs1("int x;\n", **{"backends/cpu/demo/ops.c": "int x;\n"}))
+        self.assertIssue("A004", "no declaration of a <prefix>_abi_version() in the declared sources; "
+                         "the C ABI requires it, and <prefix>_error_string()", "warning")
+
     def test_macro_that_is_not_a_literal_is_an_error(self):
         self.tree(self.cs1("#define CS1_ABI_VERSION (MAJOR * 10)\n"))
         self.assertIssue("A005", 'ops.h defines CS1_ABI_VERSION as "(MAJOR * 10)", not an integer literal')
-        self.assertEqual(self.codes(), ["A005"])  # not also "no #define"
+        self.assertEqual(self.codes(), ["A004", "A004", "A005"])  # not also "no #define"
 
     def test_windows_line_ends_are_read(self):
         self.tree(self.cs1("#define CS1_ABI_VERSION 4\r\n#if 0\r\n#define CS1_ABI_VERSION 5\r\n"
@@ -611,7 +692,7 @@ class BuildScriptTest(TreeTest):
                     "  -o \"$out/lib%s.so\"\n" % (name, cap, name))})
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
-        self.assertEqual(found, [("cuda/b", "B006", None), ("cuda/b", "B007", 4)])
+        self.assertEqual(found, [("cuda/b", "B006", 4), ("cuda/b", "B007", 4)])
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -726,9 +807,11 @@ class BuildScriptTest(TreeTest):
         self.assertIssue("B006", "build.architectures lists 100 but the default invocation of build.sh "
                          "does not build it")
 
-    def test_built_arch_not_claimed_is_a_warning(self):
+    def test_built_arch_not_claimed_is_an_error(self):
         self.tree(fat_files(architectures=[80, 90]))
-        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list", "warning")
+        self.assertIssue("B007", "build.sh also builds 89, which build.architectures does not list; "
+                         "list it (the build tier rejects a library with targets the manifest does "
+                         "not name, R008)")
 
     def test_arch_branch_before_default_branch_is_not_reached(self):
         files = fat_files()
@@ -808,7 +891,9 @@ class BuildScriptTest(TreeTest):
         self.assertEqual(found, [
             ("cuda/b", "B006", "build.architectures lists 90 but the default invocation of build.sh "
                                "does not build it"),
-            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list"),
+            ("cuda/b", "B007", "build.sh also builds 80, which build.architectures does not list; "
+                               "list it (the build tier rejects a library with targets the "
+                               "manifest does not name, R008)"),
             ("cuda/d", "B005", "build script build.sh has no compiler command with -o; the script "
                                "must write build.output into its <output-dir> argument"),
         ])
@@ -1005,6 +1090,58 @@ class CompilerCallTest(unittest.TestCase):
                     call = self.call("nvcc", "-arch=" + arch)
                     self.assertEqual((call.sass, call.open_targets), ([], ["-arch=" + arch]))
 
+    @unittest.skipUnless(shutil.which("nvcc"), "nvcc is not installed, so its refusals cannot be "
+                                                "compared")
+    def test_nvcc_refusals_and_modes_are_what_nvcc_dryrun_does(self):
+        # Each form against the real nvcc: whether `nvcc --dryrun` refuses it,
+        # and the machine code (ptxas) and PTX (cicc) it would build.
+        forms = [["-gencode", "arch=compute_90,code=sm_89"], ["-gencode", "arch=compute_80,code=sm_90"],
+                 ["-gencode", "arch=compute_90a,code=sm_90"], ["-gencode", "arch=compute_90,code=sm_90a"],
+                 ["-gencode", "arch=compute_90a,code=sm_100a"], ["-gencode", "arch=compute_100f,code=sm_100f"],
+                 ["-gencode", "arch=compute_100f,code=sm_103f"], ["-gencode", "arch=compute_100f,code=sm_110f"],
+                 ["-gencode", "arch=compute_100a,code=sm_100f"], ["-gencode", "arch=compute_100,code=sm_100f"],
+                 ["-gencode", "arch=compute_90,code=compute_89"], ["-gencode", "arch=compute_90,code=compute_90a"],
+                 ["-gencode", "arch=compute_90,code=sm90"], ["-gencode", "arch=compute90,code=sm_90"],
+                 ["-gencode", "arch=sm_90,code=sm_90"], ["-arch=sm90"], ["-arch=compute90"],
+                 ["-arch=sm_90", "-code=sm_90"], ["-arch=compute_90", "-code=sm_89"], ["-arch=sm_90a"],
+                 ["-arch=sm_100f"], ["-ptx", "-arch=sm_80"], ["-ptx", "-gencode", "arch=compute_80,code=sm_80"],
+                 ["-cubin", "-arch=sm_80"], ["-fatbin", "-arch=sm_80"], ["-E", "-arch=sm_80"],
+                 ["-M", "-arch=sm_80"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.cu"), "w") as handle:
+                handle.write("__global__ void k() {}\n")
+            for flags in forms:
+                with self.subTest(flags=flags):
+                    done = subprocess.run(["nvcc", "--dryrun"] + flags + ["-c", "k.cu", "-o", "k.o"],
+                                          cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          universal_newlines=True)
+                    sass = sorted(set(re.findall(r"--image3=kind=elf,sm=(\w+)", done.stdout) or
+                                      re.findall(r"ptxas\"? .*-arch=sm_(\w+)", done.stdout)))
+                    ptx = set(re.findall(r"cicc\"? .*-arch compute_(\w+)", done.stdout))
+                    call = self.call("nvcc", *flags)
+                    self.assertEqual((done.returncode != 0, bool(call.rejected)), (bool(call.rejected),) * 2,
+                                     done.stdout[-300:])
+                    if done.returncode == 0:
+                        self.assertEqual(sass, sorted(set(call.sass)))
+                        self.assertLessEqual(set(call.ptx), ptx | set(call.sass))
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm_89").rejected, [
+            "-gencode arch=compute_90,code=sm_89: nvcc refuses it (incompatible code generation: "
+            "sm_89 cannot be built from compute_90); write arch=compute_89,code=sm_89"])
+        self.assertEqual(self.call("nvcc", "-gencode", "arch=compute_90,code=sm90").rejected, [
+            "-gencode arch=compute_90,code=sm90: nvcc knows no target sm90; write sm_90"])
+        self.assertEqual(self.call("nvcc", "-arch=sm_90", "-code=sm_90").rejected, [
+            "-arch=sm_90 with -code: nvcc takes a virtual architecture there; write -arch=compute_90"])
+
+    def test_the_last_march_counts_and_probes_build_nothing(self):
+        self.assertEqual(self.call("gcc", "-march=x86-64-v3", "-march=x86-64", "-shared").targets("cpu"),
+                         ["x86-64"])
+        self.assertEqual(self.call("gcc", "-mcpu=neoverse-v1", "-shared").targets("cpu"), ["neoverse-v1"])
+        self.assertEqual(self.call("gcc", "-mcpu=power9", "-march=x", "-shared").targets("cpu"), ["x"])
+        for probe in (["-E"], ["-fsyntax-only"], ["-M"], ["-MM"], ["-o", "/dev/null"]):
+            with self.subTest(probe=probe):
+                self.assertEqual(self.call("gcc", "-march=znver4", "k.c", *probe).targets("cpu"), [])
+        self.assertEqual(self.call("gcc", "-march=znver4", "-MD", "-c", "k.c").targets("cpu"), ["znver4"])
+
     def test_hip_and_cpu_targets(self):
         call = self.call("hipcc", "--offload-arch=gfx90a:xnack+,gfx942", "--offload-arch", "gfx1100",
                          "--amdgpu-target=gfx908", "-c", "k.hip")
@@ -1193,6 +1330,207 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
 
+class ReaderTableTest(unittest.TestCase):
+    def test_every_construct_the_reader_reads_names_a_test_that_exists(self):
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs",
+                               "check_contract.md")) as handle:
+            text = handle.read()
+        section = text[text.index("## What the script reader reads"):]
+        section = section[:section.index("\n## ", 1)]
+        rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line
+                and not line.startswith(("| Construct", "| Expansion", "| Compiler flag"))]
+        self.assertGreaterEqual(len(rows), 35)
+        corpus = {entry[0] for entry in BUILD_SCRIPT_CORPUS}
+        for row in rows:
+            with self.subTest(row=row[:40]):
+                test = row.rstrip(" |").rsplit("| ", 1)[-1]
+                named = re.match(r"`(\w+)\.(\w+)`\Z|`CorpusTest` \(`(\w+)`\)\Z", test)
+                self.assertIsNotNone(named, test)
+                if named.group(3):
+                    self.assertIn(named.group(3), corpus)
+                else:
+                    self.assertTrue(hasattr(globals()[named.group(1)], named.group(2)), test)
+
+
+class CompiledSourcesTest(TreeTest):
+    """trace compares every file a compiler compiled with `sources`."""
+
+    def traced(self, compiles, sources, excluded=None):
+        manifest = {"name": "k", "abi_version": 1, "status": "experimental", "sources": sources,
+                    "build": {"script": "build.sh", "output": "libk.so", "architectures": [80]}}
+        if excluded is not None:
+            manifest["excluded"] = excluded
+        self.tree({"backends/cuda/k/k.backend.json": manifest,
+                   "backends/cuda/k/k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                                          "const char* k_error_string(int code);\n",
+                   "backends/cuda/k/k.cu": "", "backends/cuda/k/old.cu": "",
+                   "backends/cuda/k/test_k.cu": "", "backends/common/util.cu": "",
+                   "backends/cuda/k/build.sh": Executable(
+                       '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+                       'printf "" > "$1/gen.cu"\n'
+                       'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$1/gen.cu" %s\n' % compiles)})
+        rc, out, err = self.check("trace", "--format", "json")
+        return [(i["level"], i["code"], i["path"], i["message"])
+                for i in json.loads(out)["results"][0]["issues"]]
+
+    def test_what_is_compiled_but_not_declared_is_an_error(self):
+        self.assertEqual(self.traced("k.cu test_k.cu old.cu ../../common/util.cu",
+                                     ["k.h", "k.cu"], excluded=["old.cu"]), [
+            ("error", "S008", "backends/common/util.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/common/util.cu, outside the backend directory, where the "
+             "check does not look; move it into backends/cuda/k, or build it as a backend of its own"),
+            ("error", "S008", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: build.sh "
+             "compiles backends/cuda/k/old.cu, which excluded says is not part of the library; "
+             "remove it from excluded and declare it"),
+            ("error", "S008", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/cuda/k/test_k.cu, which sources does not declare; add it")])
+
+    def test_a_declared_source_nothing_compiles_is_a_warning(self):
+        self.assertEqual(self.traced("k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [
+            ("warning", "S009", "backends/cuda/k/old.cu", "running build.sh <output-dir> shows: "
+             "sources declares old.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)"),
+            ("warning", "S009", "backends/cuda/k/test_k.cu", "running build.sh <output-dir> shows: "
+             "sources declares test_k.cu, but no compiler call of build.sh compiles it (a file only "
+             "#included by another is a header: name it so, or list it in excluded)")])
+        self.assertEqual(self.traced("k.cu old.cu test_k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [])
+
+
+class ReaderHonestyTest(TreeTest):
+    """Constructs the reader once read as certain and wrong: each is read as
+    bash runs it, or said to be what the reader cannot tell."""
+
+    def read(self, script):
+        facts = check_contract.ScriptReader(script).facts()
+        return ([show(o) for call in facts.calls for o in call.outputs],
+                [arch for call in facts.calls for arch in call.sass], facts.unfollowed)
+
+    def test_assignments_in_a_pipeline_stay_in_its_subshell(self):
+        self.assertEqual(self.read('configure() { arch=90; }\narch=80\nconfigure | tee log\n'
+                                   'nvcc -arch=sm_$arch -o "$1/l.so"\n'), (["$1/l.so"], ["80"], []))
+
+    def test_a_function_defined_on_both_branches_is_each_definition(self):
+        self.assertEqual(self.read(
+            'out=$1\nif [ -d /opt/cuda-12 ]; then\n  f() { nvcc -arch=sm_80 -o "$out/l.so"; }\nelse\n'
+            '  f() { nvcc -arch=sm_90 -o "$out/l.so"; }\nfi\nf\n'), (["$1/l.so", "$1/l.so"], ["80", "90"], []))
+        self.cuda_fat('if [ -d /opt/cuda-12 ]; then\n  f() { a=80; }\nelse\n  f() { a=90; }\nfi\n'
+                      'f\nnvcc -shared -arch=sm_$a ops.cu -o "$1/libfat.so"\n')
+        self.assertIssue("B017", "cannot tell whether build.sh builds 80: -arch=sm_$a (if [ -d "
+                         "/opt/cuda-12 ] at line 2) at line 8", "warning")
+
+    def test_arithmetic_commands_are_evaluated_or_unknown(self):
+        self.assertEqual(self.read('if (( 0 )); then a=90; else a=80; fi\n'
+                                   'if (( a > 70 )); then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["80", "86"], []))
+        for assigns in ('let "a = 1"\n', '((a++))\n', 'let a+=2\n'):
+            with self.subTest(assigns=assigns):
+                call, = check_contract.ScriptReader(
+                    'a=80\n' + assigns + 'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+                self.assertEqual((call.sass, call.unknown),
+                                 ([], ["-arch=sm_$a (assigned in arithmetic at line 2)"]))
+
+    def test_double_bracket_patterns_match_as_globs(self):
+        self.assertEqual(self.read('x=90\nif [[ $x == 9* ]]; then a=90; else a=80; fi\n'
+                                   'if [[ $x != 8? ]]; then b=86; fi\n'
+                                   'nvcc -gencode arch=compute_$a,code=sm_$a -gencode arch=compute_$b,code=sm_$b '
+                                   '-o "$1/l.so"\n'), (["$1/l.so"], ["90", "86"], []))
+        call, = check_contract.ScriptReader('x=90\nif [[ $x == "9*" ]]; then a=90; else a=80; fi\n'
+                                            'nvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ['-arch=sm_$a (if [[ $x == "9*" ]] at line 2)'])
+
+    def test_argument_slices_and_printf_v(self):
+        self.assertEqual(self.read('out=$1\nrun() { "${@:2}"; }\nprintf -v lib "lib%s.so" fat\n'
+                                   'run label nvcc -arch=sm_80 -o "$out/$lib"\n'),
+                         (["$1/libfat.so"], ["80"], []))
+        call, = check_contract.ScriptReader('printf -v a "%d" 80\nnvcc -arch=sm_$a -o "$1/l.so"\n').facts().calls
+        self.assertEqual(call.unknown, ["-arch=sm_$a (printf -v at line 1)"])
+
+    def test_unset_of_an_array_element_makes_the_array_unknown(self):
+        call, = check_contract.ScriptReader('a=(-arch=sm_80 -arch=sm_90)\nunset "a[1]"\n'
+                                            'nvcc "${a[@]}" -o "$1/l.so"\n').facts().calls
+        self.assertEqual((call.sass, call.unknown), ([], ["${a[@]} (after unset a[1])"]))
+
+    def test_shift_after_getopts_keeps_the_output_directory(self):
+        self.assertEqual(self.read('while getopts "va:" opt; do\n  case $opt in v) set -x ;; esac\ndone\n'
+                                   'shift $((OPTIND-1))\nout=$1\nnvcc -arch=sm_80 -o "$out/l.so"\n'),
+                         (["$1/l.so"], ["80"], []))
+        call, = check_contract.ScriptReader('shift $(nproc)\nnvcc -arch=sm_80 -o "$1/l.so"\n').facts().calls
+        self.assertEqual(show(call.outputs[0]), "the arguments after shift $(nproc)/l.so")
+
+    def test_prefix_commands_are_read_through(self):
+        for prefix in ("nice -n 19", "nice -5", "timeout 600", "timeout -s KILL 10m", "stdbuf -oL",
+                       "env CCACHE_DIR=/tmp/c -u OMP", "time -p", "command -p", "exec", "nohup"):
+            with self.subTest(prefix=prefix):
+                self.assertEqual(self.read(prefix + ' nvcc -arch=sm_80 -o "$1/l.so"\n'),
+                                 (["$1/l.so"], ["80"], []))
+        self.assertEqual(self.read('env -C /tmp nvcc -arch=sm_80 -o "$1/l.so"\n'), ([], [], [(1, "env -C")]))
+
+    def test_case_fall_through(self):
+        reader = check_contract.ScriptReader('case 80 in 80) a=80 ;& 90) b=90 ;; *) c=70 ;; esac\n'
+                                             'case 80 in 80) d=80 ;;& 90) e=90 ;; 8*) f=70 ;; esac\n')
+        self.assertEqual(reader.vars, {"a": "80", "b": "90", "d": "80", "f": "70"})
+
+    def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
+        for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
+                     "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' EXIT",
+                     "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
+            with self.subTest(line=line):
+                self.cuda_fat(line + "\n")
+                self.assertEqual(self.codes(), ["B017"])
+        self.assertIssue("B017", "cannot tell which library build.sh writes: it has no compiler "
+                         "command with -o that the checker can see; the checker does not follow "
+                         "line 2 (bash $(dirname \"$0\")/compile.sh, a program whose commands it "
+                         "does not read)", "warning")
+
+    def test_a_target_nvcc_rejects_is_an_error_read_and_traced(self):
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm90 '
+                      'ops.cu -o "$1/libfat.so"\n', architectures=(80, 90))
+        message = ("build.sh builds with -gencode arch=compute_90,code=sm90: nvcc knows no target "
+                   "sm90; write sm_90")
+        self.assertIssue("B018", message)
+        rc, out, err = self.check("trace", "--format", "json")
+        (result,) = json.loads(out)["results"]
+        self.assertEqual(rc, 1)
+        self.assertIn(("error", "B018", "running build.sh <output-dir> shows: " + message),
+                      [(i["level"], i["code"], i["message"]) for i in result["issues"]])
+
+    def test_the_library_is_what_is_in_the_output_directory_at_the_end(self):
+        for placing in ('mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'cp build/libfat.so "$1/"\n',
+                        'nvcc -shared -arch=sm_80 -o tmp.so ops.cu\nmv tmp.so "$1/libfat.so"\n',
+                        'nvcc -shared -arch=sm_80 -o "$1/libfat.so.1" ops.cu\n'
+                        'ln -sf libfat.so.1 "$1/libfat.so"\n',
+                        'mkdir -p build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                        'install -m 755 -t "$1" build/libfat.so\n'):
+            with self.subTest(placing=placing):
+                self.cuda_fat('mkdir -p "$1"\ncd "$(dirname "$0")"\n' + placing)
+                self.assertClean()
+                rc, out, err = self.check("trace", "--format", "json")
+                self.assertEqual(json.loads(out)["results"][0]["issues"], [])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$1/libfat.so" /tmp/\n')
+        message = ("build script build.sh writes libfat.so with -o, but it is not in <output-dir> "
+                   "when the script ends (moved or removed after); leave build.output there")
+        self.assertIssue("B013", message)
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                      'mv "$(dirname "$1")/$(basename "$1")/libfat.so" /tmp/x-$$.so\n')
+        self.assertClean()  # the reader cannot see that this names the library
+        rc, out, err = self.check("trace", "--format", "json")
+        self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]],
+                         [("B013", "running build.sh <output-dir> %sshows: " % run + message)
+                          for run in ("80 ", "")])
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                      'cp build/libfat.so "$1/lib"\n')
+        self.assertIssue("B017", "cannot tell whether libfat.so is in <output-dir> when build.sh "
+                         "ends: line 4 puts a file there whose name the checker cannot tell", "warning")
+
+    def cuda_fat(self, script, architectures=(80,)):
+        files = fat_files(architectures=list(architectures), default_arch=architectures[0])
+        files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
+        self.tree(files)
+
+
 QWEN_BUILD = Executable("""#!/usr/bin/env bash
 # Build the Qwen3.5 CUDA backend: ./build.sh <output-dir> [<compute-capability>]
 set -euo pipefail
@@ -1319,7 +1657,9 @@ class CommandLineTest(TreeTest):
                     2, "", 'check_contract.py: error: no backend named "%s" under backends/ (known: '
                     'cpu/demo, metal/k); "%s" is a platform directory: name its backends as %s/<name>\n'
                     % (platform, platform, platform)))
-        self.assertEqual(self.check("check", "tpu")[0], 2)
+        self.assertEqual(self.check("check", "tpu"), (
+            2, "", 'check_contract.py: error: no backend named "tpu" under backends/ (known: '
+            'cpu/demo, metal/k)\n'))
 
     def test_a_backend_directory_with_a_trailing_slash_names_it(self):
         self.tree(demo_files())
@@ -1333,8 +1673,8 @@ class CommandLineTest(TreeTest):
         self.tree(demo_files())
         for argv, hint in ((["chek"], 'did you mean the command "check"?'),
                            (["lsit"], 'did you mean the command "list"?'),
-                           (["--json", "list"], '"list" is a command: give it before the options '
-                                                "(check_contract.py list ...)"),
+                           (["--strict", "list"], '"list" is a command: give it before the options '
+                                                  "(check_contract.py list ...)"),
                            (["dmeo"], 'did you mean "demo"?')):
             with self.subTest(argv=argv):
                 self.assertEqual(self.check(*argv), (
@@ -1349,7 +1689,10 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("fat")
         self.assertEqual((rc, out), (0, "checked cuda/fat: status=experimental abi=2\n"
                                         "1 backend(s), 0 error(s), 0 warning(s)\n"))
-        self.assertEqual(self.check("check", "cpu/demo")[0], 1)
+        rc, out, err = self.check("check", "cpu/demo")
+        self.assertEqual((rc, err), (1, ""))
+        self.assertTrue(out.startswith("backends/cpu/demo/extra.c: [error] S004 cpu/demo: kernel "
+                                       "source extra.c is not declared in sources"), out)
 
     def test_missing_repo_root_is_a_usage_error(self):
         missing = self.path("nowhere")
@@ -1374,7 +1717,7 @@ class CommandLineTest(TreeTest):
         rc, out, err = self.check("--json")
         self.assertEqual(rc, 1)
         self.assertEqual(json.loads(out), {
-            "checked": ["cpu/demo"], "errors": 1, "warnings": 0,
+            "checked": ["cpu/demo"], "errors": 1, "warnings": 0, "suppressed": [],
             "issues": [{"level": "error", "code": "S004", "backend": "cpu/demo",
                         "path": "backends/cpu/demo/x.c", "line": None,
                         "message": "kernel source x.c is not declared in sources; add it, or list it "
@@ -1525,15 +1868,6 @@ class CommandLineTest(TreeTest):
         self.assertEqual((done.returncode, done.stderr), (1, b""))
         self.assertIn(b"kernel source k\\xe9.cu is not declared", done.stdout)
 
-    def test_version_and_help(self):
-        rc, out, err = run_main(["--version"])
-        self.assertEqual((rc, out), (0, "check_contract.py %s\n" % check_contract.VERSION))
-        for command in ([], ["check"], ["list"], ["init"], ["build"], ["test"], ["parity"]):
-            with self.subTest(command=command):
-                rc, out, err = run_main(command + ["--help"])
-                self.assertEqual(rc, 0)
-                self.assertIn("examples:\n  python3 check_contract.py", out)
-
     def test_repository_itself_passes(self):
         self.assertEqual(run_main(["--repo-root", HERE])[0], 0)
 
@@ -1605,6 +1939,293 @@ class TextOutputTest(TreeTest):
 
 
 
+MAKE_BUILD = Executable("#!/bin/sh\nmake -C src\n")  # the reader cannot tell what make builds: B017
+
+
+def manifest_line(text, needle):
+    """The number of the first line of `text` holding `needle`."""
+    return next(n for n, line in enumerate(text.splitlines(True), 1) if needle in line)
+
+
+class FormatsTest(TreeTest):
+    """Every command that reports findings prints them as text, JSON or
+    GitHub annotations, the annotations by default under GitHub Actions."""
+
+    def test_every_command_with_findings_offers_github(self):
+        for name, parser in subcommands(check_contract.build_parser()).items():
+            with self.subTest(command=name):
+                (fmt,) = [a for a in parser._actions if "--format" in a.option_strings]
+                self.assertLessEqual({"text", "json"}, set(fmt.choices))
+                if name != "list":  # a listing holds no findings: its GitHub form is github-matrix
+                    self.assertIn("github", fmt.choices)
+
+    def test_trace_prints_annotations_under_github_actions(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=${2:-x86-64} ops.c -o "$1/libother.so"\n')}))
+        annotation = ("::error file=backends/cpu/demo/build.sh,title=B004::cpu/demo: running build.sh "
+                      "<output-dir> shows: build script build.sh writes \"libother.so\" but "
+                      "build.output is \"libdemo.so\"\n")
+        for argv in (["--root", ".", "--format", "github", "trace"], ["--root", ".", "trace"]):
+            with self.subTest(argv=argv):
+                done = subprocess.run([sys.executable, CHECKER] + argv, cwd=self.root,
+                                      env=dict(os.environ, GITHUB_ACTIONS="true"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      universal_newlines=True, timeout=120)
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn("\n" + annotation, done.stdout)
+                self.assertNotIn("[error]", done.stdout)
+                self.assertTrue(done.stdout.endswith("\n0 backend(s) passed, 1 failed, 0 skipped\n"),
+                                done.stdout)
+
+    def test_a_tier_prints_its_findings_as_annotations(self):
+        files = tiny_files(status="validated")
+        files["backends/cpu/tiny/parity.py"] = "raise SystemExit(3)\n"
+        self.tree(files)
+        expected = ("::error file=backends/cpu/tiny/parity.py,title=P001::cpu/tiny: "
+                    "backends/cpu/tiny/parity.py failed (exit status 3)\n"
+                    "0 backend(s) passed, 1 failed, 0 skipped\n")
+        for argv, env in ((["parity", "--format", "github"], None),
+                          (["parity"], {"GITHUB_ACTIONS": "true"})):
+            with self.subTest(argv=argv):
+                rc, out, err = self.check(*argv, env=env)
+                self.assertEqual((rc, err), (1, ""))
+                self.assertRegex(out, r"\nfailed cpu/tiny: backends/cpu/tiny/parity.py failed "
+                                      r"\(exit status 3\) \([0-9.]+s\)\n")
+                self.assertTrue(out.endswith("s)\n" + expected), out)
+        rc, out, err = self.check("parity")
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: ", out)
+
+    def test_init_reports_in_the_format_asked_for(self):
+        files = demo_files()
+        del files["backends/cpu/demo/demo.backend.json"]
+        self.tree(files)
+        rc, out, err = self.check("init", "--no-trace", "--format", "json",
+                                  self.path("backends/cpu/demo"))
+        self.assertEqual(rc, 0, out + err)
+        self.assertEqual(json.loads(out)["checked"], ["cpu/demo"])
+        self.assertRegex(err, r"^wrote .*demo\.backend\.json\n\Z")
+
+    def test_sarif_for_code_scanning(self):
+        manifest = demo_manifest()
+        manifest["colour"] = 1
+        manifest["ignore"] = {"B017": "built by make; proved by trace"}
+        self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": MAKE_BUILD}))
+        rc, out, err = self.check("--format", "sarif")
+        self.assertEqual((rc, err), (0, ""))
+        sarif = json.loads(out)
+        self.assertEqual(sarif["version"], "2.1.0")
+        (run,) = sarif["runs"]
+        self.assertEqual(run["tool"]["driver"]["name"], "check_contract.py")
+        self.assertEqual(run["tool"]["driver"]["rules"], [{"id": "B017"}, {"id": "M003"}])
+        text = json.dumps(manifest, indent=2)
+        self.assertEqual(run["results"], [
+            {"ruleId": "M003", "level": "warning",
+             "message": {"text": 'cpu/demo: unknown key "colour"'},
+             "locations": [{"physicalLocation": {
+                 "artifactLocation": {"uri": "backends/cpu/demo/demo.backend.json",
+                                      "uriBaseId": "%SRCROOT%"},
+                 "region": {"startLine": manifest_line(text, '"colour"')}}}]},
+            {"ruleId": "B017", "level": "warning",
+             "message": {"text": "cpu/demo: cannot tell which library build.sh writes: it has no "
+                                 "compiler command with -o that the checker can see; the checker "
+                                 "does not follow line 2 (make, whose build rules it does not read)"},
+             "locations": [{"physicalLocation": {
+                 "artifactLocation": {"uri": "backends/cpu/demo/build.sh", "uriBaseId": "%SRCROOT%"},
+                 "region": {"startLine": 2}}}],
+             "suppressions": [{"kind": "external", "justification": "built by make; proved by trace"}]}])
+
+
+class SuppressionTest(TreeTest):
+    """A warning accepted on purpose, with a reason: counted, never dropped."""
+
+    def backend(self, ignore=None, script=MAKE_BUILD):
+        manifest = demo_manifest()
+        if ignore is not None:
+            manifest["ignore"] = ignore
+        self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": script}))
+        return json.dumps(manifest, indent=2)
+
+    def test_a_manifest_entry_suppresses_the_warning_and_the_summary_counts_it(self):
+        self.backend({"B017": "built by make; proved by trace in CI"})
+        self.assertEqual(self.check("--strict"), (0, "checked cpu/demo: status=validated abi=1\n"
+                                                     "1 backend(s), 0 error(s), 0 warning(s), 1 "
+                                                     "suppressed (--format json lists them)\n", ""))
+        rc, out, err = self.check("--format", "json")
+        report = json.loads(out)
+        self.assertEqual((report["issues"], report["warnings"]), ([], 0))
+        self.assertEqual([(d["code"], d["line"], d["reason"]) for d in report["suppressed"]],
+                         [("B017", 2, "built by make; proved by trace in CI")])
+        self.assertEqual(self.check("--format", "github")[1],
+                         "1 backend(s), 0 error(s), 0 warning(s), 1 suppressed (--format json "
+                         "lists them)\n")
+
+    def test_without_the_entry_the_warning_fails_strict(self):
+        self.backend()
+        rc, out, err = self.check("--strict")
+        self.assertEqual(rc, 1)
+        self.assertIn("backends/cpu/demo/build.sh:2: [warning] B017 cpu/demo: cannot tell", out)
+
+    def test_an_entry_that_matches_nothing_is_a_warning_at_its_line(self):
+        text = self.backend({"B017": "built by make", "S006": "old"},
+                            script=CPU_BUILD)
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (0, ""))
+        line = manifest_line(text, '"B017"')
+        self.assertEqual(out.splitlines()[:2], [
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M006 cpu/demo: ignore.B017 matches "
+            "no warning of cpu/demo; remove the entry" % line,
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M006 cpu/demo: ignore.S006 matches "
+            "no warning of cpu/demo; remove the entry" % (line + 1)])
+
+    def test_an_error_is_never_suppressed(self):
+        files_manifest = demo_manifest(abi_version=3)
+        files_manifest["ignore"] = {"A001": "we know"}
+        self.tree(demo_files(files_manifest))
+        rc, out, err = self.check("--ignore", "A001")
+        self.assertEqual(rc, 1)
+        self.assertIn("[error] A001 cpu/demo: abi_version is 3", out)
+        self.assertIn("[warning] M006 cpu/demo: ignore.A001 matches no warning of cpu/demo; A001 is "
+                      "an error here, which no entry can suppress; remove the entry\n", out)
+
+    def test_the_entries_of_the_tiers_codes_are_not_judged_by_check(self):
+        self.backend({"B017": "built by make", "R007": "no driver on the CI runner"})
+        rc, out, err = self.check()
+        self.assertNotIn("M006", out)
+
+    def test_a_bad_entry_is_an_error_of_the_manifest(self):
+        text = self.backend({"b17": "typo", "B017": ""})
+        rc, issues = self.issues()
+        self.assertEqual(rc, 1)
+        found = sorted((i["code"], i["line"], i["message"]) for i in issues)
+        self.assertEqual(found, [
+            ("B017", 2, "cannot tell which library build.sh writes: it has no compiler command "
+                        "with -o that the checker can see; the checker does not follow line 2 "
+                        "(make, whose build rules it does not read)"),
+            ("M002", manifest_line(text, '"b17"'), '"ignore" maps codes to reasons; "b17" is no '
+                                                  "code (a letter and three digits, as B017)"),
+            ("M002", manifest_line(text, '"B017"'), '"ignore.B017" must be a non-empty string '
+                                                    "saying why the warning is accepted, not \"\"")])
+
+    def test_the_command_line_ignores_a_code_in_every_backend(self):
+        self.backend()
+        rc, out, err = self.check("--strict", "--ignore", "B017")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(", 1 suppressed (--format json lists them)\n"), out)
+        report = json.loads(self.check("--ignore", "B017", "--format", "json")[1])
+        self.assertEqual([d["reason"] for d in report["suppressed"]], ["--ignore B017"])
+        self.assertEqual(self.check("--ignore", "B17"), (
+            2, "", "check_contract.py: error: argument --ignore: 'B17' is no diagnostic code; give "
+            "one such as B017 (a letter and three digits); see check_contract.py check --help\n"))
+
+    def test_a_tier_counts_what_it_suppresses(self):
+        files = tiny_files()
+        self.tree(files)
+        rc, out, err = self.check("test")
+        self.assertIn("[warning] U002 cpu/tiny: has no tests", out)
+        rc, out, err = self.check("test", "--ignore", "U002")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertNotIn("U002", out)
+        self.assertTrue(out.endswith("0 backend(s) passed, 0 failed, 1 skipped, 1 suppressed "
+                                     "(--format json lists them)\n"), out)
+        files["backends/cpu/tiny/tiny.backend.json"]["ignore"] = {"U002": "tested by the server"}
+        self.tree(files)
+        rc, out, err = self.check("test", "--format", "json")
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((result["issues"], [d["reason"] for d in result["suppressed"]]),
+                         ([], ["tested by the server"]))
+
+    def test_the_schema_knows_the_key(self):
+        schema = load_schema()
+        self.assertEqual(schema_errors(schema, demo_manifest(ignore={"B017": "proved by trace"})), [])
+        for bad in ({"b17": "x"}, {"B017": ""}, {"B017": 1}):
+            self.assertNotEqual(schema_errors(schema, demo_manifest(ignore=bad)), [], bad)
+
+    def test_init_force_keeps_the_entries_of_the_manifest_it_replaces(self):
+        self.backend({"B017": "built by make", "bad": "dropped"}, script=CPU_BUILD)
+        rc, out, err = self.check("init", "--force", "--no-trace", self.path("backends/cpu/demo"))
+        self.assertEqual(err, "")
+        self.assertIn(" (keeping the ignore entries of the one it replaced: B017)\n", out)
+        with open(self.path("backends/cpu/demo/demo.backend.json")) as handle:
+            self.assertEqual(json.load(handle)["ignore"], {"B017": "built by make"})
+        self.assertIn("[warning] M006 cpu/demo: ignore.B017 matches no warning", out)
+
+
+class FindingLinesTest(TreeTest):
+    """A finding about a manifest key or a script line carries the line."""
+
+    def lines(self, manifest, **files):
+        self.tree(demo_files(manifest, **files))
+        text = json.dumps(manifest, indent=2)
+        return text, {(i["code"], i["line"]) for i in self.issues()[1]}
+
+    def test_manifest_keys_and_items_have_their_lines(self):
+        manifest = demo_manifest(abi_version="1", colour=1, sources=["ops.h", "ops.c", "./ops.c"],
+                                 models=["m/"])
+        manifest["build"]["min_capabilty"] = 80
+        del manifest["build"]["output"]
+        text, found = self.lines(manifest)
+        at = lambda needle: manifest_line(text, needle)
+        self.assertLessEqual({("M002", at('"abi_version"')), ("M003", at('"colour"')),
+                              ("M003", at('"min_capabilty"')), ("M001", at('"build"')),
+                              ("S003", at('"./ops.c"')), ("O001", at('"m/"'))}, found)
+
+    def test_a_tolerance_and_a_list_item_of_the_wrong_type(self):
+        manifest = demo_manifest(excluded=["ok", 3])
+        manifest["numerics"]["tolerance"]["rmsnorm_f32"] = -1
+        text, found = self.lines(manifest)
+        self.assertLessEqual({("M002", manifest_line(text, '"rmsnorm_f32"')),
+                              ("M002", manifest_line(text, "    3\n"))}, found)
+
+    def test_script_findings_point_at_the_compiler_call(self):
+        files = fat_files(architectures=[80, 89, 90, 100])
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"]) for i in issues], [("B006", 12)])
+        files["backends/cuda/fat/build.sh"] = Executable(
+            '#!/bin/sh\nmkdir -p "$1"\nif [ -d /opt/cuda ]; then a=80; else a=90; fi\n'
+            'nvcc -shared -arch=sm_$a ops.cu -o "$1/libfat.so"\n')
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual({(i["code"], i["line"]) for i in issues}, {("B017", 4)})
+
+    def test_windows_line_ends_point_at_the_first(self):
+        self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+            CPU_BUILD.replace("set -euo pipefail\n", "set -euo pipefail\r\n"))}))
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"]) for i in issues], [("B012", 3)])
+
+
+class OptionOrderTest(TreeTest):
+    """What the docs say of option order and suggestions holds."""
+
+    def test_format_and_json_may_come_before_the_command(self):
+        self.tree(demo_files())
+        listed = self.check("list", "--format", "json")
+        self.assertEqual(listed[0], 0)
+        for argv in (["--format", "json", "list"], ["--format=json", "list"], ["--json", "list"]):
+            with self.subTest(argv=argv):
+                self.assertEqual(self.check(*argv), listed)
+        self.assertEqual(self.check("--format", "json", "cpu/demo"),
+                         self.check("check", "cpu/demo", "--format", "json"))
+
+    def test_a_mistyped_backend_is_suggested_before_a_command(self):
+        self.tree({p.replace("cpu/demo/demo.", "cuda/fa_lite/fa_lite.").replace("cpu/demo/", "cuda/fa_lite/"): c
+                   for p, c in demo_files().items()})
+        rc, out, err = self.check("fa_lit")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual(err, 'check_contract.py: error: no backend named "fa_lit" under backends/ '
+                              '(known: cuda/fa_lite); did you mean "fa_lite"?\n')
+
+    def test_a_key_of_another_object_says_where_it_belongs(self):
+        manifest = demo_manifest(min_capability=80)
+        manifest["build"]["status"] = "validated"
+        self.tree(demo_files(manifest))
+        rc, issues = self.issues()
+        self.assertEqual(sorted(i["message"] for i in issues if i["code"] == "M003"), [
+            'unknown key "build.status"; it belongs at the top level (as "status")',
+            'unknown key "min_capability"; it belongs under "build" (as "build.min_capability")'])
+
+
 def git_in(root, *args):
     subprocess.run(["git", "-C", root, "-c", "user.name=t", "-c", "user.email=t@example.com"]
                    + list(args), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -1634,8 +2255,10 @@ class RootTest(TreeTest):
         self.tree(demo_files(**{"backends/cpu/demo/extra.c": "", "docs/x.md": ""}))
         git_in(self.root, "init", "-q")
         rc, out, err = self.in_directory("docs", "--format", "json")
-        self.assertEqual(rc, 1)
+        self.assertEqual((rc, err), (1, ""))
         self.assertEqual(json.loads(out)["checked"], ["cpu/demo"])
+        self.assertEqual([(i["code"], i["path"]) for i in json.loads(out)["issues"]],
+                         [("S004", "backends/cpu/demo/extra.c")])
 
     def test_repo_root_without_a_backends_directory_is_a_usage_error(self):
         self.tree(demo_files())
@@ -1841,9 +2464,8 @@ class AbiReadingTest(TreeTest):
     def test_a_long_one_line_header_is_read_in_linear_time(self):
         line = "int x; #if 0 /* c */ \"s\" " * 110000
         self.with_header(OPS_H + line + "\n")
-        start = time.monotonic()
-        self.assertClean()
-        self.assertLess(time.monotonic() - start, 10)
+        with hang_guard("reading a 2.9 MB one-line header"):  # quadratic would take hours
+            self.assertClean()
 
 
 
@@ -1882,7 +2504,8 @@ class NoTracebackTest(TreeTest):
         self.tree(fat_files(architectures=[80, 89, huge]))
         rc, issues = self.issues()
         self.assertEqual(rc, 1)
-        self.assertIn("B011", [i["code"] for i in issues])
+        self.assertIn(("B011", 'architecture "%s... is not a compute capability such as 89 or '
+                       '"90a"' % huge[:36]), [(i["code"], i["message"]) for i in issues])
         shutil.rmtree(self.path("backends"))
         self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json":
                                 json.dumps(demo_manifest()).replace('"x86-64"]', '"x86-64", %s]' % huge, 1)}))
@@ -1891,8 +2514,8 @@ class NoTracebackTest(TreeTest):
         shutil.rmtree(self.path("backends"))
         self.tree(dict(fat_files(), **{"backends/cuda/fat/build.sh": Executable(build)}))
         rc, out, err = self.check()
-        self.assertEqual((rc, err), (0, ""))
-        self.assertIn("[warning] B007 cuda/fat: build.sh also builds 1000", out)
+        self.assertEqual((rc, err), (1, ""))
+        self.assertIn("[error] B007 cuda/fat: build.sh also builds 1000", out)
 
     def test_values_nested_a_thousand_deep_are_findings(self):
         for depth in (900, 1000, 5000):
@@ -1903,6 +2526,11 @@ class NoTracebackTest(TreeTest):
                     rc, out, err = self.check("--format", fmt)
                     self.assertEqual((rc, err), (1, ""))
                     self.assertTrue(re.search(r'J001|description\\?" must be a string', out), out[:300])
+                # Which of the two depends on the interpreter's recursion limit.
+                (issue,) = self.issues()[1]
+                self.assertIn((issue["code"], issue["message"][:40]), [
+                    ("J001", "invalid JSON: nested too deeply"),
+                    ("M002", '"description" must be a string, not [[[[')])
 
     def test_report_to_a_full_disk_is_exit_2_with_the_reason(self):
         self.tree(demo_files())
@@ -1995,7 +2623,7 @@ KEY_PATHS = [tuple(key.split(".")) for key, _, _ in check_contract.MANIFEST_KEYS
             [("numerics", "tolerance", "rmsnorm_f32"), ("numerics", "tolerance", "note")]
 SCHEMA_KEYWORDS = {"$schema", "$id", "title", "description", "type", "properties", "required",
                    "additionalProperties", "enum", "minimum", "minItems", "uniqueItems", "items",
-                   "anyOf", "pattern", "minLength"}
+                   "anyOf", "pattern", "minLength", "propertyNames"}
 SHAPE_CODES = {"J003", "M001", "M002"}
 
 
@@ -2034,6 +2662,8 @@ def schema_errors(schema, value, where="$"):
             if key not in value:
                 errors.append(where + ": missing " + key)
         properties = schema.get("properties", {})
+        for key in value if "propertyNames" in schema else ():
+            errors += schema_errors(schema["propertyNames"], key, where + "." + key + " (name)")
         for key, item in value.items():
             if key in properties:
                 errors += schema_errors(properties[key], item, where + "." + key)
@@ -2119,6 +2749,13 @@ class RobustnessTest(TreeTest):
                 self.tree(demo_files(**{"backends/cpu/demo/demo.backend.json": json.dumps(value)}))
                 rc, out, err = self.check()
                 self.assertEqual((rc, err), (1, ""))
+                found = [(i["code"], i["message"]) for i in self.issues()[1]]
+                if isinstance(value, dict):  # an object, without the keys a manifest needs
+                    self.assertEqual(found, [("M001", 'missing required key "%s"' % key) for key in
+                                             ("abi_version", "build", "name", "sources", "status")])
+                else:
+                    self.assertEqual(found, [("J003", "the manifest must be a JSON object, not %s"
+                                              % json.dumps(value))])
 
     def test_binary_garbage_everywhere(self):
         garbage = bytes(range(256)) * 4
@@ -2201,34 +2838,77 @@ def fuzz_case(rng):
     return files, links, list(rng.choice(FUZZ_ARGV))
 
 
+# A long run (LONG_TESTS=1) checks ten times as many fuzz cases; the default
+# number keeps the suite fast enough to run before every commit.
+FUZZ_CASES = 3000 if os.environ.get("LONG_TESTS") == "1" else 300
+
+
+class Hung(BaseException):
+    """Raised by hang_guard; not an Exception, so no handler of the code under test takes it."""
+
+
+@contextlib.contextmanager
+def hang_guard(what, seconds=120):
+    """Turn a hang of the block into a failure that names `what`.  The bound
+    is far above what the block takes on any machine (milliseconds to a few
+    seconds): it measures no speed, it only stops a run that would not end."""
+    def hung(signum, frame):
+        raise Hung("%s did not end within %d s: a hang" % (what, seconds))
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class FuzzTest(TreeTest):
+    def assertFuzzOutcome(self, case, argv, rc, out, err):
+        """A usage error is one line on stderr (exit 2); a report is all on
+        stdout, and its verdict is the exit status: 1 exactly when it counts
+        an error, or any finding under --strict."""
+        context = (case, argv, out[-500:], err)
+        self.assertIn(rc, (0, 1, 2), context)
+        self.assertNotIn("Traceback", err, context)
+        if rc == 2:
+            self.assertTrue(err.startswith("check_contract.py: error: "), context)
+            self.assertEqual(err.count("\n"), 1, context)
+            return
+        self.assertEqual(err, "", context)
+        if "list" in argv or "github" in argv:
+            return
+        if "json" in argv:
+            issues = json.loads(out)["issues"]
+            errors = sum(i["level"] == "error" for i in issues)
+            warnings = len(issues) - errors
+        else:
+            summary = re.search(r" ([0-9]+) error\(s\), ([0-9]+) warning\(s\)\n\Z", out)
+            self.assertIsNotNone(summary, context)
+            errors, warnings = int(summary.group(1)), int(summary.group(2))
+        self.assertEqual(rc, int(bool(errors or ("--strict" in argv and warnings))), context)
+
     def test_mutated_manifests_and_trees_never_crash_or_hang(self):
-        """Several thousand mutated trees, checked in-process with a fixed
-        seed: every run ends with exit status 0, 1 or 2, in under 10 s."""
+        """FUZZ_CASES mutated trees from a fixed seed, checked in-process:
+        each ends in a usage error or a report whose exit status is its
+        verdict, never in a traceback or a hang."""
         rng = random.Random(20261130)
-        runs = 0
-        started = time.monotonic()
-        while runs < 2500 and time.monotonic() - started < 50:
+        for case in range(FUZZ_CASES):
             files, links, argv = fuzz_case(rng)
-            root = os.path.join(self.root, "r%d" % runs)
+            root = os.path.join(self.root, "r%d" % case)
             write_tree(root, files)
             for target, link in links:
                 path = os.path.join(root, link)
                 if os.path.lexists(path):
                     os.unlink(path)
                 os.symlink(target, path)
-            start = time.monotonic()
             try:
-                rc, out, err = run_main(["--repo-root", root] + argv)
+                with hang_guard("case %d (%r)" % (case, argv)):
+                    rc, out, err = run_main(["--repo-root", root] + argv)
             except BaseException as exc:  # a traceback: name the case that caused it
-                self.fail("run %d (%r) raised %r" % (runs, argv, exc))
-            elapsed = time.monotonic() - start
-            self.assertIn(rc, (0, 1, 2), (runs, argv, out[-500:], err))
-            self.assertNotIn("Traceback", err, (runs, argv))
-            self.assertLess(elapsed, 10, (runs, argv))
+                self.fail("case %d (%r) raised %r" % (case, argv, exc))
+            self.assertFuzzOutcome(case, argv, rc, out, err)
             shutil.rmtree(root)
-            runs += 1
-        self.assertGreaterEqual(runs, 2000, "the fuzzer ran only %d cases in its time" % runs)
 
 
 class SchemaTest(unittest.TestCase):
@@ -2321,18 +3001,22 @@ def tiny_files(version="TINY_ABI_VERSION", build=TINY_BUILD, c_source=None, stat
 ELAPSED_LINE = re.compile(r"^\[ *[0-9]+\.[0-9]s\] ", re.M)
 
 
-def running(pid):
-    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
-    for _ in range(50):
+def ends(pid, timeout=60):
+    """Whether process pid ends (a zombie awaiting its reaper has) within
+    `timeout` seconds: a bound only a process nobody stopped reaches, however
+    busy the machine."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
             with open("/proc/%d/stat" % pid) as handle:
                 state = handle.read().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
-            return False
+            return True
         if state == "Z":
+            return True
+        if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
-    return True
 
 
 class BuildTierTest(TreeTest):
@@ -2365,6 +3049,16 @@ class BuildTierTest(TreeTest):
         self.assertEqual([(i["code"], i["message"]) for i in result["results"][0]["issues"]],
                          [("R006", "tiny_abi_version() in libtiny.so returns 3 but abi_version is 2")])
 
+    def test_an_exported_name_without_the_prefix_is_an_error(self):
+        self.tree(tiny_files(c_source=TINY_C % "TINY_ABI_VERSION" + "int helper(void) { return 1; }\n"
+                             "static int hidden(void) { return 2; }\n"))
+        rc, out, err = self.build("--format", "json")
+        self.assertEqual(rc, 1, out)
+        self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]], [
+            ("R010", "libtiny.so exports 1 name(s) without the prefix tiny_ (helper), which the C ABI "
+             "gives every name; hide them (-fvisibility=hidden, and "
+             "__attribute__((visibility(\"default\"))) on the ABI's functions)")])
+
     def test_missing_symbol_is_an_error(self):
         self.tree(tiny_files(c_source='#include "tiny.h"\nuint32_t tiny_abi_version(void) { return 2; }\n'))
         rc, out, err = self.build()
@@ -2394,11 +3088,12 @@ class BuildTierTest(TreeTest):
                       "finish within 1s; it was stopped\n", out)
         with open(pid_file) as handle:
             sleeper = int(handle.read())
-        self.assertFalse(running(sleeper), "the build's background process outlived the time limit")
+        self.assertTrue(ends(sleeper), "the build's background process outlived the time limit")
 
     def test_output_that_is_not_a_shared_object_is_an_error(self):
         self.tree(tiny_files(build=Executable(
-            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -E - -o "$1/libtiny.so" < /dev/null\n')))
+            '#!/bin/sh\nmarch=${2:-x86-64}\nmkdir -p "$1"\ncc -march=$march -shared -o "$1/libtiny.so" -x c /dev/null\n'
+            'printf \'not a library\\n\' > "$1/libtiny.so"\n')))
         rc, out, err = self.build()
         self.assertEqual(rc, 1)
         self.assertIn("\nbackends/cpu/tiny/build.sh: [error] R004 cpu/tiny: libtiny.so is not a usable "
@@ -2446,10 +3141,11 @@ NVCC = shutil.which("nvcc")
 TINY_CU = """#include <cstdint>
 #include <cuda_runtime.h>
 #define GPUTINY_ABI_VERSION 1
-extern "C" uint32_t gputiny_abi_version(void) { return GPUTINY_ABI_VERSION; }
-extern "C" const char* gputiny_error_string(int code) { return code ? "bad argument" : "ok"; }
+#define GPUTINY_API extern "C" __attribute__((visibility("default")))
+GPUTINY_API uint32_t gputiny_abi_version(void) { return GPUTINY_ABI_VERSION; }
+GPUTINY_API const char* gputiny_error_string(int code) { return code ? "bad argument" : "ok"; }
 __global__ void twice(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2.0f; }
-extern "C" int gputiny_twice(float* x, int n, cudaStream_t stream) {
+GPUTINY_API int gputiny_twice(float* x, int n, cudaStream_t stream) {
     twice<<<1, 32, 0, stream>>>(x, n);
     return 0;
 }
@@ -2460,7 +3156,7 @@ set -euo pipefail
 out_dir=$1
 cap=${2:-80}
 mkdir -p "$out_dir"
-"${NVCC:-nvcc}" -shared -Xcompiler -fPIC -gencode "arch=compute_${cap},code=sm_${cap}" $EXTRA_GENCODE \\
+"${NVCC:-nvcc}" -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode "arch=compute_${cap},code=sm_${cap}" $EXTRA_GENCODE \\
     "$(dirname "$0")/tiny.cu" -o "$out_dir/libgputiny.so"
 """)
 
@@ -2661,7 +3357,7 @@ class TraceTierTest(TreeTest):
         self.assertEqual([(i["level"], i["code"], i["message"]) for i in result["issues"]], [
             ("error", "B006", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation does not build 89"),
-            ("warning", "B007", "running build.sh <output-dir> 89 shows: the single-target "
+            ("error", "B007", "running build.sh <output-dir> 89 shows: the single-target "
              "invocation for 89 also builds 80")])
 
     def test_the_repository_stays_byte_identical(self):
@@ -2696,12 +3392,12 @@ class TraceTierTest(TreeTest):
         # Found by its name: in a PID namespace the script's pids are not the checker's.
         marker = "check-contract-sleep-%d" % os.getpid()
         self.backend('#!/usr/bin/env bash\n(exec -a %s sleep 300) &\nwait\n' % marker)
-        start = time.monotonic()
         rc, report, err = self.trace("--timeout", "1")
-        self.assertLess(time.monotonic() - start, 30)
         (result,) = report["results"]
         self.assertEqual(rc, 1)
-        self.assertEqual(result["issues"][0]["code"], "R002")
+        self.assertEqual((result["issues"][0]["code"], result["issues"][0]["message"]),
+                         ("R002", "running build.sh <output-dir> 80 shows: the script did not "
+                                  "finish within 1s; it was stopped"))
         self.assertEqual(survivors(marker), [], "the script's background sleep outlived the trace")
 
     def test_manifest_disagreeing_with_the_trace_is_reported(self):
@@ -2717,8 +3413,9 @@ class TraceTierTest(TreeTest):
              "\"libfat.so\" but build.output is \"libother.so\""),
             ("error", "B006", "running build.sh <output-dir> shows: build.architectures lists 86 "
              "but the default invocation of build.sh does not build it"),
-            ("warning", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
-             "which build.architectures does not list")])
+            ("error", "B007", "running build.sh <output-dir> shows: build.sh also builds 89, "
+             "which build.architectures does not list; list it (the build tier rejects a library "
+             "with targets the manifest does not name, R008)")])
 
     def test_backend_without_a_build_script_is_skipped(self):
         self.backend("#!/bin/sh\n")
@@ -2919,16 +3616,16 @@ class TraceLimitsTest(TreeTest):
                               "programs that the shims only stand in for")
 
     def test_a_program_the_script_builds_runs(self):
-        self.backend('cc -o "$1/probe" probe.c\n"$1/probe"\n'
-                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
-                     **{"backends/cuda/k/probe.c": "int main(void) { return 0; }\n"})
+        self.backend('echo "int main(void) { return 0; }" > "$TMPDIR/probe.c"\n'
+                     'cc -o "$1/probe" "$TMPDIR/probe.c"\n"$1/probe"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
         rc, report, err = self.trace()
         self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
 
     def test_a_script_that_checks_what_its_program_prints_cannot_be_told(self):
-        self.backend('cc -o "$1/probe" probe.c\n"$1/probe" | grep -q ok\n'
-                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
-                     **{"backends/cuda/k/probe.c": "int main(void) { return 0; }\n"})
+        self.backend('echo "int main(void) { return 0; }" > "$TMPDIR/probe.c"\n'
+                     'cc -o "$1/probe" "$TMPDIR/probe.c"\n"$1/probe" | grep -q ok\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
         rc, report, err = self.trace()
         self.assertEqual(rc, 0, err)
         self.assertCannotTell(report, "it runs <output-dir>/probe, which a shim wrote in place "
@@ -3584,7 +4281,8 @@ def corpus_backend(name, platform, script, extra, truth):
     files = {
         top + name + ".backend.json": {
             "name": name, "abi_version": 1, "status": "experimental",
-            "sources": ["k.h", CORPUS_SOURCES[platform]],
+            "sources": ["k.h", CORPUS_SOURCES[platform]] + sorted(
+                path for path in extra if path.endswith(check_contract.COMPILED_SUFFIXES)),
             "build": {"script": "build.sh", "output": library, "architectures": archs}},
         top + "k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
                      "const char* k_error_string(int code);\n",
@@ -3725,6 +4423,8 @@ class ParityTierTest(TreeTest):
     def test_skip_line_with_failure_exit_is_a_failure(self):
         rc, out, err = self.parity("import sys\nprint('SKIP: pretending')\nsys.exit(2)\n")
         self.assertEqual(rc, 1)
+        self.assertIn("\nbackends/cpu/tiny/parity.py: [error] P001 cpu/tiny: backends/cpu/tiny/parity.py "
+                      "failed (exit status 2)\n", out)
 
     def test_only_validated_backends_run_unless_named(self):
         self.assertEqual(self.parity("print('x')\n", status="experimental"),
@@ -3794,7 +4494,7 @@ class RepositoryTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
             # overlay_setup.py records applied overlays under $XDG_STATE_HOME
-            env = dict(os.environ, XDG_STATE_HOME=home)
+            env = terminal_env(XDG_STATE_HOME=home)
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
@@ -3809,9 +4509,6 @@ class RepositoryTest(unittest.TestCase):
 
     def test_readme_walkthrough_runs_as_written(self):
         self.run_shown("README.md", "## Walkthrough")
-
-    def test_overlay_examples_run_as_written(self):
-        self.run_shown("docs/overlay_setup.md")
 
     def test_check_contract_reference_commands_run_as_written(self):
         self.run_shown("docs/check_contract.md")
@@ -3853,8 +4550,8 @@ class RepositoryTest(unittest.TestCase):
             user = os.path.join(tmp, "user")
             write_tree(user, {"backends/cuda/k/k.cu": "__global__ void k() {}\n"})
             proc = subprocess.run([os.path.join(clone, entry[0])] + entry[1:], cwd=user,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  universal_newlines=True)
+                                  env=terminal_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, universal_newlines=True)
             self.assertEqual(proc.returncode, 1, proc.stdout)
             self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
                           "k.backend.json manifest",
@@ -3918,18 +4615,23 @@ class ConventionsTest(unittest.TestCase):
                             self.assertIn("default", action.help, action.option_strings
                                           or action.metavar)
 
+    def test_version_and_every_help_name_the_tool_and_show_an_example_in_both_tools(self):
+        for tool, prog, example in (
+                (check_contract, "check_contract.py", r"\nexamples:\n  python3 check_contract\.py "),
+                (overlay_setup, "overlay_setup.py", r"\nexamples?:\n  (.*\n)*.*overlay_setup\.py ")):
+            self.assertEqual(self.call(tool, "--version"), (0, "%s %s\n" % (prog, tool.VERSION), ""))
+            for name in [None] + sorted(subcommands(tool.build_parser())):
+                with self.subTest(tool=prog, command=name):
+                    rc, out, err = self.call(tool, *([name] if name else []), "--help")
+                    self.assertEqual((rc, err), (0, ""))
+                    self.assertRegex(out, example)
+
     def test_every_command_with_json_takes_format_too(self):
         for tool, _, _ in self.TOOLS:
             for name, parser in subcommands(tool.build_parser()).items():
                 options = {o for action in parser._actions for o in action.option_strings}
                 with self.subTest(tool=tool.__name__, command=name):
                     self.assertEqual("--json" in options, "--format" in options)
-
-    def test_build_command_or_no_build_shows_as_required(self):
-        commands = subcommands(overlay_setup.build_parser())
-        for name in ("add-native", "apply"):
-            usage = " ".join(commands[name].format_usage().split())
-            self.assertIn("(--build-cmd CMD | --no-build)", usage)
 
     def test_parity_says_what_it_runs_by_default(self):
         help_text = " ".join(subcommands(check_contract.build_parser())["parity"].format_help().split())
@@ -4002,6 +4704,9 @@ class ConventionsTest(unittest.TestCase):
             for line in proc.stdout:
                 if "started" in line:
                     break
+            else:
+                self.fail("the build never printed 'started' (exit status %s): %s"
+                          % (proc.wait(), proc.stderr.read()))
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -4073,6 +4778,119 @@ class CodesTest(unittest.TestCase):
 
     def test_overlay_setup_codes_agree(self):
         self.check_codes("overlay_setup", "E[0-9]{3}")
+
+    def test_check_contract_levels_agree(self):
+        """The level the reference's table and the docstring give each code
+        is the one the checker prints it at: [error], or [warning]."""
+        code_re = "[DJMSABTORUPX][0-9]{3}"
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+            rows = re.findall(r"^\| (%s) \| ([^|]+) \|" % code_re, f.read(), re.M)
+        names = {"E": "error", "W": "warning"}
+        in_table = {code: {names[word] for word in re.findall(r"\b[EW]\b", level)}
+                    for code, level in rows}
+        docstring = check_contract.__doc__
+        parts = re.split(r"\b(%s)\b" % code_re, docstring[docstring.index("Diagnostic codes"):])
+        in_docstring = {}
+        for code, text in zip(parts[1::2], parts[2::2]):  # "B017 the reader cannot tell (warning)"
+            text = " ".join(text.split())
+            in_docstring.setdefault(code, {"error", "warning"} if "when" in text else
+                                    {"warning"} if "(warning" in text else {"error"})
+        printed = emitted_levels(CHECKER, code_re)
+        self.assertGreater(len(printed), 50)
+        for code, levels in sorted(printed.items()):
+            for where, documented in (("docs", in_table[code]), ("docstring", in_docstring[code])):
+                with self.subTest(code=code, where=where):
+                    if len(documented) == 1:
+                        self.assertEqual(levels, documented)
+                    else:  # "W (E when validated)": the level is worked out when it is reported
+                        self.assertLessEqual(levels, documented)
+
+
+def reader_claims():
+    """What the table "What the script reader reads" of docs/check_contract.md
+    says the build-script reader follows (every row but one), and what its
+    row read as "not followed" says it does not."""
+    with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## What the script reader reads"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return (" ".join(r for r in rows if "| not followed" not in r),
+            " ".join(r.split(" | ")[0] for r in rows if "| not followed" in r))
+
+
+class ReaderClaimsTest(unittest.TestCase):
+    """What the docs' table says the build-script reader follows, it
+    follows; what it says the reader does not follow, the reader says so."""
+
+    # The construct as the table names it: a script using it, building sm_80 and sm_90.
+    FOLLOWED = {
+        "`case` with": 'case "${2:-}" in\n  "") a=80 ;;\n  *) a=$2 ;;\nesac\n'
+                       'nvcc -shared -arch=sm_$a -gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
+        "`for v in words`": 'for a in 80 90; do nvcc -c -arch=sm_$a k.cu -o "$1/k$a.o"; done\n'
+                            'nvcc -shared "$1"/k*.o -o "$1/l.so"\n',
+        "`f() { ...; }`": 'build() { local arch=$1; nvcc -shared -arch=sm_$arch k.cu -o "$2/l.so"; }\n'
+                          'build 80 "$1"\nbuild 90 "$1"\n',
+        "`while`/`until`": 'until false; do\n  nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                           '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n  break\ndone\n',
+        "`pushd`": 'pushd "$1"\nnvcc -shared -arch=sm_80 k.cu -o a.so\npopd\n'
+                   'nvcc -shared -arch=sm_90 k.cu -o "$1/l.so"\n',
+        "`$(( expr ))`": 'a=$((40 * 2))\nnvcc -shared -arch=sm_$a -gencode arch=compute_$((a + 10)),'
+                         'code=sm_$((a + 10)) k.cu -o "$1/l.so"\n',
+        "`timeout`": 'timeout 600 nvcc -shared -gencode arch=compute_80,code=sm_80 '
+                     '-gencode arch=compute_90,code=sm_90 k.cu -o "$1/l.so"\n',
+    }
+
+    def test_the_constructs_said_to_be_followed_are_followed(self):
+        followed, not_followed = reader_claims()
+        for claim, script in self.FOLLOWED.items():
+            with self.subTest(claim=claim):
+                self.assertNotIn(claim, not_followed)
+                self.assertIn(claim, followed)
+                facts = check_contract.ScriptReader(script).facts()
+                self.assertEqual(facts.unfollowed, [])
+                self.assertEqual(sorted({a for call in facts.calls for a in call.targets("cuda")}),
+                                 ["80", "90"])
+
+    def test_a_trap_command_is_said_not_to_be_followed(self):
+        self.assertIn("`trap`'s command", reader_claims()[1])
+        facts = check_contract.ScriptReader("trap 'nvcc -shared -arch=sm_80 k.cu -o \"$1/l.so\"' "
+                                            "EXIT\n").facts()
+        self.assertEqual(facts.calls, [])
+        self.assertNotEqual(facts.unfollowed, [])
+
+    def test_what_is_said_not_to_be_followed_is_reported(self):
+        spans = re.findall(r"`([^`]+)`", reader_claims()[1])
+        self.assertGreaterEqual(len(spans), 8, spans)
+        for span in spans:
+            if span == "trap":  # its command, tested above
+                continue
+            with self.subTest(span=span):
+                facts = check_contract.ScriptReader(span + " x\n").facts()
+                self.assertNotEqual(facts.unfollowed, [], span)
+
+
+def emitted_levels(path, code_re):
+    """{code: levels} of the findings a script reports where the call names
+    both: backend.error("A001", ...), warning(...), Diagnostic("error",
+    "R009", ...), report("warning", "X001", ...)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    levels = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        words = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+                 for a in node.args]
+        for index, word in enumerate(words):
+            if word is None or not re.match(code_re + r"\Z", word):
+                continue
+            if index == 0 and name in ("error", "warning"):
+                levels.setdefault(word, set()).add(name)
+            elif index > 0 and words[index - 1] in ("error", "warning"):
+                levels.setdefault(word, set()).add(words[index - 1])
+    return levels
 
 
 class PythonVersionTest(unittest.TestCase):
