@@ -50,7 +50,8 @@ one finding.
 
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
-    1  errors found (or warnings, with --strict); a build, test, parity or trace run failed
+    1  errors found (or warnings, with --strict); a build, test, parity or trace run failed;
+       init cannot tell a value, or the script it wrote a manifest for must change
     2  usage error: no such repository root, no backends directory, a NAME
        that is no backend (a platform alone, such as `metal`, is none), bad flag;
        or standard output cannot be written (a full disk, a closed pipe)
@@ -356,6 +357,11 @@ class Backend:
         if self.key_lines is None:
             self.key_lines = manifest_lines(self.manifest_text) if self.manifest_text else {}
         return self.key_lines.get(key)
+
+
+class CannotTell(Exception):
+    """init cannot tell a value of the manifest: the message names it and
+    what to write; nothing is written, and the exit status is 1."""
 
 
 class UsageError(Exception):
@@ -4160,10 +4166,11 @@ class ChildOutcome:
         self.error = error
 
 
-def run_streaming(command, cwd, timeout, stream, env=None):
+def run_streaming(command, cwd, timeout, stream, env=None, show=None):
     """Run command with its output (stdout and stderr together) copied to
-    stream line by line, each line prefixed with the elapsed time.  At the
-    time limit the child's whole process group is terminated, then killed."""
+    stream line by line, each line prefixed with the elapsed time (and put
+    through show, when given).  At the time limit the child's whole process
+    group is terminated, then killed."""
     import signal
     import subprocess
     import threading
@@ -4183,7 +4190,8 @@ def run_streaming(command, cwd, timeout, stream, env=None):
             if not first:
                 first.append(line)
             # Escaped: a \r or an escape sequence must not forge a line of the report.
-            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, escape_control(line)))
+            shown = escape_control(show(line) if show else line)
+            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, shown))
             stream.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -4643,11 +4651,16 @@ class Trace:
         self.commands = []        # the command lines of bash's trace
 
     def show(self, text):
-        for path, name in self.places:
-            if text == path:
-                return name
-            text = text.replace(path + "/", name + "/" if name != "." else "")
-        return text
+        return show_places(self.places, text)
+
+
+def show_places(places, text):
+    """text with each temporary path of places written as what it stands for."""
+    for path, name in places:
+        if text == path:
+            return name
+        text = text.replace(path + "/", name + "/" if name != "." else "")
+    return text
 
 
 def shell_quote(word):
@@ -5080,7 +5093,7 @@ def trace_script(session, backend, arch, timeout, stream):
                   "read_only": [shims.toolkit], "cwd": copy, "command": command, "env": env,
                   "status": status}
         child = run_streaming(launcher_command(session.unshare, config), copy, timeout, stream,
-                              env={})
+                              env={}, show=lambda line: show_places(places, line))
         reason, _ = read_bounded(status, READ_CHUNK)
         if reason and child.error is None:
             child.error = reason.decode("utf-8", "replace")
@@ -5466,25 +5479,28 @@ TARGET_FLAGS = {"cuda": "-gencode, -arch or -code", "hip": "--offload-arch or -m
 
 
 def inferred_build(script, facts, platform):
-    """(build.output, build.architectures) as the facts of `script` show them;
-    a UsageError that names what cannot be told and what to write."""
+    """(build.output, build.architectures, where the library is written when
+    that is not in <output-dir>, else None) as the facts of `script` show
+    them; CannotTell names what cannot be told and what to write."""
     unfollowed = "".join("; the checker does not follow line %d (%s)" % item
                          for item in facts.unfollowed)
     outputs = [(output, call) for call in facts.calls for output in call.outputs]
     if not outputs:
-        raise UsageError("init: cannot tell from %s which library it writes: no compiler command "
+        raise CannotTell("init: cannot tell from %s which library it writes: no compiler command "
                          "with -o%s; write the library with -o \"$1/<library>\", or write the "
                          "manifest yourself" % (script, unfollowed))
     output, call = outputs[-1]
     prefix = facts.out_dir + "/"
     if call.condition or UNDECIDED in output:
-        raise UsageError("init: cannot tell from %s which library it writes: -o %s at line %d "
+        raise CannotTell("init: cannot tell from %s which library it writes: -o %s at line %d "
                          "depends on %s; give build.output yourself"
                          % (script, show_word(output), call.line,
                             call.condition or "a value the checker cannot decide"))
-    if not output.startswith(prefix) or any(m in output[len(prefix):] for m in MARKERS):
-        raise UsageError("init: %s writes its library to %s, not to a file named in its "
-                         "<output-dir> argument; write it with -o \"$1/<library>\""
+    inside = output.startswith(prefix)
+    library = output[len(prefix):] if inside else posixpath.basename(output)
+    if any(m in library for m in MARKERS) or not library:
+        raise CannotTell("init: cannot tell from %s which library it writes: it writes %s; write it "
+                         "with -o \"$1/<library>\", or give build.output yourself"
                          % (script, show_path(output)))
     archs, unknown = [], []
     for call in facts.calls:
@@ -5493,13 +5509,29 @@ def inferred_build(script, facts, platform):
         archs.extend(a for a in call.targets(platform) if a not in archs)
         unknown.extend(call.open_targets + call.unknown)
     if unknown or not archs:
-        raise UsageError("init: cannot tell which architectures %s builds (%s); give each target "
+        raise CannotTell("init: cannot tell which architectures %s builds (%s); give each target "
                          "in a flag of its own (%s) and run init again, or write the manifest "
                          "yourself" % (script, "; ".join(unknown) or "no target flag",
                                        TARGET_FLAGS.get(platform, "a target flag")))
     if platform == "cuda":
         archs.sort(key=lambda a: (arch_number(a) or 0, a))
-    return posixpath.normpath(output[len(prefix):]), archs
+    return posixpath.normpath(library), archs, None if inside else output
+
+
+# A command word written as an absolute path: at the start of a line or
+# after ; & | then do else, past VAR=value words.
+COMMAND_PATH_RE = re.compile(r"(?:^|[;&|]|\bthen\b|\bdo\b|\belse\b)[ \t]*(?:[A-Za-z_][A-Za-z0-9_]*="
+                             r"[^ \t]*[ \t]+)*(/[^\s'\"`;&|()<>$]+)")
+
+
+def compilers_by_path(text):
+    """(line, word) of each compiler the script's text runs by an absolute
+    path, which no shim stands in for."""
+    found = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.lstrip().startswith("#"):
+            found += [(number, w) for w in COMMAND_PATH_RE.findall(line) if is_compiler_name(w)]
+    return found
 
 
 def cmd_init(args):
@@ -5529,22 +5561,40 @@ def cmd_init(args):
                      and not p.rsplit("/", 1)[-1].startswith("test_")
                      and "tests" not in p.split("/")[:-1])
     if not sources:
-        raise UsageError("init %s: no kernel sources (%s) found" % (args.dir, " ".join(KERNEL_SUFFIXES)))
+        raise CannotTell("init %s: no kernel sources (%s) found" % (args.dir, " ".join(KERNEL_SUFFIXES)))
     scripts = sorted(p for p in files if "/" not in p and p.endswith(".sh"))
     if not scripts:
-        raise UsageError("init %s: no build script (*.sh) found; write one taking "
+        raise CannotTell("init %s: no build script (*.sh) found; write one taking "
                          "<output-dir> [<arch>] first" % args.dir)
+    if "build.sh" not in scripts and len(scripts) > 1:
+        raise CannotTell("init %s: cannot tell which script builds the backend: %s; name it "
+                         "build.sh, or write the manifest yourself" % (args.dir, ", ".join(scripts)))
     script = "build.sh" if "build.sh" in scripts else scripts[0]
     text, problem, _ = read_text(os.path.join(target, script))
     if text is None:
-        raise UsageError("init: cannot read %s: %s" % (script, problem))
+        raise CannotTell("init: cannot read %s: %s" % (script, problem))
     facts = ScriptReader(text, target).facts()
     rel_dir = posixpath.join(repo.backends_dir, platform, name)
     backend = Backend(name, platform, target, rel_dir)
     backend.build_script = script
-    if not args.no_trace and shutil.which("bash") is not None:
+    said = sys.stderr if args.format == "json" else sys.stdout
+    traced = not args.no_trace and shutil.which("bash") is not None
+    if traced:
+        check_shebang(backend, script, text, script)
+        for d in backend.diagnostics:
+            raise CannotTell("init: %s (%s); or give --no-trace to read it without running it"
+                             % (d.message, d.code))
+        for number, word in compilers_by_path(text):
+            raise CannotTell("init: %s line %d runs the compiler %s by its path, which the "
+                             "trace cannot intercept (X001); call it by name or through "
+                             "$NVCC/$CC/$CXX/$HIPCC, or give --no-trace to read the script "
+                             "without running it" % (script, number, word))
+        if script != "build.sh":
+            said.write("init: %s is the only *.sh here, so build.script; running ./%s "
+                       "<output-dir> with the compiler shims in place\n"
+                       % (script, backend.rel(script)))
         facts = init_trace(repo, backend, facts.default_target)
-    output, archs = inferred_build(script, facts, platform)
+    output, archs, elsewhere = inferred_build(script, facts, platform)
     abi = 1
     for source in sources:
         text, _, _ = read_text(os.path.join(target, source))
@@ -5573,7 +5623,7 @@ def cmd_init(args):
     check_keys(repo, backend)
     rejected = [d.message for d in backend.diagnostics if d.level == "error"]
     if rejected:
-        raise UsageError("init: the manifest inferred from %s would not pass the check: %s; "
+        raise CannotTell("init: the manifest inferred from %s would not pass the check: %s; "
                          "nothing was written" % (args.dir, "; ".join(rejected)))
     temporary = manifest_path + ".tmp"
     created = False
@@ -5593,13 +5643,17 @@ def cmd_init(args):
         sys.stderr.write("check_contract.py: error: init: cannot write %s: %s; nothing was "
                          "written\n" % (os.path.relpath(manifest_path), reason))
         return 1
-    (sys.stderr if args.format == "json" else sys.stdout).write("wrote %s%s\n" % (
+    said.write("wrote %s%s\n" % (
         os.path.relpath(manifest_path),
         " (keeping the ignore entries of the one it replaced: %s)" % ", ".join(sorted(kept))
         if kept else ""))
     run = run_check(repo, [platform + "/" + name])
     REPORTERS[args.format](run, sys.stdout)
-    return 1 if run.count("error") else 0
+    if elsewhere is not None:
+        said.write("init: %s writes its library to %s, not into its <output-dir> argument, where "
+                   "the build tier and CI look for it: write it with -o \"$1/%s\"\n"
+                   % (script, show_word(elsewhere) if traced else show_path(elsewhere), output))
+    return 1 if run.count("error") or elsewhere is not None else 0
 
 
 def replaced_ignore(path):
@@ -5617,7 +5671,8 @@ def replaced_ignore(path):
 
 def init_trace(repo, backend, default_target):
     """The ScriptFacts of the backend's build script run under the compiler
-    shims, for init; a UsageError when the run does not show them."""
+    shims, for init, paths shown as the repository's or <output-dir>;
+    CannotTell when the run does not show them."""
     import io
     script = backend.build_script
     output = io.StringIO()
@@ -5627,22 +5682,35 @@ def init_trace(repo, backend, default_target):
     finally:
         session.close()
     child = trace.child
+    # A real compiler run by its path fails or succeeds on its own: that is
+    # what to say, whatever happened next.
+    if trace.uncaught:
+        raise CannotTell("init: %s runs the compiler %s by its path, which the trace cannot "
+                         "intercept (X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or "
+                         "give --no-trace to read the script without running it"
+                         % (script, ", ".join(trace.uncaught)))
+    if trace.tampered or trace.changed:
+        raise CannotTell("init: %s changed %s while it ran; init cannot tell what it builds"
+                         % (script, show_paths(trace.tampered + trace.changed)))
+    facts, _ = traced_facts(trace)
     failure = (child.error if child.error is not None else
                "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
                "it failed with exit status %d" % child.returncode if child.returncode else None)
     if failure is not None:
+        limit = shim_limit(trace, facts) if child.returncode else None
+        if limit is not None:
+            raise CannotTell("init: cannot tell what %s builds: %s, and %s; write the manifest "
+                             "yourself and check it with build, or give --no-trace to read the "
+                             "script without running it" % (script, failure, limit))
         # The script's last line of output, without the elapsed time before it.
         said = [line.split("] ", 1)[-1] for line in output.getvalue().splitlines()[1:]]
         said = [line for line in said if line.strip()]
-        raise UsageError("init: %s cannot be run with the compiler shims in place (%s%s); make it "
+        raise CannotTell("init: %s cannot be run with the compiler shims in place (%s%s); make it "
                          "run as ./%s <output-dir>, or give --no-trace to read it without running "
                          "it" % (script, failure, ": " + said[-1] if said else "", script))
-    if trace.uncaught:
-        raise UsageError("init: %s runs the compiler %s by its path, which the trace cannot "
-                         "intercept; call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give "
-                         "--no-trace to read the script without running it"
-                         % (script, ", ".join(trace.uncaught)))
-    facts, _ = traced_facts(trace)
+    for call in facts.calls:
+        call.outputs = [trace.show(o) for o in call.outputs]
+    facts.out_dir = "<output-dir>"
     facts.default_target = default_target
     return facts
 
@@ -5814,7 +5882,9 @@ def add_init_parser(sub, common, formatter):
                           "(sources, ABI version, build script), status experimental, then check it. "
                           "What the build script builds is learnt by running it as trace does, with "
                           "compiler shims in place (--no-trace: by reading it). Nothing is written "
-                          "when a value cannot be told; the message says which and what to write.",
+                          "when a value cannot be told (exit 1); the message says which and what to "
+                          "write. A library written outside <output-dir> is written down by its "
+                          "name, and the fix to the script is said (exit 1).",
                           epilog="examples:\n"
                           "  python3 check_contract.py init backends/cuda/flash_attn\n"
                           "  python3 check_contract.py init --force backends/cpu/llm_ops\n")
@@ -6005,6 +6075,9 @@ def main(argv=None):
     except UsageError as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
         return 2
+    except CannotTell as exc:
+        sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
+        return 1
     except ReportError as exc:
         discard_output(stdout)
         try:

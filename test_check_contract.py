@@ -140,6 +140,8 @@ def run_main(argv, env=None):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    # Every path a command shows is the repository's, <output-dir> or <toolkit>.
+    assert "check-contract-trace-" not in out.getvalue() + err.getvalue(), out.getvalue() + err.getvalue()
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -1810,11 +1812,7 @@ class CommandLineTest(TreeTest):
                 ('nvcc -shared -arch=native ops.cu -o "$1/libfat.so"\n',
                  "init: cannot tell which architectures build.sh builds (-arch=native); give each "
                  "target in a flag of its own (-gencode, -arch or -code) and run init again, or "
-                 "write the manifest yourself"),
-                ('nvcc -shared -arch=sm_80 ops.cu -o build/libfat.so\n',
-                 "init: build.sh writes its library to build/libfat.so (relative to the directory "
-                 "the script is run from), not to a file named in its <output-dir> argument; "
-                 "write it with -o \"$1/<library>\"")):
+                 "write the manifest yourself")):
             with self.subTest(script=script):
                 files = fat_files()
                 del files["backends/cuda/fat/fat.backend.json"]
@@ -1822,7 +1820,7 @@ class CommandLineTest(TreeTest):
                 self.tree(files)
                 rc, out, err = run_main(["--repo-root", self.root, "init", "--no-trace",
                                          self.path("backends/cuda/fat")])
-                self.assertEqual((rc, out, err), (2, "", "check_contract.py: error: %s\n" % message))
+                self.assertEqual((rc, out, err), (1, "", "check_contract.py: error: %s\n" % message))
                 self.assertFalse(os.path.exists(self.path("backends/cuda/fat/fat.backend.json")))
 
     def test_init_refuses_to_overwrite_without_force(self):
@@ -3720,7 +3718,7 @@ class InitTraceTest(TreeTest):
     def test_init_no_trace_reads_the_script_only(self):
         self.backend(self.LOOP_BUILD)
         rc, out, err = self.init("--no-trace")
-        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual((rc, out), (1, ""))
         self.assertIn("init: cannot tell which architectures build.sh builds", err)
         self.assertFalse(os.path.exists(self.path("backends/cuda/k/k.backend.json")))
 
@@ -3728,7 +3726,7 @@ class InitTraceTest(TreeTest):
         self.backend(Executable('#!/usr/bin/env bash\nset -eu\narchs=$(cat archs.txt)\n'
                                 'nvcc -arch=sm_$archs -shared -o "$1/libk.so" k.cu\n'))
         rc, out, err = self.init()
-        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual((rc, out), (1, ""))
         self.assertEqual(err, "check_contract.py: error: init: build.sh cannot be run with the "
                          "compiler shims in place (it failed with exit status 1: cat: archs.txt: "
                          "No such file or directory); make it run as ./build.sh <output-dir>, or "
@@ -3742,23 +3740,110 @@ class InitTraceTest(TreeTest):
                                 'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'
                                 % self.path("fake-cuda")))
         rc, out, err = self.init()
-        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual((rc, out), (1, ""))
         self.assertEqual(err, "check_contract.py: error: init: build.sh runs the compiler "
-                         "/usr/local/cuda/bin/nvcc by its path, which the trace cannot intercept; "
-                         "call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to "
+                         "/usr/local/cuda/bin/nvcc by its path, which the trace cannot intercept "
+                         "(X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to "
                          "read the script without running it\n")
 
     def test_init_never_writes_a_manifest_its_check_rejects(self):
         self.backend(Executable('#!/usr/bin/env bash\nmkdir -p "$1"\n'
                                 'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'), name="Fast-K")
         rc, out, err = run_main(["--repo-root", self.root, "init", self.path("backends/cuda/Fast-K")])
-        self.assertEqual((rc, out), (2, ""))
+        self.assertEqual((rc, out), (1, ""))
         self.assertEqual(err, "check_contract.py: error: init: the manifest inferred from %s would "
                          "not pass the check: \"name\" must be a string of lowercase letters, "
                          "digits and _, not \"Fast-K\"; nothing was written\n"
                          % self.path("backends/cuda/Fast-K"))
         self.assertEqual(sorted(os.listdir(self.path("backends/cuda/Fast-K"))),
                          ["archs.txt", "build.sh", "k.cu"])
+
+
+class InitHelpsTest(TreeTest):
+    """init on scripts as real repositories write them: it writes what it can
+    tell, says what the script must change, and names what it cannot tell."""
+
+    def init(self, *args):
+        return run_main(["--repo-root", self.root, "init", self.path("backends/cuda/k")] + list(args))
+
+    def backend(self, script, name="build.sh", **extra):
+        files = {"backends/cuda/k/k.cu": "#define K_ABI_VERSION 1\n",
+                 "backends/cuda/k/" + name: Executable(script)}
+        files.update(extra)
+        self.tree(files)
+
+    def manifest(self):
+        with open(self.path("backends/cuda/k/k.backend.json")) as handle:
+            return json.load(handle)
+
+    def test_a_library_written_elsewhere_is_written_down_and_the_fix_named(self):
+        self.backend('#!/usr/bin/env bash\nset -eu\ncd "$(dirname "$0")"\nmkdir -p build\n'
+                     'nvcc -arch=sm_80 -shared -o build/libk.so k.cu\nmkdir -p "$1"\n'
+                     'cp build/libk.so "$1/"\n')
+        rc, out, err = self.init()
+        self.assertEqual((rc, err), (1, ""), out)
+        self.assertEqual(self.manifest()["build"], {"script": "build.sh", "output": "libk.so",
+                                                    "architectures": [80], "default_arch": 80})
+        self.assertTrue(out.endswith(
+            "init: build.sh writes its library to backends/cuda/k/build/libk.so, not into its "
+            "<output-dir> argument, where the build tier and CI look for it: write it with -o "
+            "\"$1/libk.so\"\n"), out)
+
+    def test_a_script_without_a_shebang_gets_the_checks_words(self):
+        self.backend('mkdir -p "$1"\nnvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init: build script build.sh has no #! "
+                         "line, so ./build.sh cannot run; start it with #!/usr/bin/env bash "
+                         "(B014); or give --no-trace to read it without running it\n")
+
+    def test_a_compiler_called_by_its_path_is_named_before_the_script_runs(self):
+        with tempfile.TemporaryDirectory() as elsewhere:
+            nvcc, stamp = os.path.join(elsewhere, "nvcc"), os.path.join(elsewhere, "ran")
+            write_tree(elsewhere, {"nvcc": Executable("#!/bin/sh\ntouch %s\n" % stamp)})
+            self.backend('#!/usr/bin/env bash\nmkdir -p "$1"\n'
+                         '%s -arch=sm_80 -shared -o "$1/libk.so" k.cu\n' % nvcc)
+            rc, out, err = self.init()
+            self.assertFalse(os.path.exists(stamp), "init ran the script")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init: build.sh line 3 runs the compiler "
+                         "%s by its path, which the trace cannot intercept (X001); call it by name "
+                         "or through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to read the script "
+                         "without running it\n" % nvcc)
+
+    def test_several_scripts_and_no_build_sh_is_a_value_it_cannot_tell(self):
+        self.backend('#!/bin/sh\necho benchmarking\n', name="bench.sh",
+                     **{"backends/cuda/k/compile.sh": Executable("#!/bin/sh\nexit 0\n")})
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init %s: cannot tell which script builds "
+                         "the backend: bench.sh, compile.sh; name it build.sh, or write the "
+                         "manifest yourself\n" % self.path("backends/cuda/k"))
+
+    def test_the_only_script_is_run_and_named(self):
+        self.backend('#!/bin/sh\nmkdir -p "$1"\nnvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
+                     name="compile.sh")
+        rc, out, err = self.init()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertTrue(out.startswith(
+            "init: compile.sh is the only *.sh here, so build.script; running "
+            "./backends/cuda/k/compile.sh <output-dir> with the compiler shims in place\nwrote "), out)
+        self.assertEqual(self.manifest()["build"]["script"], "compile.sh")
+
+    def test_cmake_is_a_value_it_cannot_tell_and_says_why(self):
+        if shutil.which("cmake") is None:
+            self.skipTest("cmake is not installed")
+        self.backend('#!/usr/bin/env bash\nset -e\ncmake -S "$(dirname "$0")" -B "$1"\n'
+                     'cmake --build "$1"\n', **{
+                         "backends/cuda/k/CMakeLists.txt": "cmake_minimum_required(VERSION 3.18)\n"
+                         "project(k LANGUAGES CUDA)\nadd_library(k SHARED k.cu)\n"})
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init: cannot tell what build.sh builds: "
+                         "it failed with exit status 1, and it runs cmake, whose compiler checks "
+                         "build and run test programs that the shims only stand in for; write "
+                         "the manifest yourself and check it with build, or give --no-trace to "
+                         "read the script without running it\n")
 
 
 # The corpus: build scripts written the way real repositories write them, CUDA, HIP and
