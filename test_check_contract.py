@@ -4433,6 +4433,35 @@ class CorpusTest(unittest.TestCase):
         self.assertLessEqual(set(CORPUS_DISAGREEMENTS), names)
 
 
+class InitCorpusTest(unittest.TestCase):
+    """init on every corpus script: a manifest whose output and targets agree
+    with the trace, or a refusal naming the value it cannot tell."""
+
+    def test_init_agrees_with_the_trace_or_names_what_it_cannot_tell(self):
+        for name, platform, script, extra, construct, truth in BUILD_SCRIPT_CORPUS:
+            with self.subTest(name=name), tempfile.TemporaryDirectory(
+                    prefix="check-contract-corpus-") as root:
+                files = corpus_backend(name, platform, script, extra, truth)
+                top = "backends/%s/%s/" % (platform, name)
+                del files[top + name + ".backend.json"]
+                write_tree(root, files)
+                rc, out, err = run_main(["--repo-root", root, "init", os.path.join(root, top)])
+                output, targets = truth
+                manifest = os.path.join(root, top, name + ".backend.json")
+                if not os.path.exists(manifest):
+                    self.assertEqual(rc, 1)
+                    self.assertRegex(err, r"\Acheck_contract\.py: error: init: cannot tell which "
+                                     r"(architectures|library) [^\n]*\n\Z")
+                    continue
+                with open(manifest) as handle:
+                    build = json.load(handle)["build"]
+                self.assertEqual(build["output"], posixpath.basename(output))
+                self.assertEqual([str(a) for a in build["architectures"]], targets)
+                elsewhere = not output.startswith("<output-dir>/")
+                self.assertEqual(rc == 1 and "not into its <output-dir> argument" in out, elsewhere,
+                                 out + err)
+
+
 class TestTierTest(TreeTest):
     def run_tests(self, *args):
         return run_main(["--repo-root", self.root, "test"] + list(args))
