@@ -3562,6 +3562,49 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(tree_state(proj), original)
 
 
+class ScanGrowthTest(OverlayTestCase):
+    """The work of an apply and its revert grows linearly with the build
+    products it backs up: counted in calls the tool's own code makes, not
+    timed.  On tmpfs (where fsync costs nothing) so that it stays fast."""
+
+    def round_trip_calls(self, products: int) -> int:
+        root = tempfile.mkdtemp(prefix="overlay-scan-", dir="/dev/shm" if os.path.isdir(
+            "/dev/shm") else self.tmp)
+        self.addCleanup(shutil.rmtree, root, True)
+        proj = os.path.join(root, "proj")
+        write_tree(proj, {"k.c": "int k;\n", "../fast.c": "int k = 1;\n"})
+        write_tree(proj, {"obj/d%02d/f%04d.o" % (number // 50, number): "o"
+                          for number in range(products)})
+        state = os.path.join(root, "state")
+        counted = [0]
+
+        def count(frame, event, arg) -> None:
+            if event in ("call", "c_call") and frame.f_code.co_filename == overlay_setup.__file__:
+                counted[0] += 1
+
+        sys.setprofile(count)
+        try:
+            applied = call("--state", state, "add-native", "--source",
+                           os.path.join(proj, "k.c"), "--patched",
+                           os.path.join(root, "fast.c"), "--build-cmd", "true",
+                           "--build-cwd", proj, "--owner-pid", str(os.getpid()))
+            reverted = call("--state", state, "revert")
+        finally:
+            sys.setprofile(None)
+        self.assertOk(applied)
+        self.assertIn("backed up %d build product(s)" % products, applied[1])
+        self.assertOk(reverted)
+        return counted[0]
+
+    def test_work_grows_linearly_with_the_backed_up_products(self) -> None:
+        few, some, many = (self.round_trip_calls(n) for n in (10, 40, 310))
+        first, then = (some - few) / 30, (many - some) / 270
+        # Linear: each product costs the same, whatever the count.  The scan
+        # that compared every entry with every product made the products
+        # after the 40th cost several times as much as the 30 before them.
+        self.assertLess(then, 1.25 * first, (few, some, many))
+
+
 def full_tree(root: str) -> dict:
     """tree_state plus what revert must keep besides: xattrs and link counts."""
     found = {}
