@@ -2457,6 +2457,23 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                                               other.root, other.root))
 
 
+@contextlib.contextmanager
+def claims_locked():
+    """Held from the claim check until the entry that claims the paths is
+    journaled: two state directories checking at the same moment would each
+    read the other's journal before it names them, and both apply.  The lock
+    is on the folder that holds the registry the check reads, which every
+    state directory of this user shares."""
+    home = os.path.dirname(registry_dir())
+    makedirs_durable(home, 0o700)
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def check_state_outside_build(state: State, build: Optional[dict]) -> None:
     """Refused before the state directory is even created: one inside the
     build directory dies with the build's clean step (`git clean -xdf`)."""
@@ -2475,7 +2492,6 @@ def check_state_outside_build(state: State, build: Optional[dict]) -> None:
 
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
-    check_claims(state, sources, artifacts, caches)
     overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
@@ -3470,8 +3486,10 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
     modules_before = set(manifest["python"]["modules"])
     try:
         if changes:
-            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                       protected, command, modes or {})
+            with claims_locked():
+                check_claims(state, changes_paths(changes), artifacts, caches)
+                entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
+                                           protected, command, modes or {})
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
                 shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
@@ -3516,6 +3534,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     """Check and print the plan of add-native or apply; change nothing."""
     manifest = state.load() if state.exists() else empty_manifest()
     sources = changes_paths(changes)
+    check_claims(state, sources, artifacts, caches)
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
                                 args.no_protect) if changes else []

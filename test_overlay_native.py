@@ -3562,6 +3562,60 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(tree_state(proj), original)
 
 
+class ClaimRaceTest(OverlayTestCase):
+    """Two state directories claiming one source at the same moment: real
+    processes, both loaded and waiting on one pipe, released together."""
+
+    def test_two_state_directories_applying_one_source_at_once_one_is_refused(self) -> None:
+        proj = os.path.join(self.tmp, "proj")
+        write_tree(proj, {"k.c": "int k;\n", "one.c": "int k = 1;\n", "two.c": "int k = 2;\n"})
+        source, artifact = os.path.join(proj, "k.c"), os.path.join(proj, "libk.so")
+        with open(artifact, "wb") as handle:  # its backup copy keeps each run a while
+            handle.write(os.urandom(32 << 20))
+        before = tree_state(proj)
+        release_read, release_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        waiting = ("import os, sys; sys.path.insert(0, %r); import overlay_setup; "
+                   "os.write(%d, b'.'); os.read(%d, 1); sys.exit(overlay_setup.main(sys.argv[1:]))"
+                   % (HERE, ready_write, release_read))
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        runs = {}
+        for name in ("one", "two"):
+            state = os.path.join(self.tmp, "state-" + name)
+            runs[state] = subprocess.Popen(
+                [sys.executable, "-c", waiting, "--state", state, "add-native", "--source",
+                 source, "--patched", os.path.join(proj, name + ".c"), "--artifact", artifact,
+                 "--build-cmd", "printf x >> libk.so", "--build-cwd", proj,
+                 "--owner-pid", str(os.getpid())], env=env, pass_fds=(ready_write, release_read),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        os.close(ready_write)
+        os.close(release_read)
+        for _ in runs:  # both loaded and waiting (a read that ends at EOF if one died)
+            self.assertEqual(os.read(ready_read, 1), b".")
+        os.close(ready_read)
+        os.close(release_write)  # both reads end at this moment
+        results = {state: process.communicate(timeout=120) + (process.returncode,)
+                   for state, process in runs.items()}
+        won = [state for state, (_, _, rc) in results.items() if rc == 0]
+        self.assertEqual(len(won), 1, results)
+        winner = won[0]
+        loser = [state for state in runs if state != winner][0]
+        self.assertEqual(results[loser][1:], (
+            "overlay_setup: E120 --source %s is already held by the overlay at %s (entry 1, "
+            "%s); nothing was changed: revert that one first (`overlay_setup.py --state %s "
+            "revert`), or add this change to it with --state %s\n" % (
+                source, winner, source, winner, winner), 1))
+        self.assertEqual(read_text(source), read_text(os.path.join(proj, (
+            "one.c" if winner.endswith("one") else "two.c"))))
+        with open(artifact, "rb") as handle:
+            handle.seek(32 << 20)
+            self.assertEqual(handle.read(), b"x", "one build ran, the winner's")
+        self.assertEqual(read_json(os.path.join(loser, "manifest.json"))["entries"], [])
+        self.assertOk(call("--state", winner, "revert"))
+        self.assertEqual(tree_state(proj), before)
+
+
 class ScanGrowthTest(OverlayTestCase):
     """The work of an apply and its revert grows linearly with the build
     products it backs up: counted in calls the tool's own code makes, not
