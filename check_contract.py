@@ -105,7 +105,8 @@ Diagnostic codes (stable; never reused):
                      R005 ABI symbol not exported, R006 loaded ABI version
                      differs, R007 library cannot be loaded here (warning),
                      R008 fatbinary SASS targets differ from the manifest,
-                     R009 backend not buildable
+                     R009 backend not buildable, R010 an exported name
+                     without the backend's prefix
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
@@ -116,6 +117,7 @@ Diagnostic codes (stable; never reused):
 """
 
 import argparse
+import collections
 import fnmatch
 import json
 import os
@@ -169,6 +171,7 @@ MAX_DIGITS = 18      # a number with more digits is no ABI version, target or #i
 ABI_SUFFIX = "_ABI_VERSION"
 ABI_VALUE_RE = re.compile(r"[ \t]*\(?[ \t]*(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*[ \t]*\)?[ \t\r]*\Z")
 DIGITS_RE = re.compile(r"[0-9]+")
+ABI_FUNCTION_RE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*?)_abi_version[ \t\n]*\(")
 
 # Build scripts.
 SH_TOKEN_RE = re.compile(r"""
@@ -1575,15 +1578,22 @@ def tokenize(text):
     return tokens
 
 
-# -- the tree of commands
-#
-# ("simple", line, words), ("if", line, [(condition, body), ...], else body or
-# None), ("case", line, word, [(patterns, body, ;; or ;& or ;;&), ...]),
-# ("arith", line, expression of (( ))), ("for", line, name,
-# words or None, body), ("while", line, until, condition, body),
-# ("function", line, name, body), ("group", line, body, subshell),
-# ("andor", line, first, [(op, pipeline), ...]), ("pipeline", line,
-# negated, commands); a body or condition is a list of these.
+# -- the tree of commands: named nodes, each with the line it starts at; a
+# body or a condition is a list of them.
+
+Simple = collections.namedtuple("Simple", "line words")
+If = collections.namedtuple("If", "line clauses otherwise")  # [(condition, body)], a body or None
+Case = collections.namedtuple("Case", "line word items")  # [(patterns, body, ";;", ";&" or ";;&")]
+Arithmetic = collections.namedtuple("Arithmetic", "line expression")  # (( expression ))
+For = collections.namedtuple("For", "line name words body")  # words None: "$@"
+While = collections.namedtuple("While", "line until condition body")
+Function = collections.namedtuple("Function", "line name body")
+Group = collections.namedtuple("Group", "line body subshell")  # ( body ) or { body; }
+AndOr = collections.namedtuple("AndOr", "line first rest")  # rest: [("&&" or "||", pipeline)]
+Pipeline = collections.namedtuple("Pipeline", "line negated commands")
+# A function defined differently on the branches of a condition the reader
+# cannot decide: each definition (None where it is not defined).
+Choice = collections.namedtuple("Choice", "label bodies")
 
 
 class ScriptParser:
@@ -1647,7 +1657,7 @@ class ScriptParser:
             op = self.next()[1]
             self.skip_newlines()
             rest.append((op, self.parse_pipeline()))
-        return ("andor", line, first, rest) if rest else first
+        return AndOr(line, first, rest) if rest else first
 
     def parse_pipeline(self):
         line = self.peek()[2]
@@ -1660,7 +1670,7 @@ class ScriptParser:
             self.skip_newlines()
             commands.append(self.parse_command())
         if negated or len(commands) > 1:
-            return ("pipeline", line, negated, commands)
+            return Pipeline(line, negated, commands)
         return commands[0]
 
     def parse_command(self):
@@ -1673,7 +1683,7 @@ class ScriptParser:
             self.next()
             body = self.parse_list(())
             self.expect_op(")")
-            return self.redirected(("group", line, body, True))
+            return self.redirected(Group(line, body, True))
         if kind != "word":
             raise ShellSyntax(line, "%s out of place" % text.strip())
         if text == "if":
@@ -1682,7 +1692,7 @@ class ScriptParser:
             self.next()
             condition = self.parse_list(("do",))
             body = self.parse_do()
-            return self.redirected(("while", line, text == "until", condition, body))
+            return self.redirected(While(line, text == "until", condition, body))
         if text in ("for", "select"):
             return self.redirected(self.parse_for())
         if text == "case":
@@ -1691,7 +1701,7 @@ class ScriptParser:
             self.next()
             body = self.parse_list(("}",))
             self.expect_word("}")
-            return self.redirected(("group", line, body, False))
+            return self.redirected(Group(line, body, False))
         if text == "function":
             self.next()
             name = self.next()[1]
@@ -1699,7 +1709,7 @@ class ScriptParser:
                 self.next()
                 self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, name, self.parse_command())
+            return Function(line, name, self.parse_command())
         if text in SH_RESERVED:
             raise ShellSyntax(line, "%s out of place" % text)
         after = self.tokens[self.pos + 1] if self.pos + 1 < len(self.tokens) else None
@@ -1708,7 +1718,7 @@ class ScriptParser:
             self.next()
             self.expect_op(")")
             self.skip_newlines()
-            return ("function", line, text, self.parse_command())
+            return Function(line, text, self.parse_command())
         return self.parse_simple()
 
     def parse_arithmetic(self):
@@ -1722,7 +1732,7 @@ class ScriptParser:
                 break
             if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
                 self.next()
-                return self.redirected(("arith", line, " ".join(words)))
+                return self.redirected(Arithmetic(line, " ".join(words)))
             depth += {"(": 1, ")": -1}.get(text, 0) if kind == "op" else 0
             words.append(text)
         self.pos = start
@@ -1752,7 +1762,7 @@ class ScriptParser:
                 if self.peek()[0] == "word":
                     self.next()
             else:
-                return ("simple", line, words)
+                return Simple(line, words)
 
     def parse_if(self):
         line = self.next()[2]
@@ -1771,7 +1781,7 @@ class ScriptParser:
                 self.expect_word("fi")
             elif word[1] != "fi":
                 raise ShellSyntax(word[2], "an if without its fi")
-            return ("if", line, clauses, otherwise)
+            return If(line, clauses, otherwise)
 
     def parse_do(self):
         self.skip_newlines()
@@ -1794,7 +1804,7 @@ class ScriptParser:
                 words.append(self.next()[1])
         if self.peek()[0] == "op" and self.peek()[1] == ";":
             self.next()
-        return ("for", line, name, words, self.parse_do())
+        return For(line, name, words, self.parse_do())
 
     def parse_case(self):
         line = self.next()[2]
@@ -1806,7 +1816,7 @@ class ScriptParser:
             self.skip_newlines()
             if self.is_word("esac"):
                 self.next()
-                return ("case", line, word, items)
+                return Case(line, word, items)
             if self.peek()[:2] == ("op", "("):
                 self.next()
             patterns = []
@@ -1950,7 +1960,7 @@ class ScriptReader:
             if any(v != values[0] for v in values):
                 values[0] = (undecided("$%s (%s)" % (name, label)) if table is self.vars else
                              [undecided("${%s[@]} (%s)" % (name, label))] if table is self.arrays
-                             else ("either", label, list(values)))
+                             else Choice(label, list(values)))
             self.change(table, name, values[0])
         self.args, self.cwd = ends[0][1], ends[0][2]
         if any(cwd != self.cwd for _, _, cwd in ends):
@@ -1965,42 +1975,42 @@ class ScriptReader:
         return status
 
     def run(self, node):
-        kind, line = node[0], node[1]
-        if kind == "simple":
-            return self.run_simple(line, node[2])
-        if kind == "andor":
+        kind, line = type(node), node.line
+        if kind is Simple:
+            return self.run_simple(line, node.words)
+        if kind is AndOr:
             return self.run_andor(node)
-        if kind == "pipeline":
+        if kind is Pipeline:
             status = True
-            for command in node[3]:  # bash runs each command of a | pipeline in a subshell
-                status = self.run(command) if len(node[3]) == 1 else self.subshell(
+            for command in node.commands:  # bash runs each command of a | pipeline in a subshell
+                status = self.run(command) if len(node.commands) == 1 else self.subshell(
                     lambda: self.run(command))
-            return (None if status is None else not status) if node[2] else status
-        if kind == "if":
-            return self.run_if(line, node[2], node[3])
-        if kind == "case":
-            return self.run_case(line, node[2], node[3])
-        if kind == "arith":
-            return self.arithmetic_status(line, [node[2]])
-        if kind == "for":
-            return self.run_for(line, node[2], node[3], node[4])
-        if kind == "while":
-            return self.run_while(line, node[2], node[3], node[4])
-        if kind == "function":
-            self.change(self.functions, node[2], node[3])
+            return (None if status is None else not status) if node.negated else status
+        if kind is If:
+            return self.run_if(line, node.clauses, node.otherwise)
+        if kind is Case:
+            return self.run_case(line, node.word, node.items)
+        if kind is Arithmetic:
+            return self.arithmetic_status(line, [node.expression])
+        if kind is For:
+            return self.run_for(line, node.name, node.words, node.body)
+        if kind is While:
+            return self.run_while(line, node.until, node.condition, node.body)
+        if kind is Function:
+            self.change(self.functions, node.name, node.body)
             return True
-        if node[3]:
-            return self.subshell(lambda: self.run_list(node[2]))
-        return self.run_list(node[2])
+        if node.subshell:
+            return self.subshell(lambda: self.run_list(node.body))
+        return self.run_list(node.body)
 
     def run_andor(self, node):
-        status = self.run(node[2])
-        for op, pipeline in node[3]:
+        status = self.run(node.first)
+        for op, pipeline in node.rest:
             runs = status if op == "&&" else (None if status is None else not status)
             if runs:
                 status = self.run(pipeline)
             elif runs is None:
-                status = self.either("%s at line %d" % (describe_node(node[2]), node[1]),
+                status = self.either("%s at line %d" % (describe_node(node.first), node.line),
                                      [lambda p=pipeline: self.run(p), lambda: None])
         return status
 
@@ -2194,9 +2204,9 @@ class ScriptReader:
         condition the reader cannot decide is run as each of them."""
         if body is None:
             return None
-        if body[0] != "either":
+        if type(body) is not Choice:
             return self.run(body)
-        return self.either(body[1], [lambda b=b: self.run_function(b) for b in body[2]])
+        return self.either(body.label, [lambda b=b: self.run_function(b) for b in body.bodies])
 
     # -- builtins
     def builtin_true(self, line, argv):
@@ -2392,7 +2402,9 @@ class ScriptReader:
         return status
 
     def builtin_eval(self, line, argv):
-        self.unfollow(line, "eval")
+        """eval, and trap's command: shell text the reader does not read."""
+        if argv[0] == "eval" or len(argv) > 2:
+            self.unfollow(line, "eval" if argv[0] == "eval" else "the command of trap")
         return None
 
     # -- variables
@@ -2753,9 +2765,10 @@ def non_empty(value):
 
 def describe_node(node):
     """A condition as a message shows it: its first simple command."""
-    while node is not None and node[0] != "simple":
-        node = node[2] if node[0] == "andor" else (node[3][0] if node[0] == "pipeline" else None)
-    return " ".join(node[2])[:60] if node is not None else "a condition"
+    while node is not None and type(node) is not Simple:
+        node = node.first if type(node) is AndOr else (
+            node.commands[0] if type(node) is Pipeline else None)
+    return " ".join(node.words)[:60] if node is not None else "a condition"
 
 
 SH_BUILTINS = {
@@ -2772,7 +2785,7 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "eval": ScriptReader.builtin_eval, "trap": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
     "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
     "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
     "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,
@@ -3302,11 +3315,17 @@ def check_abi(repo, backend):
                           % (rel, prefix, describe(raw)), backend.rel(rel), line)
     literal = [d for d in defines if d[3] is not None]
     if not literal:
-        if defines:  # A005 said what is wrong with the macro there is
-            return
-        level = "error" if backend.status == "validated" else "warning"
-        backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
-                       "add one equal to abi_version")
+        if not defines:  # with one, A005 said what is wrong with the macro there is
+            level = "error" if backend.status == "validated" else "warning"
+            backend.report(level, "A003", "no #define <PREFIX>_ABI_VERSION in the declared sources; "
+                           "add one equal to abi_version")
+        # The prefix from the macro there is, else from the <prefix>_abi_version() declared.
+        prefixes = {defines[0][2].lower()} if defines else sources.abi_function_prefixes()
+        if not prefixes:
+            backend.warning("A004", "no declaration of a <prefix>_abi_version() in the declared "
+                            "sources; the C ABI requires it, and <prefix>_error_string()")
+        for prefix in sorted(prefixes):
+            check_abi_functions(backend, sources, prefix)
         return
     values = {d[3] for d in literal}
     backend.abi_prefix = literal[0][2].lower()
@@ -3321,7 +3340,12 @@ def check_abi(repo, backend):
         backend.error("A001", "abi_version is %d but %s defines %s_ABI_VERSION %d (line %d); "
                       "make them equal" % (backend.abi_version, rel, prefix, value, line),
                       backend.rel(rel), line)
-    for symbol in (backend.abi_prefix + "_abi_version", backend.abi_prefix + "_error_string"):
+    check_abi_functions(backend, sources, backend.abi_prefix)
+
+
+def check_abi_functions(backend, sources, prefix):
+    """A004: the two functions every ABI declares."""
+    for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if not sources.declares(symbol):
             backend.warning("A004", "no declaration of %s() in the declared sources; the C ABI "
                             "requires it" % symbol)
@@ -3379,6 +3403,16 @@ class AbiSources:
         prefixes = {d[2] for d in self.defines()}
         declared = {p for p in prefixes if self.declares(p.lower() + "_abi_version")}
         return declared or prefixes
+
+    def abi_function_prefixes(self):
+        """The prefixes of every <prefix>_abi_version( the sources name."""
+        found = set()
+        for entry in self.texts.values():
+            if "_abi_version" in entry[0]:
+                if entry[1] is None:
+                    entry[1] = preprocess(entry[0])[0]
+                found.update(ABI_FUNCTION_RE.findall(entry[1]))
+        return found
 
     def declares(self, symbol):
         """Whether a source names `symbol(` in its live text."""
@@ -3946,6 +3980,8 @@ REPORTERS = {"text": report_text, "json": report_json, "github": report_github,
 # targets; the union is what the library runs on.
 
 ELF_MAGIC = b"\x7fELF"
+# What the linker itself defines in a shared object, whatever its sources.
+LINKER_SYMBOLS = frozenset(("_init", "_fini", "_edata", "_end", "__bss_start"))
 ELF_TYPE_SHARED = 3
 SECTION_DYNSYM = 11
 FATBIN_MAGIC = 0xBA55ED50
@@ -4251,6 +4287,14 @@ def inspect_library(backend, path, arch, report):
     for symbol in (prefix + "_abi_version", prefix + "_error_string"):
         if symbol not in shared.dynamic_symbols:
             report("error", "R005", "%s does not export %s" % (output, symbol))
+    foreign = sorted(s for s in shared.dynamic_symbols
+                     if not s.startswith(prefix + "_") and s not in LINKER_SYMBOLS)
+    if foreign:
+        report("error", "R010", "%s exports %d name(s) without the prefix %s_ (%s%s), which the C "
+               "ABI gives every name; hide them (-fvisibility=hidden, and "
+               "__attribute__((visibility(\"default\"))) on the ABI's functions)"
+               % (output, len(foreign), prefix, ", ".join(foreign[:5]),
+                  ", ..." if len(foreign) > 5 else ""))
     if prefix + "_abi_version" in shared.dynamic_symbols:
         done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)

@@ -116,7 +116,8 @@ how to fix it):
 
 Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
-                            its N-th mutation (1-based) of the install or state.
+                            its N-th mutation (1-based) of the install or state
+                            (N,M,...: before each of them, for a signal it catches).
   OVERLAY_TEST_KILL_SIGNAL=S  ... with SIGS (TERM, HUP) instead of SIGKILL.
   OVERLAY_TEST_ENOSPC_AT=N  the N-th data write fails with OSError(ENOSPC).
 """
@@ -225,7 +226,7 @@ def mutation_point() -> None:
     """Count one mutation; the kill hook fires just before the chosen one."""
     _FAULTS["points"] += 1
     kill_at = os.environ.get("OVERLAY_TEST_KILL_AT")
-    if kill_at and int(kill_at) == _FAULTS["points"]:
+    if kill_at and str(_FAULTS["points"]) in kill_at.split(","):
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("OVERLAY_TEST_KILL_SIGNAL",
@@ -1057,6 +1058,16 @@ class State:
                                            % (self.manifest_path, product["path"], build["cwd"]))
             if entry.get("scan") is not None:
                 self.state_path(entry["scan"])
+            jit = entry.get("jit")
+            if jit is not None:
+                if not (isinstance(jit, dict) and isinstance(jit.get("directories"), list)
+                        and isinstance(jit.get("scan"), str)):
+                    raise OverlayError("E202", "journal %s has a damaged JIT record in entry %s; "
+                                       "nothing was changed" % (self.manifest_path, entry["id"]))
+                for directory in jit["directories"]:
+                    target(directory, "JIT build directory")
+                    inside_roots(directory)
+                self.state_path(jit["scan"])
             for directory in entry.get("dirs", {}):
                 target(directory, "directory")
         for name, module in manifest.get("python", {}).get("modules", {}).items():
@@ -2147,6 +2158,10 @@ def side_products(target: str) -> List[str]:
 def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tuple[List[str], str]:
     """The existing regular files the build may rewrite, and how that was found."""
     tool = build_tool(build["cmd"], build["cwd"])
+    if tool is None and os.path.isfile(os.path.join(build["cwd"], "build.ninja")):
+        # A command that runs ninja there itself: an import that triggers
+        # torch's JIT, a setup.py (what --no-build gets for such a folder).
+        tool = ("ninja", ["ninja"], build["cwd"])
     predicted = None
     how = "found in the build directory"
     if tool is not None:
@@ -2192,13 +2207,11 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                 taken.add(name)
     if no_protect:
         return chosen
-    builds = [build] if build is not None else [
-        # --no-build: a build that runs later, as a JIT at import does (torch's
-        # extension loader runs ninja in the artifact's folder), rewrites what
-        # the build.ninja beside the artifact says.
-        {"cmd": "ninja", "cwd": directory}
-        for directory in sorted({os.path.dirname(path) for path in artifacts})
-        if os.path.isfile(os.path.join(directory, "build.ninja"))]
+    # A JIT at import (torch's extension loader runs ninja in the artifact's
+    # folder), after --no-build or as the build command, rewrites what the
+    # build.ninja beside the artifact says.
+    builds = ([build] if build is not None else []) + [
+        {"cmd": "ninja", "cwd": directory} for directory in jit_directories(artifacts, build)]
     predicted: List[Tuple[str, str]] = []
     for one in builds:
         found, how = predict_products(one, sources, excluded)
@@ -2212,6 +2225,14 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                            "with --protect PATH for those to keep byte-exact"
                            % (len(predicted), predicted[0][1], size >> 20, PROTECT_BUDGET >> 20))
     return chosen + predicted
+
+
+def jit_directories(artifacts: List[str], build: Optional[dict]) -> List[str]:
+    """The folders of artifacts that hold a build.ninja, outside the build's
+    own directories: a JIT's build directory (torch's extension cache)."""
+    return sorted({os.path.dirname(path) for path in artifacts
+                   if os.path.isfile(os.path.join(os.path.dirname(path), "build.ninja"))
+                   and not any(is_within(path, tree) for tree in build_trees(build))})
 
 
 def build_candidates(sources: List[str]) -> List[Tuple[str, str]]:
@@ -2505,6 +2526,7 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
         if is_within(path, state.root) or is_within(path, state_real):
             raise OverlayError("E106", "%s lies inside the state directory %s; keep the state "
                                "directory outside the install" % (path, state.root))
+    for path in sources:  # an artifact in a cache is judged against its set-aside copy
         for cache in caches:
             if is_within(path, cache):
                 raise OverlayError("E106", "%s lies inside --invalidate-cache %s, which is set "
@@ -2573,7 +2595,13 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         entry["sources"].append(record)
     for number, artifact in enumerate(artifacts):
         record = record_file(artifact, "artifact")
-        if record["present"]:
+        cache = next((cache for cache in caches if is_within(artifact, cache)), None)
+        if cache is not None:
+            # Set aside with its cache and put back with it (a JIT's build
+            # directory): the rebuilt one is compared with the copy there.
+            record = {"path": artifact, "role": "artifact", "present": False, "backup": None,
+                      "in_cache": cache}
+        elif record["present"]:
             record["backup"] = "%s/a%d" % (directory, number)
         entry["artifacts"].append(record)
     for number, (path, why) in enumerate(protected):
@@ -2612,7 +2640,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     remove_path(backup_dir)
     makedirs_durable(backup_dir)
     for record in entry_files(entry):
-        record["sha256"] = None
+        record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
         if record["present"] and record["links"] > 1 and record["role"] == "source":
             # The patched file replaces the name; the original inode, shared
             # with its other names, becomes the backup and comes back.
@@ -2628,6 +2656,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
             snapshot_cache(cache["path"], state.state_path(cache["backup"]))
     if build is not None:
         write_prebuild_scan(state, entry)
+    write_jit_scan(state, entry, jit_directories(artifacts, build))
     fsync_dir(backup_dir)
     manifest["next_id"] = entry_id + 1
     manifest["entries"].append(entry)
@@ -2671,6 +2700,29 @@ def write_prebuild_scan(state: State, entry: dict) -> None:
     write_point(path)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(before, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
+    """What each JIT build directory holds before the JIT runs in it, to find
+    what a JIT killed mid-build leaves there (ninja's .ninja_lock, torch's
+    lock file, a partial object) whoever ran it."""
+    entry["jit"] = None
+    found: Dict[str, list] = {}
+    for directory in directories:
+        part, truncated = scan_tree(directory, scan_exclusions(state, entry))
+        if truncated:
+            return  # an incomplete scan would make old files look new
+        found.update(part)
+    if not directories:
+        return
+    entry["jit"] = {"directories": directories, "scan": "backups/%d/jit-scan.json" % entry["id"]}
+    path = state.state_path(entry["jit"]["scan"])
+    mutation_point()
+    write_point(path)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(found, handle)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -3183,6 +3235,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                     or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
     for record in entry_files(entry):
+        if record.get("in_cache"):
+            continue  # its cache comes back whole below
         try:
             restore_file(state, record)
             remove_file(temp_beside(record["path"]))
@@ -3198,6 +3252,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                            "is left: fix the cause and run `%s revert` again"
                            % (", ".join(failures), tool_at(state)))
     remove_products(products, aside)
+    remove_jit_leftovers(state, entry)
     restore_build_dir_links(state, entry)
     restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
@@ -3206,9 +3261,42 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     manifest["entries"].remove(entry)
     if len(manifest["entries"]) > 0:
         settle_after_build(manifest)
+    else:
+        manifest["next_id"] = 1  # numbers start again once nothing is applied
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
     return inexact_products(found)
+
+
+def remove_jit_leftovers(state: State, entry: dict) -> None:
+    """Remove from each JIT build directory the files that appeared since the
+    apply and that only a build makes: compiled output, ninja's .ninja_lock,
+    torch's empty `lock` (an older torch waits forever on a leftover one).
+    Anything else that appeared there is named and kept."""
+    jit = entry.get("jit")
+    if not jit:
+        return
+    try:
+        with open(state.state_path(jit["scan"]), encoding="utf-8") as handle:
+            before = json.load(handle)
+    except (OSError, ValueError):
+        return  # a scan that cannot be read proves nothing
+    kept = []
+    for directory in jit["directories"]:
+        after, truncated = scan_tree(directory, scan_exclusions(state, entry))
+        if truncated:
+            continue
+        for path, info in sorted(after.items()):
+            if info[0] != "f" or path in before:
+                continue
+            name = os.path.basename(path)
+            if compiled_output(path) or name == ".ninja_lock" or (name == "lock" and info[1] == 0):
+                remove_file(path)
+            else:
+                kept.append(path)
+    if kept:
+        print("entry %d: kept %s: it appeared in the JIT build directory after the apply and is "
+              "no build product" % (entry["id"], ", ".join(kept)), file=sys.stderr)
 
 
 def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
@@ -3394,10 +3482,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     state = open_state(args)
     if not os.path.isfile(os.path.join(state.site, "sitecustomize.py")):
         raise OverlayError("E207", "no overlay at %s; run `overlay_setup.py init` first" % state.root)
-    existing = os.environ.get("PYTHONPATH", "")
-    entries = [state.site] + [entry for entry in existing.split(os.pathsep)
-                              if entry and entry != state.site]
-    value = os.pathsep.join(entries)
+    value = overlay_environment(state)["PYTHONPATH"]
     if args.format == "json":
         print(json.dumps({"PYTHONPATH": value, "OVERLAY_STATE": state.root}, sort_keys=True))
     else:
@@ -3453,6 +3538,11 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
         if os.path.lexists(path):
             print("  %-10s %s (source)" % ("back up", path))
     for path in artifacts:
+        cache = next((cache for cache in caches if is_within(path, cache)), None)
+        if cache is not None:
+            print("  %-10s %s (artifact in the cache %s: compared with its set-aside copy)"
+                  % ("compare", path, cache))
+            continue
         print("  %-10s %s (artifact%s)" % ("back up", path,
                                            "" if os.path.lexists(path) else ", absent now"))
     for path, why in protected:
@@ -3683,8 +3773,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if modules:
         parts.append("%d Python module(s) overlaid (%s)" % (
             len(modules), ", ".join(module for module, _, _, _ in modules)))
-    print("applied %s: %s; run `overlay_setup.py --state %s revert` to take it back"
-          % (name, "; ".join(parts), shell_quote(state.root)))
+    print("applied %s: %s%s" % (name, "; ".join(parts), "" if getattr(args, "in_trial", False)
+                                else "; run `%s revert` to take it back" % tool_at(state)))
     return 0
 
 
@@ -3854,6 +3944,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("entry %d: %s" % (entry["id"], entry_in_words(entry, tool_running)))
         for record in entry_files(entry):
             print("  %s %s%s" % (record["role"], record["path"],
+                                 " (in the cache %s)" % record["in_cache"]
+                                 if record.get("in_cache") else
                                  "" if record["present"] else " (absent before)"))
         for cache in entry["caches"]:
             print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
@@ -4097,16 +4189,35 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
 TRIAL_EXIT = {"reference": 10, "apply": 11, "verify": 12, "candidate": 13, "revert": 14}
 
 
+def trial_watched(root: str, build_cwd: str, build_cmd: Optional[str],
+                  artifacts: List[str]) -> List[str]:
+    """What a trial compares before and after: --root, --build-cwd, the build
+    directory of `make -C`, `ninja -C` or `cmake --build`, and each --artifact
+    outside them (its folder when that holds a build.ninja: a JIT's build
+    directory, which the build rewrites around it)."""
+    watched = {root, build_cwd, build_tree_outside(build_cmd or "", build_cwd) or root}
+    for artifact in artifacts:
+        if not any(is_within(artifact, path) for path in watched):
+            folder = os.path.dirname(artifact)
+            watched.add(folder if os.path.isfile(os.path.join(folder, "build.ninja"))
+                        else artifact)
+    return sorted(path for path in watched
+                  if not any(path != other and is_within(path, other) for other in watched))
+
+
 def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tuple]:
-    """Every file, link and directory under `roots` by kind, mode, size,
-    mtime and content, to prove a revert gave the install back."""
+    """Every file, link and directory under `roots` (directories, or single
+    files) by kind, mode, size, mtime and content, to prove a revert gave the
+    install back."""
     found: Dict[str, tuple] = {}
     for root in roots:
-        for directory, dirs, files in os.walk(root):
+        walk = os.walk(root) if os.path.isdir(root) and not os.path.islink(root) else \
+            [(os.path.dirname(root), [], [os.path.basename(root)] if os.path.lexists(root) else [])]
+        for directory, dirs, files in walk:
             dirs[:] = sorted(name for name in dirs
                              if not any(is_within(os.path.join(directory, name), path)
                                         for path in excluded))
-            for name in [""] + dirs + sorted(files):
+            for name in ([""] if directory == root else []) + dirs + sorted(files):
                 path = os.path.join(directory, name) if name else directory
                 if path in found or any(is_within(path, other) for other in excluded):
                     continue
@@ -4117,18 +4228,56 @@ def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tupl
     return found
 
 
-def run_measured(command: List[str]) -> Tuple[int, float]:
-    """Run the caller's command with our stdin and stderr, its output on our
-    stderr (stdout carries the summary); (exit status, seconds)."""
+def overlay_environment(state: State) -> Dict[str, str]:
+    """PYTHONPATH and OVERLAY_STATE of the Python overlay, as `env` prints them."""
+    existing = os.environ.get("PYTHONPATH", "")
+    entries = [state.site] + [entry for entry in existing.split(os.pathsep)
+                              if entry and entry != state.site]
+    return {"PYTHONPATH": os.pathsep.join(entries), "OVERLAY_STATE": state.root}
+
+
+def run_measured(command: List[str], env: Optional[Dict[str, str]] = None
+                 ) -> Tuple[int, float, bytes]:
+    """Run the caller's command with our stdin and stderr, its output shown
+    on our stderr (stdout carries the summary) and kept to compare the two
+    sides; (exit status, seconds, output)."""
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=sys.stderr.fileno())
+    process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                               env=None if env is None else dict(os.environ, **env))
+    shown = getattr(sys.stderr, "buffer", None)
+    output = []
     try:
+        for chunk in iter(lambda: process.stdout.read1(65536), b""):
+            output.append(chunk)
+            if shown is None:
+                sys.stderr.write(chunk.decode("utf-8", "replace"))
+            else:
+                shown.write(chunk)
+                shown.flush()
         status = process.wait()
     except BaseException:
         process.kill()
         process.wait()
         raise
-    return (status if status >= 0 else 128 - status), time.monotonic() - start
+    finally:
+        process.stdout.close()
+    return (status if status >= 0 else 128 - status), time.monotonic() - start, b"".join(output)
+
+
+def owned_by(manifest: dict, owner: dict) -> bool:
+    """Whether the state's overlay was applied under `owner` (the trial's)."""
+    recorded = manifest.get("owner") or {}
+    return all(recorded.get(key) == owner[key] for key in ("pid", "start_time", "host"))
+
+
+def applied_in_words(manifest: dict) -> str:
+    """What a state directory holds, each entry with its sources, and whose."""
+    parts = ["entry %d (%s)" % (entry["id"], ", ".join(record["path"]
+                                                       for record in entry["sources"]))
+             for entry in manifest["entries"]]
+    parts += ["Python module %s" % name for name in sorted(manifest["python"]["modules"])]
+    parts += ["a rebind of %s" % name for name in sorted(manifest["python"]["rebinds"])]
+    return "%s, owner %s" % (", ".join(parts), describe_owner(manifest["owner"]))
 
 
 def cmd_trial(args: argparse.Namespace) -> int:
@@ -4142,17 +4291,24 @@ def cmd_trial(args: argparse.Namespace) -> int:
         raise UsageError("E109", "--repeat must be 1 or more")
     if args.owner_pid is None:
         args.owner_pid = os.getpid()  # a trial killed outright is gone: gc-stale reverts it
+    owner = make_owner(args.owner_pid)
+    args.in_trial = True  # apply leaves out its advice to revert: the trial does that
     state = open_state(args)
-    if state.exists() and anything_applied(state.load()):
+    manifest = state.load() if state.exists() else None
+    if manifest is not None and anything_applied(manifest):
         raise OverlayError("E103", "a trial needs a state directory with nothing applied, and "
-                           "%s holds an overlay; run `overlay_setup.py --state %s revert`, or "
-                           "pass another --state" % (state.root, state.root))
+                           "%s holds %s; run `%s revert`, or pass another --state"
+                           % (state.root, applied_in_words(manifest), tool_at(state)))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
-    build_cwd = require_abs_normal(args.build_cwd or os.getcwd(), "--build-cwd")
-    roots = sorted({root, build_cwd, build_tree_outside(args.build_cmd or "", build_cwd) or root})
+    build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
+                                   "--build-cwd")
+    watched = trial_watched(root, build_cwd, args.build_cmd,
+                            [os.path.normpath(os.path.abspath(path)) for path in args.artifact])
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
-              "runs": [], "verify": None, "revert": None, "failed_step": None}
+              "watched": watched, "runs": [], "verify": None, "revert": None,
+              "failed_step": None}
+    outputs: List[Tuple[bytes, bytes]] = []
 
     def stop(signum: int, frame: object) -> None:
         raise Stopped(signum)
@@ -4161,7 +4317,8 @@ def cmd_trial(args: argparse.Namespace) -> int:
     status = 0
     try:
         for round_number in range(1, args.repeat + 1):
-            status = trial_round(args, state, command, roots, excluded, result, round_number)
+            status = trial_round(args, state, owner, command, watched, excluded, result,
+                                 round_number, outputs)
             if status:
                 break
     except KeyboardInterrupt:
@@ -4172,19 +4329,30 @@ def cmd_trial(args: argparse.Namespace) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    revert = result["revert"]
+    if revert is not None and not revert["reverted"]:
+        status = TRIAL_EXIT["revert"]  # 130 and 143 say the install is back: it is not
+        result["failed_step"] = "revert: the revert did not finish (see above)"
     result["exit"] = status
+    result["summary"] = trial_summary(result["runs"])
+    result["output"] = compare_outputs(outputs)
     report_trial(result, args.format)
     return status
 
 
-def trial_round(args: argparse.Namespace, state: State, command: List[str], roots: List[str],
-                excluded: List[str], result: dict, round_number: int) -> int:
-    """One reference run, apply and build, verification, one candidate run and
-    the revert, which runs whatever happened before it."""
-    def run(kind: str) -> int:
+def trial_round(args: argparse.Namespace, state: State, owner: dict, command: List[str],
+                watched: List[str], excluded: List[str], result: dict, round_number: int,
+                outputs: List[Tuple[bytes, bytes]]) -> int:
+    """One reference run, apply and build, verification, one candidate run
+    (with the overlay's PYTHONPATH, so that a .py patch is in effect) and the
+    revert, which runs whatever happened before it.  With --no-build the
+    verification follows the candidate run, where a JIT at import builds."""
+    kept = {}
+
+    def run(kind: str, env: Optional[Dict[str, str]] = None) -> int:
         print("trial: %s run %d: %s" % (kind, round_number, " ".join(command)),
               file=sys.stderr, flush=True)
-        status, seconds = run_measured(command)
+        status, seconds, kept[kind] = run_measured(command, env)
         result["runs"].append({"kind": kind, "round": round_number, "exit": status,
                                "seconds": round(seconds, 3)})
         return status
@@ -4193,46 +4361,156 @@ def trial_round(args: argparse.Namespace, state: State, command: List[str], root
         result["failed_step"] = "%s: %s" % (step, why)
         return TRIAL_EXIT[step]
 
+    def verify() -> bool:
+        if not args.artifact:
+            result["verify"] = "skipped: no --artifact"
+            return True
+        with contextlib.redirect_stdout(sys.stderr):
+            if cmd_verify_native(args):
+                return False
+        result["verify"] = "%d artifact(s) rebuilt%s" % (len(args.artifact), (
+            " (checked after the candidate run: with --no-build the build runs in it)"
+            if args.no_build else ""))
+        return True
+
     if run("reference"):
         return failed("reference", "the command failed on the clean install")
-    before = install_fingerprint(roots, excluded)
+    before = install_fingerprint(watched, excluded)
     status = 0
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the summary
             try:
                 cmd_apply(args)
             except OverlayError as exc:
-                print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
+                print("overlay_setup: %s %s" % (exc.code, trial_advice(exc.message)),
+                      file=sys.stderr)
                 return failed("apply", "%s (see above)" % exc.code)
-            if args.artifact:
-                if cmd_verify_native(args):
-                    return failed("verify", "an artifact is not rebuilt (see above)")
-                result["verify"] = "%d artifact(s) rebuilt" % len(args.artifact)
-            else:
-                result["verify"] = "skipped: no --artifact"
-        if run("candidate"):
+        if not args.no_build and not verify():
+            return failed("verify", "an artifact is not rebuilt (see above)")
+        if run("candidate", overlay_environment(state)):
             status = failed("candidate", "the command failed on the patched install")
+        elif args.no_build and not verify():
+            status = failed("verify", "an artifact is not rebuilt by the candidate run (see "
+                                      "above)")
+        if kept.get("reference") and kept.get("candidate"):
+            outputs.append((kept["reference"], kept["candidate"]))
     finally:
-        with contextlib.redirect_stdout(sys.stderr):
-            revert_trial(state, roots, excluded, before, result)
-    if result["revert"]["differences"] or not result["revert"]["reverted"]:
+        signum = revert_trial(state, owner, watched, excluded, before, result)
+        if signum is not None:
+            raise Stopped(signum)
+    if not result["revert"]["reverted"] or result["revert"]["differences"]:
         return failed("revert", "the install is not as it was before")
     return status
 
 
-def revert_trial(state: State, roots: List[str], excluded: List[str], before: dict,
-                 result: dict) -> None:
-    reverted = True
+def trial_advice(message: str) -> str:
+    """A message of the trial's apply without its advice to run revert: the
+    trial reverts by itself."""
+    return "; ".join(part for part in message.split("; ") if "revert" not in part)
+
+
+def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[str],
+                 before: dict, result: dict) -> Optional[int]:
+    """Revert what this trial applied, and only that: an overlay another
+    owner applied in the same state directory (a second worker) is left
+    alone.  A first SIGINT, SIGTERM or SIGHUP lets the revert finish (and is
+    returned, to stop the trial after it); a second one stops it."""
+    received: List[int] = []
+
+    def later(signum: int, frame: object) -> None:
+        if received:
+            raise Stopped(signum)
+        received.append(signum)
+        print("trial: %s during the revert; finishing the revert first (a second signal stops "
+              "it and leaves the install patched)" % signal.Signals(signum).name,
+              file=sys.stderr, flush=True)
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, later) for signum in signals}
+    reverted, left_alone, stopped_by = True, None, None
     try:
-        if state.exists():
-            revert_state(state, False, False)
+        with contextlib.redirect_stdout(sys.stderr):
+            manifest = state.load() if state.exists() else None
+            if manifest is not None and anything_applied(manifest) and \
+                    not owned_by(manifest, owner):
+                left_alone = "the overlay at %s is another's: %s; the trial applied nothing " \
+                             "there and left it alone" % (state.root,
+                                                          applied_in_words(manifest))
+            elif manifest is not None:
+                revert_state(state, False, False)
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
         reverted = False
-    after = install_fingerprint(roots, excluded)
+    except Stopped as exc:
+        reverted, stopped_by = False, signal.Signals(exc.signum).name
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if left_alone is not None:
+        result["revert"] = {"reverted": True, "differences": [], "left_alone": left_alone}
+        return received[0] if received else None
+    after = install_fingerprint(watched, excluded)
     differences = sorted(path for path in set(before) | set(after)
                          if before.get(path) != after.get(path))
-    result["revert"] = {"reverted": reverted, "differences": differences}
+    if stopped_by is not None:
+        print("overlay_setup: the trial's revert was stopped by a second %s; %s: run `%s revert` "
+              "to finish it" % (stopped_by, "the install is still patched" if differences else
+                                "the journal still lists the overlay", tool_at(state)),
+              file=sys.stderr)
+    result["revert"] = {"reverted": reverted, "differences": differences, "left_alone": None}
+    return received[0] if received else None
+
+
+def median(values: List[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def time_spread(seconds: List[float]) -> Optional[dict]:
+    if not seconds:
+        return None
+    return {"runs": len(seconds), "min": round(min(seconds), 3),
+            "median": round(median(seconds), 3), "max": round(max(seconds), 3)}
+
+
+def trial_summary(runs: List[dict]) -> dict:
+    """Per side the min, median and max wall time; the candidate / reference
+    ratio of the medians, with its range over the rounds that ran both sides."""
+    sides = {kind: [run["seconds"] for run in runs if run["kind"] == kind]
+             for kind in ("reference", "candidate")}
+    rounds = {}
+    for run in runs:
+        rounds.setdefault(run["round"], {})[run["kind"]] = run["seconds"]
+    ratios = [pair["candidate"] / pair["reference"] for pair in rounds.values()
+              if len(pair) == 2 and pair["reference"] > 0]
+    summary = {kind: time_spread(seconds) for kind, seconds in sides.items()}
+    summary["ratio"] = None
+    if ratios and summary["reference"]["median"] > 0:
+        summary["ratio"] = {"median": round(summary["candidate"]["median"]
+                                            / summary["reference"]["median"], 3),
+                            "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+                            "pairs": len(ratios)}
+    return summary
+
+
+def compare_outputs(outputs: List[Tuple[bytes, bytes]]) -> Optional[dict]:
+    """Whether the candidate printed what the reference printed, over the
+    rounds where both printed something; the first differing line if not."""
+    if not outputs:
+        return None
+    for number, (reference, candidate) in enumerate(outputs, 1):
+        if reference == candidate:
+            continue
+        ours = reference.decode("utf-8", "replace").splitlines()
+        theirs = candidate.decode("utf-8", "replace").splitlines()
+        line = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                    min(len(ours), len(theirs)))
+        return {"rounds": len(outputs), "differs": True, "round": number, "line": line + 1,
+                "reference": ours[line] if line < len(ours) else None,
+                "candidate": theirs[line] if line < len(theirs) else None}
+    return {"rounds": len(outputs), "differs": False, "round": None, "line": None,
+            "reference": None, "candidate": None}
 
 
 def report_trial(result: dict, output_format: Optional[str]) -> None:
@@ -4240,13 +4518,36 @@ def report_trial(result: dict, output_format: Optional[str]) -> None:
         print(json.dumps(result, indent=1, sort_keys=True))
         return
     print("trial of %s (state %s):" % (result["patch"], result["state"]))
+    print("  watched: %s (writes elsewhere, such as an install prefix, are not checked)"
+          % ", ".join(result["watched"]))
     for run in result["runs"]:
         print("  %s run %d: exit %d in %.2fs" % (run["kind"], run["round"], run["exit"],
                                                  run["seconds"]))
+    summary = result["summary"]
+    if max(len([run for run in result["runs"] if run["kind"] == kind])
+           for kind in ("reference", "candidate")) > 1:
+        for kind in ("reference", "candidate"):
+            spread = summary[kind]
+            if spread is not None:
+                print("  %s: median %.3fs, min %.3fs, max %.3fs (%d runs)"
+                      % (kind, spread["median"], spread["min"], spread["max"], spread["runs"]))
+    ratio = summary["ratio"]
+    if ratio is not None and ratio["pairs"] > 1:
+        print("  candidate/reference: %.3f (ratio of the medians; %.3f to %.3f over the %d "
+              "paired runs)" % (ratio["median"], ratio["min"], ratio["max"], ratio["pairs"]))
+    output = result["output"]
+    if output is not None and output["differs"]:
+        print("  output: differs (round %d, line %d): reference %s, candidate %s"
+              % (output["round"], output["line"], json.dumps(output["reference"]),
+                 json.dumps(output["candidate"])))
+    elif output is not None:
+        print("  output: the same on both sides")
     if result["verify"] is not None:
         print("  verify: %s" % result["verify"])
     revert = result["revert"]
-    if revert is not None:
+    if revert is not None and revert["left_alone"]:
+        print("  revert: nothing of the trial's to revert: %s" % revert["left_alone"])
+    elif revert is not None:
         print("  revert: %s" % (
             "the install is byte-identical to before" if revert["reverted"]
             and not revert["differences"] else "the install differs from before: %s" % (
