@@ -655,15 +655,6 @@ def written(exc: OSError) -> str:
     return _FAULTS["target"] or "a file"
 
 
-def cause(exc: OSError) -> str:
-    """Why an I/O error happened, in words that say what to change."""
-    if exc.errno == errno.EXDEV:
-        return ("%s: %s and %s lie on different mounts (of one filesystem, as a bind mount "
-                "makes), so one cannot be renamed to the other; pass a --state on the same "
-                "mount" % (exc.strerror, exc.filename, exc.filename2))
-    return exc.strerror
-
-
 # ---------------------------------------------------------------- paths
 
 
@@ -686,6 +677,29 @@ def require_abs_normal(path: str, option: str) -> str:
 
 def is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def mount_of(path: str) -> Tuple[int, int]:
+    """(device, mount id) of the nearest existing directory at or above
+    `path`.  A rename or a hard link works only within one mount: two bind
+    mounts of one filesystem share the device, yet the kernel refuses a
+    rename between them (EXDEV).  Linux names an open file's mount in
+    /proc/self/fdinfo; where that cannot be read the device alone stands in."""
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)  # no read right needed
+    try:
+        device = os.fstat(fd).st_dev
+        try:
+            with open("/proc/self/fdinfo/%d" % fd, encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("mnt_id:"):
+                        return device, int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return device, -1
+    finally:
+        os.close(fd)
 
 
 def host_name() -> str:
@@ -2553,17 +2567,17 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
             raise OverlayError("E104", "%s lies under %s, which is a symlink; pass the real path "
                                "%s" % (path, link, os.path.realpath(path)))
     for cache in caches:
-        if os.path.ismount(cache):
+        if mount_of(cache) != mount_of(os.path.dirname(cache)):  # also a bind mount of one filesystem
             raise OverlayError("E106", "--invalidate-cache %s is a mount point, which cannot be "
                                "set aside; pass a directory inside it, or unmount it"
                                % cache)
-    state_dev = os.stat(state.root).st_dev if os.path.isdir(state.root) else None
+    state_mount = mount_of(state.root)
     for source in sources:
         st = os.lstat(source) if os.path.lexists(source) else None
-        if st and st.st_nlink > 1 and st.st_dev != state_dev:
+        if st and st.st_nlink > 1 and mount_of(os.path.dirname(source)) != state_mount:
             raise OverlayError("E106", "source %s has %d hard links, and the state directory %s "
-                               "is on another filesystem, so revert could not give the links "
-                               "their file back; pass a --state on the same filesystem"
+                               "is on another filesystem or mount, so revert could not give the "
+                               "links their file back; pass a --state on the same mount"
                                % (source, st.st_nlink, state.root))
     if build_cwd is not None and not os.path.isdir(build_cwd):
         raise UsageError("E107", "--build-cwd %s is not a directory; pass the directory the "
@@ -2609,10 +2623,10 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         record["why"] = why
         record["backup"] = "%s/p%d" % (directory, number)
         entry["protected"].append(record)
-    backup_dev = os.stat(state.root).st_dev
+    backup_mount = mount_of(state.root)
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
-        same_fs = present and os.stat(cache).st_dev == backup_dev
+        same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
         # What the cache holds is read for a tar snapshot only: a revert killed after
         # the snapshot's extraction finds the cache back by it, whereas a renamed
         # cache that is back has left no backup (rebuilt_since_apply).
@@ -3612,10 +3626,10 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `%s revert` once the cause is fixed"
-                           % (written(exc), cause(exc), getattr(second, "strerror", second),
+                           % (written(exc), exc.strerror, getattr(second, "strerror", second),
                               tool_at(state)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), cause(exc)))
+                       "run the command again" % (written(exc), exc.strerror))
 
 
 def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
