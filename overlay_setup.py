@@ -88,7 +88,7 @@ how to fix it):
         products to back up are over the size budget, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
-        directory
+        directory, E122 a file of a cache to snapshot has hard links outside it
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -2525,6 +2525,24 @@ def check_state_outside_build(state: State, build: Optional[dict]) -> None:
                                                             + os.path.basename(cwd))))
 
 
+def linked_from_outside(cache: str) -> Optional[Tuple[str, int, int]]:
+    """(path, links, links outside) of the first file of `cache` that has hard
+    links outside it, else None.  A snapshot gives a file back under a new
+    inode, which names outside the cache no longer share; links within the
+    cache come back (the snapshot holds them)."""
+    found: Dict[Tuple[int, int], list] = {}
+    for directory, _dirs, files in os.walk(cache):
+        for name in files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                found.setdefault((st.st_dev, st.st_ino), [path, st.st_nlink, 0])[2] += 1
+    for path, links, inside in sorted(found.values()):
+        if inside < links:
+            return path, links, links - inside
+    return None
+
+
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
     overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
@@ -2579,6 +2597,15 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
                                "is on another filesystem or mount, so revert could not give the "
                                "links their file back; pass a --state on the same mount"
                                % (source, st.st_nlink, state.root))
+    for cache in caches:
+        linked = linked_from_outside(cache) if os.path.isdir(cache) and \
+            mount_of(cache) != state_mount else None  # a cache to snapshot: not renamed
+        if linked:
+            raise OverlayError("E122", "--invalidate-cache %s holds %s, which has %d hard links, "
+                               "%d of them outside the cache: restored from a snapshot it "
+                               "would come back as a separate file; nothing was changed: pass "
+                               "a --state on the cache's mount (the cache is then renamed aside "
+                               "whole), or give the file a copy of its own" % ((cache,) + linked))
     if build_cwd is not None and not os.path.isdir(build_cwd):
         raise UsageError("E107", "--build-cwd %s is not a directory; pass the directory the "
                            "build command runs in" % build_cwd)

@@ -2916,6 +2916,62 @@ class TarSnapshotTest(OverlayTestCase):
         self.refused("sub/file", "a path through a symlink")
 
 
+@unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+class SnapshotHardLinkTest(OverlayTestCase):
+    """Hard links of a cache that is snapshotted with tar (on /dev/shm, another
+    filesystem than the state directory): within the cache they come back as
+    links; one with a name outside the cache is refused up front."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.shm = tempfile.mkdtemp(prefix="overlay-links-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, self.shm, True)
+        self.cache = os.path.join(self.shm, "cache")
+        write_tree(self.cache, {"a.o": "A\n", "sub/keep": "K\n", "one": "1\n"})
+
+    def add(self) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.proj, "k.c"), "--patched",
+                         os.path.join(self.proj, "fast.c"), "--invalidate-cache", self.cache,
+                         "--no-build", "--owner-pid", str(os.getpid()))
+
+    def links(self) -> dict:
+        """name -> (the first name of its inode, link count), for every file of the cache."""
+        first, found = {}, {}
+        for relative in sorted(tree_state(self.cache)):
+            st = os.lstat(os.path.join(self.cache, relative))
+            if stat.S_ISREG(st.st_mode):
+                found[relative] = (first.setdefault(st.st_ino, relative), st.st_nlink)
+        return found
+
+    def test_hard_links_within_the_cache_come_back_as_links(self) -> None:
+        os.link(os.path.join(self.cache, "a.o"), os.path.join(self.cache, "sub", "a-copy.o"))
+        os.link(os.path.join(self.cache, "a.o"), os.path.join(self.cache, "z.o"))
+        before, links = tree_state(self.cache), self.links()
+        self.assertEqual(links, {"a.o": ("a.o", 3), "one": ("one", 1), "sub/a-copy.o": (
+            "a.o", 3), "sub/keep": ("sub/keep", 1), "z.o": ("a.o", 3)})
+        self.assertOk(self.add())
+        self.assertFalse(os.path.exists(self.cache))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual((tree_state(self.cache), self.links()), (before, links))
+
+    def test_a_file_linked_from_outside_the_cache_is_refused_before_anything_changes(self) -> None:
+        inside = os.path.join(self.cache, "a.o")
+        outside = os.path.join(self.shm, "build-a.o")  # as ccache's hard_link mode makes them
+        os.link(inside, outside)
+        before = (tree_state(self.proj), tree_state(self.shm), os.stat(inside).st_ino)
+        self.assertEqual(self.add(), (
+            1, "", "overlay_setup: E122 --invalidate-cache %s holds %s, which has 2 hard links, "
+            "1 of them outside the cache: restored from a snapshot it would come back as a "
+            "separate file; nothing was changed: pass a --state on the cache's mount (the cache "
+            "is then renamed aside whole), or give the file a copy of its own\n"
+            % (self.cache, inside)))
+        self.assertEqual((tree_state(self.proj), tree_state(self.shm), os.stat(inside).st_ino),
+                         before)
+        self.assertEqual(os.stat(outside).st_nlink, 2)
+
+
 class StateDirectorySafetyTest(OverlayTestCase):
     """The state directory: nothing written into another program's directory,
     private to its owner, safe on concurrent first use, no backup left over."""
