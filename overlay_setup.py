@@ -2503,7 +2503,12 @@ def claims_locked():
     makedirs_durable(home, 0o700)
     fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held while another apply backs up and journals (seconds)
+            print("waiting for another overlay to journal what it claims (lock on %s)" % home,
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -2585,7 +2590,7 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
             raise OverlayError("E104", "%s lies under %s, which is a symlink; pass the real path "
                                "%s" % (path, link, os.path.realpath(path)))
     for cache in caches:
-        if mount_of(cache) != mount_of(os.path.dirname(cache)):  # also a bind mount of one filesystem
+        if mount_of(cache) != mount_of(os.path.dirname(cache)):  # also a bind mount of one fs
             raise OverlayError("E106", "--invalidate-cache %s is a mount point, which cannot be "
                                "set aside; pass a directory inside it, or unmount it"
                                % cache)
