@@ -49,17 +49,23 @@ Usage:
   is refused: --no-protect, --protect PATH).  --dry-run prints that plan.
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
-  else ./.overlay.  Relative paths are taken from the current directory and
-  recorded absolute.  Each state directory with something applied is listed in
-  a per-user registry ($XDG_STATE_HOME/overlay_setup/applied, default
-  ~/.local/state/...), written before the first change and removed after a full
-  revert: `status` and `revert` without a state here name them, `revert --all`
-  reverts them all, `gc-stale` looks at them as well as under --root.
+  else the current directory's own state directory outside every install,
+  $XDG_STATE_HOME/overlay_setup/<its path>-<hash> (XDG_STATE_HOME unset or
+  relative: ~/.local/state), so every command run from the same directory
+  finds the overlay with no option.  Relative paths are taken from the current
+  directory and recorded absolute.  That folder's listing is the registry of
+  applied overlays (a state directory elsewhere has a record in its applied/
+  folder, written before the first change and removed after a full revert):
+  `status` without a state here lists them, the other commands name the exact
+  command for each, `revert --all` reverts them all, `gc-stale` looks at them
+  as well as under --root.
 
   The owner (--owner-pid, default: the leader of this process's session: the
   login or terminal shell, or the program that started the commands) is
-  recorded with its start time and host so that gc-stale tells a crashed run
-  from a live one, also after the pid was reused.  The session outlives
+  recorded with its start time and host so that gc-stale tells a completed
+  overlay whose owner is gone from a live one, also after the pid was reused.
+  An entry that a run of the tool was applying, building, updating or
+  reverting when it died is stale whoever the owner is.  The session outlives
   `timeout`, make recipes and a fresh shell per command; `sudo` and `setsid`
   start a session of their own, so the session of what started them is taken.
 
@@ -68,8 +74,9 @@ Exit codes:
   1  failed; the message says what to run next
   2  usage: a wrong option, a relative or unnormalised path, a bad module name,
      a missing input file or directory
-  3  revert or gc-stale finished, but the files named (E506) are not back
-     byte-exact: the build rewrote them and nothing had backed them up
+  3  revert or gc-stale finished, but the files named are not back
+     byte-exact: the build rewrote or deleted them and nothing had backed
+     them up (E506), or they changed after the build and were kept (E510)
   10-14  trial: the step that failed (the install is reverted first):
      10 the reference run, 11 apply or its build, 12 the verification,
      13 the candidate run, 14 the revert (or the install differs from before)
@@ -87,17 +94,19 @@ how to fix it):
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
         running, E109 missing or bad build option (--timeout, -p), E110 the build
-        products to back up are over the size budget, E111 a .py file the
+        products to back up are over the size budget, or the build
+        directory is too large to scan whole, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
-        directory
+        directory, E122 a file of a cache to snapshot has hard links outside it
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
         directory not yours or writable by others, E205 another owner,
         E206 state path is not an overlay state directory, E207 no overlay yet,
         E208 no overlay here but applied ones elsewhere, E209 a registered
-        state directory whose journal is gone
+        state directory whose journal is gone, E210 the state directory
+        cannot be written
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
@@ -109,9 +118,10 @@ how to fix it):
         E501 source changed after apply, E502 unsafe or unreadable cache
         snapshot, E503 backup missing, E504 a directory stands where a file
         is restored or removed, E505 a path changed since it was recorded
-        (a symlink in the way), E506 not byte-exact: the build rewrote a
-        file nothing backed up (exit status 3), E509 an artifact or cache
-        changed since the overlay's build
+        (a symlink in the way), E506 not byte-exact: the build rewrote or
+        deleted a file nothing backed up (exit status 3), E509 an artifact
+        or cache changed since the overlay's build, E510 a build product
+        changed since the overlay's build, kept (exit status 3)
   E6xx  I/O errors during a change
         E601 could not write (no space, permission); the state stays
         recoverable
@@ -662,15 +672,6 @@ def written(exc: OSError) -> str:
     return _FAULTS["target"] or "a file"
 
 
-def cause(exc: OSError) -> str:
-    """Why an I/O error happened, in words that say what to change."""
-    if exc.errno == errno.EXDEV:
-        return ("%s: %s and %s lie on different mounts (of one filesystem, as a bind mount "
-                "makes), so one cannot be renamed to the other; pass a --state on the same "
-                "mount" % (exc.strerror, exc.filename, exc.filename2))
-    return exc.strerror
-
-
 # ---------------------------------------------------------------- paths
 
 
@@ -693,6 +694,29 @@ def require_abs_normal(path: str, option: str) -> str:
 
 def is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def mount_of(path: str) -> Tuple[int, int]:
+    """(device, mount id) of the nearest existing directory at or above
+    `path`.  A rename or a hard link works only within one mount: two bind
+    mounts of one filesystem share the device, yet the kernel refuses a
+    rename between them (EXDEV).  Linux names an open file's mount in
+    /proc/self/fdinfo; where that cannot be read the device alone stands in."""
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)  # no read right needed
+    try:
+        device = os.fstat(fd).st_dev
+        try:
+            with open("/proc/self/fdinfo/%d" % fd, encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("mnt_id:"):
+                        return device, int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return device, -1
+    finally:
+        os.close(fd)
 
 
 def host_name() -> str:
@@ -819,7 +843,7 @@ class State:
     def check_safe(self) -> None:
         try:
             st = os.lstat(self.root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # creating it says what is in the way
             return
         if not stat.S_ISDIR(st.st_mode):
             raise OverlayError("E206", "state directory %s is not a directory; pass another "
@@ -1063,8 +1087,9 @@ class State:
                         raise OverlayError("E203", "journal %s names build product %r outside "
                                            "the build directory %s; nothing was changed"
                                            % (self.manifest_path, product["path"], build["cwd"]))
-            if entry.get("scan") is not None:
-                self.state_path(entry["scan"])
+            for key in ("scan", "build_scan"):
+                if entry.get(key) is not None:
+                    self.state_path(entry[key])
             jit = entry.get("jit")
             if jit is not None:
                 if not (isinstance(jit, dict) and isinstance(jit.get("directories"), list)
@@ -1171,6 +1196,20 @@ def tool_at(state: State) -> str:
     return "overlay_setup.py --state %s" % shell_quote(state.root)
 
 
+def interrupted(manifest: dict) -> Optional[str]:
+    """What a run of this tool was doing when it stopped halfway: an entry
+    being applied, built or updated, or a revert begun.  Found with the lock
+    free, nobody is doing it any more: the entry is stale whoever the owner
+    is, as a hot journal nobody holds is rolled back."""
+    if manifest.get("reverting"):
+        return "reverting"
+    for entry in manifest["entries"]:
+        if entry["state"] == "applying":
+            return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
+                                    else "applying", entry["id"])
+    return None
+
+
 def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
     owner = make_owner(owner_pid if owner_pid is not None else default_owner())
@@ -1192,18 +1231,39 @@ def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
     manifest["owner"] = owner
 
 
-# ---------------------------------------------------------------- the registry of applied overlays
+# ---------------------------------------------------------------- where state directories live
 #
-# One small file per state directory under $XDG_STATE_HOME/overlay_setup/applied,
-# written before the first change and removed after a full revert, so that
-# `status`, `revert --all` and `gc-stale` find an overlay from any directory.
+# The default state directory of the directory a command runs from lies
+# outside every install: $XDG_STATE_HOME/overlay_setup/<that path>-<hash>.
+# That folder's listing is the registry of applied overlays, so `status`,
+# `revert --all` and `gc-stale` find them from any directory.  A state
+# directory elsewhere (--state, $OVERLAY_STATE, or the ./.overlay that
+# version 1.0 made by default) gets a small record under its applied/ folder
+# instead, written before its first change and removed after a full revert.
+
+
+def state_home() -> str:
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):  # the XDG rule: unset, empty or relative means the default
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(os.path.normpath(base), TOOL_NAME)
 
 
 def registry_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME", "")
-    if not os.path.isabs(base):  # the XDG rule: a relative value is ignored
-        base = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(os.path.normpath(base), TOOL_NAME, "applied")
+    return os.path.join(state_home(), "applied")
+
+
+def default_state_dir(directory: str) -> str:
+    """The state directory for commands run from `directory`: named after
+    its path, so that a person can tell which install it belongs to, and a
+    hash of it, so that two paths never share one."""
+    label = re.sub(r"[^A-Za-z0-9._+-]+", "_", directory.strip("/").replace("/", "-"))
+    digest = hashlib.sha256(directory.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return os.path.join(state_home(), "%s-%s" % (label[-60:].lstrip("-._") or "root", digest))
+
+
+def in_state_home(root: str) -> bool:
+    return os.path.dirname(root) == state_home()
 
 
 def registry_record(state_root: str) -> str:
@@ -1212,26 +1272,50 @@ def registry_record(state_root: str) -> str:
 
 
 def register(state: "State") -> None:
-    """Record the state directory durably before its first change."""
+    """Record a state directory outside the state home durably before its
+    first change (one inside it is listed by being there)."""
     record = registry_record(state.root)
-    if os.path.isfile(record):
+    if in_state_home(state.root) or os.path.isfile(record):
         return
     makedirs_durable(registry_dir(), 0o700)
     durable_write(record, (json.dumps({"state": state.root}) + "\n").encode())
 
 
 def unregister(state: "State") -> None:
-    remove_path(registry_record(state.root))
+    if not in_state_home(state.root):
+        remove_path(registry_record(state.root))
+
+
+def holds_something(state: "State") -> bool:
+    """Whether a state directory may hold something applied: a damaged
+    journal counts, for the commands on it to say why."""
+    if state.orphaned_backups():
+        return True
+    try:
+        manifest = state.read_journal()
+        return manifest is not None and anything_applied(manifest)
+    except (OverlayError, KeyError, TypeError, AttributeError):
+        return True
 
 
 def registered_states() -> List[str]:
-    """The state directories of this user's registry (applied or not: the
-    caller loads each)."""
+    """The state directories of this user's registry: those of the state
+    home that hold something, and the recorded ones elsewhere (applied or
+    not: the caller loads each)."""
+    found = []
+    try:
+        names = sorted(os.listdir(state_home()))
+    except OSError:
+        names = []
+    for name in names:
+        root = os.path.join(state_home(), name)
+        if name != "applied" and not os.path.islink(root) and os.path.isdir(root) \
+                and holds_something(State(root)):
+            found.append(root)
     try:
         names = sorted(os.listdir(registry_dir()))
     except OSError:
-        return []
-    found = []
+        names = []
     for name in names:
         if not name.endswith(".json"):
             continue
@@ -1765,7 +1849,11 @@ def module_names(python: str, files: List[dict], state: State, patch_name: str) 
 def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
     """{path: [kind, size, mtime_ns]} under `root`, bounded to SCAN_LIMIT entries."""
     found: Dict[str, list] = {}
-    pending = [root]
+    # An excluded directory is not entered, so what lies under it is never
+    # reached: a look-up per entry is enough (a walk comparing each entry
+    # with every excluded path took hours for 50,000 backed-up products).
+    skipped = set(excluded)
+    pending = [] if any(is_within(root, path) for path in excluded) else [root]
     while pending:
         directory = pending.pop()
         try:
@@ -1774,7 +1862,7 @@ def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
             continue
         with iterator:
             for item in iterator:
-                if any(is_within(item.path, path) for path in excluded):
+                if item.path in skipped:
                     continue
                 if len(found) >= SCAN_LIMIT:
                     return found, True
@@ -1801,31 +1889,34 @@ def scan_exclusions(state: State, entry: dict) -> List[str]:
                for name in VCS_FOLDERS])
 
 
-def prebuild_scan(state: State, entry: dict) -> dict:
-    """What the build directory held before the build ({} when unknown)."""
-    if not entry.get("scan") or not entry.get("build"):
-        return {}
+def prebuild_scan(state: State, entry: dict, key: str = "scan") -> Optional[dict]:
+    """What the build directory held before the first build ("scan") or the
+    latest one ("build_scan"); None when unknown (an empty one is known)."""
+    if not entry.get(key) or not entry.get("build"):
+        return None
     try:
-        with open(state.state_path(entry["scan"]), encoding="utf-8") as handle:
-            return json.load(handle)
+        with open(state.state_path(entry[key]), encoding="utf-8") as handle:
+            found = json.load(handle)
     except (OSError, ValueError):
-        return {}
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def build_trees(build: Optional[dict]) -> List[str]:
-    """The directories a build writes into: its working directory, and the
-    build directory of `make -C`, `ninja -C` or `cmake --build` when that
-    lies outside it (an out-of-tree build run from the sources)."""
+    """The directory a build writes into: the build directory of `make -C`,
+    `ninja -C` or `cmake --build` when the command names one, else its
+    working directory.  A file written beside `make -C pkg` (an optimizer's
+    results) is no product of it."""
     if not build:
         return []
-    return [build["cwd"]] + ([build["tree"]] if build.get("tree") else [])
+    return [build["tree"]] if build.get("tree") else [build["cwd"]]
 
 
-def build_tree_outside(command: str, cwd: str) -> Optional[str]:
+def build_tree_of(command: str, cwd: str) -> Optional[str]:
     """The build directory the build tool of `command` works in, when that
-    is an existing directory outside `cwd`; else None."""
+    is an existing directory other than `cwd`; else None."""
     tool = build_tool(command, cwd)
-    if tool is None or is_within(tool[2], cwd) or not os.path.isdir(tool[2]):
+    if tool is None or tool[2] == cwd or not os.path.isdir(tool[2]):
         return None
     return tool[2]
 
@@ -1845,7 +1936,7 @@ def restore_build_dir_mtimes(state: State, entry: dict) -> None:
     makes and removes files where nothing is tracked (CMake's Progress
     folder), and removing its products touches their directories."""
     trees = build_trees(entry.get("build"))
-    for path, info in sorted(prebuild_scan(state, entry).items(), reverse=True):
+    for path, info in sorted((prebuild_scan(state, entry) or {}).items(), reverse=True):
         if (isinstance(info, list) and len(info) == 3 and info[0] == "d"
                 and type(info[2]) is int and info[2]
                 and any(is_within(path, tree) for tree in trees)
@@ -1855,12 +1946,17 @@ def restore_build_dir_mtimes(state: State, entry: dict) -> None:
 
 
 def untracked_products(state: State, entry: dict) -> List[dict]:
-    """Files and directories the build created or changed that nothing tracks."""
+    """Files and directories that the entry's builds created, rewrote or
+    deleted and that nothing tracks: as recorded after its last build, else
+    (the run died in a build) what changed since the scan before that build,
+    with what earlier builds of the entry recorded."""
     if entry.get("untracked") is not None:
         return entry["untracked"]
-    before = prebuild_scan(state, entry)
-    if not before:
-        return []
+    before = prebuild_scan(state, entry, "build_scan")
+    if before is None:
+        before = prebuild_scan(state, entry)
+    if before is None:
+        return entry.get("earlier_untracked") or []
     after, _ = scan_build(state, entry)
     products = []
     for path, info in sorted(after.items()):
@@ -1869,7 +1965,32 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
             products.append({"path": path, "kind": info[0], "created": True})
         elif info[0] != "d" and old[:3] != info and scanned_link(old) is None:
             products.append({"path": path, "kind": info[0], "created": False})
-    return products
+    for path, old in sorted(before.items()):
+        if path not in after and isinstance(old, list) and old and old[0] == "f":
+            products.append({"path": path, "kind": "f", "created": False, "deleted": True})
+    return merge_products(entry.get("earlier_untracked") or [], products)
+
+
+def merge_products(earlier: List[dict], later: List[dict]) -> List[dict]:
+    """What all builds of an entry made: a file the first build created
+    stays created when an update rebuilds it."""
+    merged = {product["path"]: product for product in later}
+    for product in earlier:
+        if product["path"] in merged:
+            merged[product["path"]] = dict(merged[product["path"]], created=product["created"])
+        else:
+            merged[product["path"]] = product
+    return [merged[path] for path in sorted(merged)]
+
+
+def seen(path: str) -> Optional[list]:
+    """The identity of what is at `path` now (None: nothing).  The same
+    identity later proves that nobody wrote, replaced or removed it since:
+    any write, rename or chmod sets a new ctime, which nobody can set back."""
+    try:
+        return file_identity(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def scanned_link(info: object) -> Optional[str]:
@@ -1880,25 +2001,47 @@ def scanned_link(info: object) -> Optional[str]:
     return None
 
 
-def restore_build_dir_links(state: State, entry: dict) -> None:
-    """Symlinks of the build directory come back with their target and mtime:
-    a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
-    no rule names them, so a build after revert would not make them again."""
+def moved_links(state: State, entry: dict) -> List[Tuple[str, str, int]]:
+    """The symlinks of the build directory that are no longer as the scan
+    before the first build saw them (path, target, mtime); someone's
+    directory standing there now is left out."""
     trees = build_trees(entry.get("build"))
-    for path, info in sorted(prebuild_scan(state, entry).items()):
+    moved = []
+    for path, info in sorted((prebuild_scan(state, entry) or {}).items()):
         target = scanned_link(info)
         if target is None or path != os.path.normpath(path) or \
                 not any(is_within(path, tree) for tree in trees):
             continue
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             st = None
-        if st is not None and (stat.S_ISDIR(st.st_mode) or (
+        if st is None or not (stat.S_ISDIR(st.st_mode) or (
                 stat.S_ISLNK(st.st_mode) and st.st_mtime_ns == info[2]
                 and os.readlink(path) == target)):
-            continue  # as it was, or someone's directory now
-        put_symlink(path, target, info[2])
+            moved.append((path, target, info[2]))
+    return moved
+
+
+def changed_links(state: State, entry: dict) -> Dict[str, Optional[list]]:
+    """After a build: the links it changed, with what it left there."""
+    return {path: seen(path) for path, _, _ in moved_links(state, entry)}
+
+
+def restore_build_dir_links(state: State, entry: dict, force: bool) -> List[str]:
+    """Symlinks of the build directory come back with their target and mtime:
+    a link step makes a library's links (libk.so -> libk.so.1.2) anew, and
+    no rule names them, so a build after revert would not make them again.
+    A link changed or removed after the build is someone's: it is kept, and
+    returned."""
+    left = entry.get("links_seen")  # None: the run died in its build
+    kept = []
+    for path, target, mtime_ns in moved_links(state, entry):
+        if left is not None and not force and (path not in left or seen(path) != left[path]):
+            kept.append(path)
+            continue
+        put_symlink(path, target, mtime_ns)
+    return kept
 
 
 # ---------------------------------------------------------------- what the build will rewrite
@@ -2012,7 +2155,7 @@ def make_targets(argv: List[str], cwd: str, sources: List[str]) -> Optional[List
     readers = depfile_readers(directory, sources)
     what_if = []
     for source in sources + readers:
-        for name in what_if_names(source, cwd):
+        for name in what_if_names(source, directory):
             what_if += ["-W", name]
     sub_make = " ".join(shlex.quote(word) for word in [argv[0]] + what_if)
     output = ask_build_tool(argv + ["-n", "-w", "--trace", "-j1"] + what_if
@@ -2178,12 +2321,14 @@ def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tu
         if predicted is None:
             how = "found in the build directory (asking %s failed)" % kind
     if predicted is None:
-        predicted = product_files(build["cwd"], excluded)
+        predicted = product_files(build_trees(build)[0], excluded)
     paths = []
+    seen = set()
     for path in [name for target in predicted for name in side_products(target)]:
-        if path not in paths and not any(is_within(path, other) for other in excluded) and \
+        if path not in seen and not any(is_within(path, other) for other in excluded) and \
                 os.path.isfile(path) and not os.path.islink(path):
             paths.append(path)
+            seen.add(path)
     return paths, how
 
 
@@ -2195,6 +2340,7 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
     automatic part is refused over PROTECT_BUDGET before anything changes."""
     excluded = sources + artifacts + caches + [state.root, os.path.realpath(state.root)]
     chosen: List[Tuple[str, str]] = []
+    taken = set()  # the paths in chosen and predicted: a look-up, not a pass over them
     for path in protect:
         files = [path]
         if os.path.isdir(path):
@@ -2202,8 +2348,9 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                            for name in names if os.path.isfile(os.path.join(directory, name))
                            and not os.path.islink(os.path.join(directory, name)))
         for name in files:
-            if name not in excluded and all(name != other for other, _ in chosen):
+            if name not in excluded and name not in taken:
                 chosen.append((name, "--protect"))
+                taken.add(name)
     if no_protect:
         return chosen
     # A JIT at import (torch's extension loader runs ninja in the artifact's
@@ -2214,8 +2361,8 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
     predicted: List[Tuple[str, str]] = []
     for one in builds:
         found, how = predict_products(one, sources, excluded)
-        predicted += [(path, how) for path in found if all(
-            path != other for other, _ in chosen + predicted)]
+        predicted += [(path, how) for path in found if path not in taken]
+        taken.update(found)
     size = sum(os.lstat(path).st_size for path, _ in predicted)
     if size > PROTECT_BUDGET:
         raise OverlayError("E110", "backing up the %d existing build product(s) the build may "
@@ -2477,25 +2624,62 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                                               tool_at(other), shell_quote(other.root)))
 
 
+@contextlib.contextmanager
+def claims_locked():
+    """Held from the claim check until the entry that claims the paths is
+    journaled: two state directories checking at the same moment would each
+    read the other's journal before it names them, and both apply.  The lock
+    is on the folder that holds the registry the check reads, which every
+    state directory of this user shares."""
+    home = os.path.dirname(registry_dir())
+    makedirs_durable(home, 0o700)
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held while another apply backs up and journals (seconds)
+            print("waiting for another overlay to journal what it claims (lock on %s)" % home,
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def check_state_outside_build(state: State, build: Optional[dict]) -> None:
     """Refused before the state directory is even created: one inside the
     build directory dies with the build's clean step (`git clean -xdf`)."""
-    if build is None:
-        return
-    cwd = build["cwd"]
-    if is_within(state.root, cwd) or is_within(os.path.realpath(state.root),
-                                               os.path.realpath(cwd)):
-        raise OverlayError("E121", "the state directory %s lies inside the build directory %s, "
-                           "where a clean step of the build (`make clean`, `git clean -xdf`) "
-                           "would delete the journal and the backups; nothing was changed: pass "
-                           "--state DIR outside it, e.g. --state %s"
-                           % (state.root, cwd, os.path.join(os.path.dirname(cwd), ".overlay-"
-                                                            + os.path.basename(cwd))))
+    for tree in build_trees(build):  # the working directory, and the one of `make -C DIR`
+        if is_within(state.root, tree) or is_within(os.path.realpath(state.root),
+                                                    os.path.realpath(tree)):
+            raise OverlayError("E121", "the state directory %s lies inside the build directory "
+                               "%s, where a clean step of the build (`make clean`, `git clean "
+                               "-xdf`) would delete the journal and the backups; nothing was "
+                               "changed: pass --state DIR outside it, or leave --state and "
+                               "$OVERLAY_STATE unset for the default, %s"
+                               % (state.root, tree, default_state_dir(os.getcwd())))
+
+
+def linked_from_outside(cache: str) -> Optional[Tuple[str, int, int]]:
+    """(path, links, links outside) of the first file of `cache` that has hard
+    links outside it, else None.  A snapshot gives a file back under a new
+    inode, which names outside the cache no longer share; links within the
+    cache come back (the snapshot holds them)."""
+    found: Dict[Tuple[int, int], list] = {}
+    for directory, _dirs, files in os.walk(cache):
+        for name in files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                found.setdefault((st.st_dev, st.st_ino), [path, st.st_nlink, 0])[2] += 1
+    for path, links, inside in sorted(found.values()):
+        if inside < links:
+            return path, links, links - inside
+    return None
 
 
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
-    check_claims(state, sources, artifacts, caches)
     overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
@@ -2536,18 +2720,27 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
             raise OverlayError("E104", "%s lies under %s, which is a symlink; pass the real path "
                                "%s" % (path, link, os.path.realpath(path)))
     for cache in caches:
-        if os.path.ismount(cache):
+        if mount_of(cache) != mount_of(os.path.dirname(cache)):  # also a bind mount of one fs
             raise OverlayError("E106", "--invalidate-cache %s is a mount point, which cannot be "
                                "set aside; pass a directory inside it, or unmount it"
                                % cache)
-    state_dev = os.stat(state.root).st_dev if os.path.isdir(state.root) else None
+    state_mount = mount_of(state.root)
     for source in sources:
         st = os.lstat(source) if os.path.lexists(source) else None
-        if st and st.st_nlink > 1 and st.st_dev != state_dev:
+        if st and st.st_nlink > 1 and mount_of(os.path.dirname(source)) != state_mount:
             raise OverlayError("E106", "source %s has %d hard links, and the state directory %s "
-                               "is on another filesystem, so revert could not give the links "
-                               "their file back; pass a --state on the same filesystem"
+                               "is on another filesystem or mount, so revert could not give the "
+                               "links their file back; pass a --state on the same mount"
                                % (source, st.st_nlink, state.root))
+    for cache in caches:
+        linked = linked_from_outside(cache) if os.path.isdir(cache) and \
+            mount_of(cache) != state_mount else None  # a cache to snapshot: not renamed
+        if linked:
+            raise OverlayError("E122", "--invalidate-cache %s holds %s, which has %d hard links, "
+                               "%d of them outside the cache: restored from a snapshot it "
+                               "would come back as a separate file; nothing was changed: pass "
+                               "a --state on the cache's mount (the cache is then renamed aside "
+                               "whole), or give the file a copy of its own" % ((cache,) + linked))
     if build_cwd is not None and not os.path.isdir(build_cwd):
         raise UsageError("E107", "--build-cwd %s is not a directory; pass the directory the "
                            "build command runs in" % build_cwd)
@@ -2592,10 +2785,10 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         record["why"] = why
         record["backup"] = "%s/p%d" % (directory, number)
         entry["protected"].append(record)
-    backup_dev = os.stat(state.root).st_dev
+    backup_mount = mount_of(state.root)
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
-        same_fs = present and os.stat(cache).st_dev == backup_dev
+        same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
         # What the cache holds is read for a tar snapshot only: a revert killed after
         # the snapshot's extraction finds the cache back by it, whereas a renamed
         # cache that is back has left no backup (rebuilt_since_apply).
@@ -2608,7 +2801,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     tracked = changes_paths(changes) + artifacts + caches + [p for p, _ in protected]
     # Every path a revert acts on lies under one of these (checked on load).
     entry["roots"] = sorted({os.path.dirname(path) for path in tracked}
-                            | set(build_trees(build)))
+                            | set(build_trees(build)) | ({build["cwd"]} if build else set()))
     # Parent directories get their mtimes back too: temp files and renames touch them.
     entry["dirs"] = {}
     for path in tracked:
@@ -2622,6 +2815,12 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
     makedirs_durable(backup_dir)
+    if build is not None:
+        try:
+            write_prebuild_scan(state, entry)
+        except OverlayError:
+            remove_path(backup_dir)
+            raise
     for record in entry_files(entry):
         record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
         if record["present"] and record["links"] > 1 and record["role"] == "source":
@@ -2637,8 +2836,6 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     for cache in entry["caches"]:
         if cache["present"] and cache["method"] == "tar":
             snapshot_cache(cache["path"], state.state_path(cache["backup"]))
-    if build is not None:
-        write_prebuild_scan(state, entry)
     write_jit_scan(state, entry, jit_directories(artifacts, build))
     fsync_dir(backup_dir)
     manifest["next_id"] = entry_id + 1
@@ -2663,22 +2860,34 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     return entry
 
 
-def write_prebuild_scan(state: State, entry: dict) -> None:
-    """What the build directory holds before the build, to find its untracked
-    products afterwards (also after a crash during the build)."""
-    cwd = entry["build"]["cwd"]
+def scan_limit_reached(tree: str) -> OverlayError:
+    """A scan that stops at its limit is no record of what was there: the
+    files beyond it would count as made by the build, and revert would delete
+    them.  Refused before anything changes."""
+    return OverlayError("E110", "the build directory %s holds more than %d entries, more than "
+                        "the scan that tells the build's new files from yours records; nothing "
+                        "was changed: pass --build-cwd (or make -C) at the folder the build "
+                        "writes in, or --no-build and run the build yourself (revert then "
+                        "leaves what it makes)" % (tree, SCAN_LIMIT))
+
+
+def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> None:
+    """What the build directory holds before a build, to find its untracked
+    products afterwards (also after a crash during the build): before the
+    first build ("scan", also what revert puts back), before the latest
+    ("build_scan", what that build is compared with)."""
     before, truncated = scan_build(state, entry)
+    if truncated:
+        raise scan_limit_reached(build_trees(entry["build"])[0])
     for link, info in before.items():
         if info[0] == "l":
             try:
                 info.append(os.readlink(link))
             except OSError:
                 pass
-    if truncated:
-        print("warning: more than %d entries under %s; untracked build products are looked for "
-              "only among the first %d" % (SCAN_LIMIT, cwd, SCAN_LIMIT), file=sys.stderr)
-    entry["scan"] = "backups/%d/prebuild-scan.json" % entry["id"]
-    path = state.state_path(entry["scan"])
+    entry[key] = "backups/%d/%s.json" % (entry["id"], "prebuild-scan" if key == "scan"
+                                         else "build-scan-%d" % entry["builds"])
+    path = state.state_path(entry[key])
     mutation_point()
     write_point(path)
     with open(path, "w", encoding="utf-8") as handle:
@@ -2895,7 +3104,8 @@ def build_deleted_state(state: State, entry: dict) -> OverlayError:
                         "or a reinstall, then delete %s" % (
                             state.root, ", ".join(r["path"] for r in entry["sources"]),
                             "s" if len(entry["sources"]) == 1 else "",
-                            registry_record(state.root)))
+                            state.root if in_state_home(state.root)
+                            else registry_record(state.root)))
 
 
 def headers_build_ext_skips(command: str, entry: dict) -> bool:
@@ -2910,6 +3120,8 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
+    ours = still_ours(manifest) + [record for record in entry.get("protected") or []
+                                   if "seen" not in record]
     mutation_point()
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
@@ -2939,6 +3151,14 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
             identity, record["built_sha256"]
     settle_after_build(manifest)
     entry["untracked"] = untracked_products(state, entry)
+    entry.pop("earlier_untracked", None)
+    # What the build left, to be restored or removed at revert only while it
+    # still is exactly that; what earlier builds of the entry left keeps its
+    # record (a file edited between two builds is no longer theirs).
+    for record in ours + [product for product in entry["untracked"]
+                          if product["kind"] != "d" and "seen" not in product]:
+        record["seen"] = seen(record["path"])
+    entry["links_seen"] = changed_links(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
     noop = status == 0 and entry["artifacts"] and all(
         record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
@@ -2949,7 +3169,12 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     if created:
         print("warning: the build created files that no --artifact or --invalidate-cache covers "
               "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
-    rewritten = inexact_products(entry["untracked"])
+    rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
+    deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
+    if deleted:
+        print("warning: the build deleted files that nothing backed up, so revert cannot give "
+              "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
+              file=sys.stderr)
     compiled = [path for path in rewritten if compiled_output(path)]
     for paths, fate in ((compiled, "it removes them, the next build makes them again"),
                         ([path for path in rewritten if path not in compiled],
@@ -3029,8 +3254,12 @@ def settle_after_build(manifest: dict) -> None:
 
 
 def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
-    """Artifacts and caches changed since the state's last build."""
+    """Artifacts and caches changed since the state's last build.  After a
+    build of this state that was interrupted (an apply or update killed in
+    it) they hold what that build wrote, which no hash records: ours."""
     changed = []
+    if any(entry["state"] == "applying" for entry in entries):
+        return changed
     for entry in entries:
         for record in entry["artifacts"]:
             if "after_build_sha256" in record and content_identity(record["path"]) != record.get(
@@ -3186,22 +3415,57 @@ def compiled_output(path: str) -> bool:
         os.close(fd)
 
 
-def inexact_products(products: List[dict]) -> List[str]:
-    """Files that were there before and that the build changed without a backup."""
-    return [product["path"] for product in products
-            if not product["created"] and product["kind"] != "d"]
+def inexact_products(products: List[dict]) -> List[Tuple[str, str]]:
+    """Files that were there before and that the build changed or deleted
+    without a backup, as (path, why) for report_inexact."""
+    return [(product["path"], "deleted" if product.get("deleted") else "rewritten")
+            for product in products if not product["created"] and product["kind"] != "d"]
 
 
-def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool) -> List[str]:
+def still_ours(manifest: dict) -> List[dict]:
+    """The build products of the state's entries that are still what its
+    builds and reverts left: what the next build or revert leaves there is
+    ours too (one changed since, by hand or an upgrade, stays someone's)."""
+    return [record for entry in manifest["entries"]
+            for record in (entry.get("protected") or []) + (entry.get("untracked") or [])
+            if record.get("kind") != "d" and "seen" in record and unchanged_since_build(record)]
+
+
+def unchanged_since_build(record: dict) -> bool:
+    """Whether a file is still what the tool saw after the entry's last build
+    (True when nothing was recorded: an entry without a completed build, or
+    a journal of version 1.0)."""
+    return "seen" not in record or seen(record["path"]) == record["seen"]
+
+
+def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool,
+                 force: bool = False) -> List[Tuple[str, str]]:
     """Restore one entry (idempotent: safe to run again after a crash); returns
-    the files that are not back byte-exact (rewritten without a backup)."""
+    the files that are not back byte-exact, as (path, why): rewritten or
+    deleted without a backup, or kept because they changed after the build
+    (`force` restores and removes those all the same)."""
     stop_leftover_build(entry)
     found = untracked_products(state, entry)
     products = [] if keep_untracked else found
+    ours = [record for record in still_ours(manifest) if record not in entry_files(entry)
+            and record not in found]
+    kept = []
+    if not force and entry.get("untracked") is not None:  # the entry's last build completed
+        # Only what is still exactly what the build left is the build's:
+        # a library upgraded since, a file edited or a link changed is not.
+        kept = [record["path"] for record in entry.get("protected") or []
+                if not unchanged_since_build(record)
+                and seen(record["path"]) != record.get("identity")]
+        kept += [product["path"] for product in products
+                 if product["kind"] != "d" and not unchanged_since_build(product)]
+        products = [product for product in products if product["path"] not in kept]
     aside = None
     if products and entry.get("untracked") is None:
-        # The run died during its build: what changed in the build directory
-        # since it started may be the build's or the caller's own work.
+        # The run died during its build: what appeared in the build directory
+        # since it started may be the build's or the caller's own work.  What
+        # was there before stays where it is (a version file the package
+        # imports), named as not byte-exact.
+        products = [product for product in products if product["created"]]
         aside = (os.path.commonpath(build_trees(entry["build"])),
                  os.path.join(state.root, "leftovers", str(entry["id"])))
         print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
@@ -3218,6 +3482,8 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                     or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
     for record in entry_files(entry):
+        if record["path"] in kept:
+            continue
         if record.get("in_cache"):
             continue  # its cache comes back whole below
         try:
@@ -3236,7 +3502,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
                            % (", ".join(failures), tool_at(state)))
     remove_products(products, aside)
     remove_jit_leftovers(state, entry)
-    restore_build_dir_links(state, entry)
+    kept += restore_build_dir_links(state, entry, force)
     restore_build_dir_mtimes(state, entry)
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
@@ -3248,7 +3514,11 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         manifest["next_id"] = 1  # numbers start again once nothing is applied
     state.save(manifest)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
-    return inexact_products(found)
+    if ours:  # after the backups went: a file restored as a link to one had its ctime set
+        for record in ours:
+            record["seen"] = seen(record["path"])
+        state.save(manifest)
+    return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
 
 
 def remove_jit_leftovers(state: State, entry: dict) -> None:
@@ -3324,6 +3594,9 @@ def revert_all(state: State, manifest: dict, force: bool,
                                % (changed[0], tool_at(state)))
     done: List[str] = []
     inexact: List[str] = []
+    # A revert killed halfway is a crash whoever the owner is (interrupted()).
+    manifest["reverting"] = True
+    state.save(manifest)
     python = manifest["python"]
     if python["modules"] or python["rebinds"]:
         done.append("Python overlay switched off (%d module(s), %d rebind(s))"
@@ -3335,9 +3608,11 @@ def revert_all(state: State, manifest: dict, force: bool,
         state.save(manifest)
     remove_path(state.python)
     for entry in reversed(list(manifest["entries"])):
-        inexact += revert_entry(state, manifest, entry, keep_untracked)
+        inexact += revert_entry(state, manifest, entry, keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+    del manifest["reverting"]
+    state.save(manifest)
     remove_path(state.backups)
     return done, inexact
 
@@ -3346,11 +3621,26 @@ def protect_flags(paths: List[str]) -> str:
     return " ".join("--protect %s" % shell_quote(path) for path in paths)
 
 
-def report_inexact(inexact: List[str]) -> None:
-    print("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup; the next "
-          "build makes %s again (to keep %s next time, pass %s)"
-          % (", ".join(inexact), "it" if len(inexact) == 1 else "them",
-             "it" if len(inexact) == 1 else "them", protect_flags(inexact)), file=sys.stderr)
+def report_inexact(inexact: List[Tuple[str, str]]) -> None:
+    """E506 for what the build rewrote or deleted with no backup, E510 for
+    what changed after the build and was left as it is."""
+    rewritten = [path for path, why in inexact if why == "rewritten"]
+    deleted = [path for path, why in inexact if why == "deleted"]
+    kept = [path for path, why in inexact if why == "kept"]
+    if rewritten or deleted:
+        paths = rewritten + deleted
+        what = " and ".join(part for part in (
+            "rewrote %s" % ", ".join(rewritten) if rewritten else "",
+            "deleted %s" % ", ".join(deleted) if deleted else "") if part)
+        print("overlay_setup: E506 not byte-exact: the build %s with no backup; the next "
+              "build makes %s again (to keep %s next time, pass %s)"
+              % (what, "it" if len(paths) == 1 else "them",
+                 "it" if len(paths) == 1 else "them", protect_flags(paths)), file=sys.stderr)
+    if kept:
+        print("overlay_setup: E510 kept %s: changed after the overlay's build (not what the "
+              "build left, nor the original), so it is not the overlay's to restore or remove; "
+              "run `overlay_setup.py revert --force` to restore or remove it all the same"
+              % ", ".join(kept), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -3371,9 +3661,24 @@ def read_input(path: str, what: str, hint: str = "") -> bytes:
     return data
 
 
+LEGACY_STATE = ".overlay"  # version 1.0's default state directory, in the current directory
+
+
 def state_root(args: argparse.Namespace) -> str:
-    root = args.state or os.environ.get("OVERLAY_STATE") or os.path.join(os.getcwd(), ".overlay")
-    return os.path.normpath(os.path.abspath(root))
+    """--state, else $OVERLAY_STATE, else the default state directory of the
+    current directory; an overlay that version 1.0 applied from here (in
+    ./.overlay) is found until it is reverted."""
+    given = args.state or os.environ.get("OVERLAY_STATE")
+    if given:
+        return os.path.normpath(os.path.abspath(given))
+    here = os.getcwd()
+    default = default_state_dir(here)
+    legacy = os.path.join(here, LEGACY_STATE)
+    if not State(default).exists() and (os.path.isfile(registry_record(legacy))
+                                        or (os.path.isdir(legacy) and holds_something(
+                                            State(legacy)))):
+        return legacy
+    return default
 
 
 def open_state(args: argparse.Namespace) -> State:
@@ -3391,16 +3696,28 @@ class Locked:
         self.create = create
 
     def __enter__(self) -> dict:
-        if self.create:
-            self.state.create()
-        self.state.lock(self.command)
+        try:
+            if self.create:
+                self.state.create()
+            self.state.lock(self.command)
+        except OSError as exc:
+            if self.create:
+                raise unwritable_state(self.state, exc)
+            raise
         try:
             if self.create and not self.state.exists():
                 self.state.save(empty_manifest())
             manifest = self.state.load()
+            if not anything_applied(manifest):  # a revert killed after its last entry
+                manifest.pop("reverting", None)
             if self.create:  # after the journal exists, before the install changes
                 register(self.state)
             return manifest
+        except OSError as exc:
+            self.state.unlock()
+            if self.create:
+                raise unwritable_state(self.state, exc)
+            raise
         except BaseException:
             self.state.unlock()
             raise
@@ -3413,6 +3730,15 @@ class Locked:
             pass  # registered it stays, which is the safe side
         finally:
             self.state.unlock()
+
+
+def unwritable_state(state: State, exc: OSError) -> OverlayError:
+    """Refused before the install changes: without a journal nothing may."""
+    where = "" if written(exc) == state.root else "%s: " % written(exc)
+    return OverlayError("E210", "cannot write the state directory %s (%s%s); nothing was "
+                        "changed: pass --state DIR on a writable filesystem, or set "
+                        "XDG_STATE_HOME to a writable directory for the default (now %s)"
+                        % (state.root, where, exc.strerror or exc, state_home()))
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -3508,7 +3834,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
-        build["tree"] = build_tree_outside(build["cmd"], build["cwd"])
+        build["tree"] = build_tree_of(build["cmd"], build["cwd"])
     return artifacts, caches, build
 
 
@@ -3564,8 +3890,10 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
     modules_before = set(manifest["python"]["modules"])
     try:
         if changes:
-            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                       protected, command, modes or {})
+            with claims_locked():
+                check_claims(state, changes_paths(changes), artifacts, caches)
+                entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
+                                           protected, command, modes or {})
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
                 shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
@@ -3598,10 +3926,10 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `%s revert` once the cause is fixed"
-                           % (written(exc), cause(exc), getattr(second, "strerror", second),
+                           % (written(exc), exc.strerror, getattr(second, "strerror", second),
                               tool_at(state)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), cause(exc)))
+                       "run the command again" % (written(exc), exc.strerror))
 
 
 def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
@@ -3610,9 +3938,14 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     """Check and print the plan of add-native or apply; change nothing."""
     manifest = state.load() if state.exists() else empty_manifest()
     sources = changes_paths(changes)
+    check_claims(state, sources, artifacts, caches)
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
                                 args.no_protect) if changes else []
+    if changes and build is not None:
+        for tree in build_trees(build):
+            if scan_tree(tree, [state.root])[1]:
+                raise scan_limit_reached(tree)
     print_plan(changes, modules, artifacts, caches, build, protected, args.no_build)
     return 0
 
@@ -3848,8 +4181,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise UsageError("E109", "--timeout must be a positive number of seconds")
     state = open_state(args)
-    if not state.exists():
-        raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
+    require_overlay(args, state, "update")
     with Locked(state, "update", create=False) as manifest:
         claim_owner(state, manifest, args.owner_pid)
         natives = [entry for entry in manifest["entries"]
@@ -3867,8 +4199,15 @@ def cmd_update(args: argparse.Namespace) -> int:
             record["previous_patched_sha256"] = record.get("patched_sha256")
             record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
         if entry["build"] is not None:
+            # This build is compared with the tree just before it: what was
+            # made or written since the last build (results, notes, another
+            # entry's products) is not this entry's.
+            entry["earlier_untracked"] = untracked_products(state, entry)
+            entry["builds"] = entry.get("builds", 1) + 1
+            write_prebuild_scan(state, entry, "build_scan")
             entry["state"] = "applying"
             entry["untracked"] = None
+            entry.pop("links_seen", None)
             if args.timeout is not None:
                 entry["build"]["timeout"] = args.timeout
         state.save(manifest)
@@ -3886,6 +4225,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 def cmd_verify_native(args: argparse.Namespace) -> int:
     state = open_state(args)
+    require_overlay(args, state, "verify-native")
     manifest = state.load()
     checked = 0
     problems = []
@@ -3955,8 +4295,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("applied overlays of this user:")
             for other, other_manifest in others:
                 print("  %s: %s" % (other.root, summarise(other, other_manifest)))
-            print("next: `overlay_setup.py --state DIR status` for one of them, or "
-                  "`overlay_setup.py revert --all`")
+            print("next: %s, or `overlay_setup.py revert --all`"
+                  % " or ".join("`%s status`" % tool_at(other) for other, _ in others))
         return 0
     print("state: %s" % state.root)
     print("owner: %s" % describe_owner(manifest["owner"]))
@@ -4021,6 +4361,8 @@ def next_step(state: State, manifest: dict, tool_running: bool) -> str:
         return "wait for the running command to finish, then `%s status`" % here
     if not anything_applied(manifest):
         return "nothing applied; nothing to do"
+    if manifest.get("reverting"):
+        return "a revert stopped halfway: `%s revert` finishes it" % here
     if "applying" in states:
         return ("`%s revert` (it stops a build left running and restores everything)" % here)
     if states & {"build-failed", "build-changed-nothing"}:
@@ -4041,6 +4383,30 @@ def others_applied(args: argparse.Namespace, state: State) -> List[Tuple[State, 
     if state_given(args) or state.exists() or state.orphaned_backups():
         return []
     return applied_states()
+
+
+def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> str:
+    """The exact commands that run `command` on each of `others`."""
+    exact = ["`%s %s`" % (tool_at(other), command) for other, _ in others]
+    if len(exact) == 1:
+        return exact[0]
+    return "%s, or `overlay_setup.py %s --all`" % (" or ".join(exact), command) \
+        if command == "revert" else " or ".join(exact)
+
+
+def require_overlay(args: argparse.Namespace, state: State, command: str) -> None:
+    """An overlay command run where there is none: E208 names the exact
+    commands for this user's applied overlays, E207 says there are none."""
+    if state.exists() or state.orphaned_backups():
+        return
+    if os.path.isfile(registry_record(state.root)):
+        raise vanished_state(state)
+    others = others_applied(args, state)
+    if others:
+        raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at %s; "
+                           "run %s" % (state.root, ", ".join(other.root for other, _ in others),
+                                       commands_for(others, command)))
+    raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
 
 
 def summarise(state: State, manifest: Optional[dict]) -> str:
@@ -4083,14 +4449,11 @@ def cmd_revert(args: argparse.Namespace) -> int:
         return revert_every_state(args)
     state = open_state(args)
     if not state.exists() and not state.orphaned_backups():
-        if os.path.isfile(registry_record(state.root)):
-            raise vanished_state(state)
-        others = others_applied(args, state)
-        if others:
-            raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at "
-                               "%s; run `overlay_setup.py --state DIR revert` for one, or "
-                               "`overlay_setup.py revert --all`"
-                               % (state.root, ", ".join(other.root for other, _ in others)))
+        try:
+            require_overlay(args, state, "revert")
+        except OverlayError as exc:
+            if exc.code != "E207":  # E208 and E209: it may be elsewhere, or lost
+                raise
         print("nothing to revert: no overlay at %s" % state.root)
         return 0
     done, inexact = revert_state(state, args.force, args.keep_untracked)
@@ -4179,17 +4542,19 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                         remove_orphaned_backups(state, manifest)
                         unregister(state)
                     continue
-                if liveness != "gone":
+                # The owner's liveness decides for a completed overlay only.
+                crashed = interrupted(manifest)
+                if liveness != "gone" and crashed is None:
                     print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
                     continue
+                why = "owner %s%s" % (describe_owner(manifest["owner"]), "" if liveness == "gone"
+                                      else "; the run %s stopped halfway" % crashed)
                 if args.dry_run:
-                    print("stale: %s (owner %s): would revert" % (
-                        directory, describe_owner(manifest["owner"])))
+                    print("stale: %s (%s): would revert" % (directory, why))
                     continue
                 _, inexact = revert_all(state, manifest, force=False, keep_untracked=False)
                 unregister(state)
-                print("stale: %s (owner %s): reverted" % (directory,
-                                                          describe_owner(manifest["owner"])))
+                print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
                     report_inexact(inexact)
                     not_exact = True
@@ -4221,7 +4586,7 @@ def trial_watched(root: str, build_cwd: str, build_cmd: Optional[str],
     directory of `make -C`, `ninja -C` or `cmake --build`, and each --artifact
     outside them (its folder when that holds a build.ninja: a JIT's build
     directory, which the build rewrites around it)."""
-    watched = {root, build_cwd, build_tree_outside(build_cmd or "", build_cwd) or root}
+    watched = {root, build_cwd, build_tree_of(build_cmd or "", build_cwd) or root}
     for artifact in artifacts:
         if not any(is_within(artifact, path) for path in watched):
             folder = os.path.dirname(artifact)
