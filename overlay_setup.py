@@ -4721,9 +4721,13 @@ def cmd_trial(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     revert = result["revert"]
+    # 130 and 143 say the install is back: only when it is byte-identical
     if revert is not None and not revert["reverted"]:
-        status = TRIAL_EXIT["revert"]  # 130 and 143 say the install is back: it is not
+        status = TRIAL_EXIT["revert"]
         result["failed_step"] = "revert: the revert did not finish (see above)"
+    elif revert is not None and revert["differences"]:
+        status = TRIAL_EXIT["revert"]
+        result["failed_step"] = "revert: the install is not as it was before"
     result["exit"] = status
     result["summary"] = trial_summary(result["runs"])
     result["output"] = compare_outputs(outputs)

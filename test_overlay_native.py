@@ -4466,6 +4466,17 @@ class TrialTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), self.before)
 
+    def test_a_stopped_trial_whose_install_differs_does_not_exit_as_reverted(self) -> None:
+        # The candidate writes into the install, then the trial gets SIGTERM:
+        # the revert runs, but the install is not as it was: 14, not 143.
+        # (only the candidate runs with the overlay's environment, OVERLAY_STATE)
+        done = self.trial(command=["sh", "-c", '[ -z "$OVERLAY_STATE" ] || { touch "$0/notes"; '
+                                               'kill -TERM $PPID; }', self.proj])
+        self.assertEqual(done.returncode, 14, done.stderr)
+        self.assertIn("  revert: the install differs from before: %s/notes\nresult: revert: "
+                      "the install is not as it was before (exit status 14)\n" % self.proj,
+                      done.stdout)
+
     def test_no_line_inside_a_trial_says_to_run_revert(self) -> None:
         done = self.trial()
         self.assertEqual(done.returncode, 0, done.stderr)
