@@ -4874,7 +4874,7 @@ class TorchExtensionTest(OverlayTestCase):
         self.assertEqual(result["watched"], [os.path.join(self.ext, "jitout_op"), self.site])
         self.assertEqual(self.snapshot(self.site, self.ext), before)
 
-    def test_invalidate_cache_of_the_extension_build_directory_verifies_the_rebuilt_op(self) -> None:
+    def test_jit_build_directory_set_aside_verifies_the_op_against_its_copy(self) -> None:
         self.package(jit_package("jitout", cache_inside=False))
         self.assertEqual(self.probe("jitout"), "4.0 plain")
         cache = os.path.join(self.ext, "jitout_op")
