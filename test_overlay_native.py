@@ -4945,7 +4945,7 @@ class TorchExtensionTest(OverlayTestCase):
         output = quiet(build, proj).stdout
         self.assertNotRegex(output, r"(?m)^\[\d+/\d+\] ", output)
 
-    def test_build_ext_inplace_then_update_then_revert(self) -> None:
+    def test_build_ext_inplace_update_revert_and_a_kill_during_the_build(self) -> None:
         proj, build = self.aot_build(cuda=False)
         on_python_path(self, proj)
         suffix = quiet([self.python, "-c", "import sysconfig; print(sysconfig.get_config_var("
@@ -4967,6 +4967,17 @@ class TorchExtensionTest(OverlayTestCase):
         self.assertEqual(self.snapshot(proj), before)
         # torch's BuildExtension copies the in-place library again on every
         # run, even one that compiles nothing
+        self.compiles_nothing(build, proj)
+        self.assertEqual(self.probe("aot"), "4.0 plain")
+        before = self.snapshot(proj)  # what that run copied again
+        self.kill_when_compiling(OWN + [sys.executable, TOOL, "--state", self.state, "apply",
+                                        self.op_patch("aot", op="aot/op.cpp"), "--root", proj,
+                                        "--artifact", library, "--build-cmd", " ".join(build),
+                                        "--build-cwd", proj], "cc1plus")
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("): reverted\n", out)
+        self.assertEqual(self.snapshot(proj), before)
         self.compiles_nothing(build, proj)
         self.assertEqual(self.probe("aot"), "4.0 plain")
 
