@@ -3449,8 +3449,10 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         kept = [record["path"] for record in entry.get("protected") or []
                 if not unchanged_since_build(record)
                 and seen(record["path"]) != record.get("identity")]
+        # One already gone (a revert killed after removing it) is done.
         kept += [product["path"] for product in products
-                 if product["kind"] != "d" and not unchanged_since_build(product)]
+                 if product["kind"] != "d" and not unchanged_since_build(product)
+                 and seen(product["path"]) is not None]
         products = [product for product in products if product["path"] not in kept]
     aside = None
     if products and entry.get("untracked") is None:
