@@ -4252,7 +4252,11 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
                 continue
             seen.add(record["path"])
             checked += 1
-            current = content_sha256(record["path"])
+            if "after_build_identity" in record and content_identity(
+                    record["path"]) == record["after_build_identity"]:
+                current = record["after_build_sha256"]  # not written since that hash
+            else:
+                current = content_sha256(record["path"])
             if current is None:
                 problems.append("artifact %s is missing%s"
                                 % (record["path"], "" if later else " after the build"))

@@ -253,6 +253,30 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
 
+    def test_verify_native_reads_no_artifact_unwritten_since_the_build(self) -> None:
+        self.assertOk(self.add_kernel_b())
+        hashed = []
+        file_sha256 = overlay_setup.file_sha256
+
+        def spy(path: str):  # the tool's own hash, with the paths it reads noted
+            hashed.append(os.path.realpath(path))
+            return file_sha256(path)
+
+        overlay_setup.file_sha256 = spy
+        try:
+            verified = self.tool("verify-native")
+            with open(self.lib, "ab") as handle:  # written after the build: read again
+                handle.write(b"\0")
+            rewritten = self.tool("verify-native")
+        finally:
+            overlay_setup.file_sha256 = file_sha256
+        self.assertEqual(verified, (0, "2 artifact(s) rebuilt from the patched sources\n", ""))
+        self.assertEqual(rewritten, (1, "", "overlay_setup: E403 artifact %s changed after the "
+                                     "build finished\n" % self.lib))
+        self.assertEqual(hashed.count(os.path.realpath(self.lib)), 1)
+        self.assertNotIn(os.path.realpath(self.p("kernel_b.o")), hashed)
+        self.assertOk(self.tool("revert", "--force"))
+
     def test_two_entries_sharing_an_artifact_are_reverted_in_reverse_order(self) -> None:
         before = tree_state(self.proj)
         self.assertOk(self.add_kernel_b())
