@@ -1319,6 +1319,103 @@ class OwnedFilesTest(OverlayTestCase):
                       % os.path.join(self.pkg, "stale.txt"), err)
 
 
+class PlanRunsNothingTest(OverlayTestCase):
+    """Nothing of the install's build description runs before the entry is
+    journaled, and --dry-run changes no byte, mode or mtime of the tree."""
+
+    SOURCE = "double k(void) { return 1.0; }\n"
+    MAKEFILE = ("RAN := $(shell echo evaluated >> shell-ran)\n"
+                "libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+    NINJA = ("rule cc\n  command = cc -O1 -fPIC -c $in -o $out\n"
+             "rule link\n  command = cc -shared -o $out $in\n"
+             "build k.o: cc k.c\nbuild libk.so: link k.o\n")
+    OLD_LOG = "# ninja log v4\n0\t5\t0\tk.o\t1\n5\t9\t0\tlibk.so\t2\n"
+    CMAKE = ("cmake_minimum_required(VERSION 3.10)\nproject(k C)\n"
+             "add_library(k SHARED k.c)\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        write_text_file(os.path.join(self.tmp, "fast.c"), "double k(void) { return 2.0; }\n")
+
+    def project(self, name: str, files: dict) -> str:
+        root = os.path.join(self.tmp, name)
+        write_tree(root, dict(files, **{"k.c": self.SOURCE}))
+        return root
+
+    def make_project(self) -> str:
+        root = self.project("make", {"Makefile": self.MAKEFILE})
+        quiet(["make"], root).check_returncode()
+        os.unlink(os.path.join(root, "shell-ran"))
+        return root
+
+    def ninja_project(self) -> str:
+        root = self.project("ninja", {"build.ninja": self.NINJA})
+        quiet(["ninja"], root).check_returncode()
+        write_text_file(os.path.join(root, ".ninja_log"), self.OLD_LOG)  # an older ninja's
+        return root
+
+    def dry_run(self, root: str, command: str, build_cwd: str) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), "--build-cmd", command,
+                         "--build-cwd", build_cwd, "--dry-run")
+
+    def test_dry_run_on_each_build_system_changes_nothing_and_runs_nothing(self) -> None:
+        builds = [(self.make_project(), "make", None), (self.ninja_project(), "ninja", None)]
+        setuptools = self.project("setuptools", {"setup.py": (
+            "open('setup-ran', 'w').close()\n"
+            "from setuptools import setup, Extension\n"
+            "setup(name='k', ext_modules=[Extension('k', ['k.c'])])\n")})
+        builds.append((setuptools, "%s setup.py build_ext --inplace" % sys.executable, None))
+        if shutil.which("cmake"):
+            for generator in ("Unix Makefiles", "Ninja"):
+                root = self.project("cmake-" + generator.split()[0].lower(),
+                                    {"CMakeLists.txt": self.CMAKE})
+                build = os.path.join(root, "build")
+                quiet(["cmake", "-S", root, "-B", build, "-G", generator],
+                      root).check_returncode()
+                quiet(["cmake", "--build", build], root).check_returncode()
+                builds.append((root, "cmake --build build", build))
+        for root, command, build in builds:
+            with self.subTest(command=command, directory=os.path.basename(root)):
+                before = tree_state(root)
+                rc, out, err = self.dry_run(root, command, root)
+                self.assertEqual((rc, err), (0, ""), out)
+                self.assertTrue(out.startswith("plan (--dry-run: nothing was changed):\n"), out)
+                self.assertEqual(tree_state(root), before)
+                self.assertFalse(os.path.exists(os.path.join(root, "shell-ran")))
+                self.assertFalse(os.path.exists(os.path.join(root, "setup-ran")))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_make_evaluates_the_makefile_only_once_the_entry_is_journaled(self) -> None:
+        root = self.make_project()
+        write_tree(root, {"Makefile": self.MAKEFILE.replace(
+            "echo evaluated", "grep -c applying %s/manifest.json" % self.state)})
+        before = tree_state(root)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                                 os.path.join(self.tmp, "fast.c"), "--build-cmd", "make",
+                                 "--build-cwd", root)
+        self.assertEqual((rc, err.count("E")), (0, 0), err)
+        # one line for make's plan, one for the build: both saw the journaled entry
+        self.assertEqual(read_text(os.path.join(root, "shell-ran")), "1\n1\n")
+        self.assertIn("(predicted by make -n -W)", out)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(tree_state(root), before)
+
+    def test_asking_ninja_for_its_plan_leaves_an_older_ninjas_log_as_it_was(self) -> None:
+        root = self.ninja_project()
+        before = tree_state(root)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                                 os.path.join(self.tmp, "fast.c"), "--build-cmd", "ninja",
+                                 "--build-cwd", root)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("%s (predicted from ninja's graph)" % os.path.join(root, ".ninja_log"), out)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(root), before)
+        self.assertEqual(read_text(os.path.join(root, ".ninja_log")), self.OLD_LOG)
+
+
 class RefusalTest(OverlayTestCase):
     """Each remaining refusal, with its exact message; nothing changes."""
 
@@ -2744,8 +2841,9 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  back up    {p}/b.c (source)\n"
             "  back up    {p}/libk.so (artifact)\n"
-            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
-            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
+            "  back up    the build products make -n -W names (not asked by --dry-run: make "
+            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+            "is written)\n"
             "  build      make (in {p})\n").format(p=self.proj), ""))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
@@ -2790,9 +2888,9 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  overlay    module pkg.m from {p}/pkg/m.py (Python overlay)\n"
             "  back up    {p}/b.c (source)\n"
-            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
-            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
-            "  back up    {p}/libk.so (build product, predicted by make -n -W)\n"
+            "  back up    the build products make -n -W names (not asked by --dry-run: make "
+            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+            "is written)\n"
             "  build      make (in {p})\n").format(p=self.proj))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
