@@ -50,7 +50,8 @@ one finding.
 
 Exit codes:
     0  no errors (for build/test/parity/trace: nothing failed)
-    1  errors found (or warnings, with --strict); a build, test, parity or trace run failed
+    1  errors found (or warnings, with --strict); a build, test, parity or trace run failed;
+       init cannot tell a value, or the script it wrote a manifest for must change
     2  usage error: no such repository root, no backends directory, a NAME
        that is no backend (a platform alone, such as `metal`, is none), bad flag;
        or standard output cannot be written (a full disk, a closed pipe)
@@ -111,9 +112,13 @@ Diagnostic codes (stable; never reused):
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
     X  trace tier    X001 a compiler run by a path the shims do not intercept
-                     (warning); a traced run reports R001/R002 when the script
-                     fails or times out, and the B codes, marked "traced", when
-                     what it builds differs from the manifest
+                     (warning), X002 the script changed the checkout, X003 the
+                     script failed where the shims are no toolkit (warning), X004 the
+                     script changed the trace's own files (its shims, their
+                     call log, <output-dir> itself); a traced run reports
+                     R001/R002 when the script fails or times out, and the B
+                     codes, marked "traced", when what it builds differs from
+                     the manifest
 """
 
 import argparse
@@ -352,6 +357,11 @@ class Backend:
         if self.key_lines is None:
             self.key_lines = manifest_lines(self.manifest_text) if self.manifest_text else {}
         return self.key_lines.get(key)
+
+
+class CannotTell(Exception):
+    """init cannot tell a value of the manifest: the message names it and
+    what to write; nothing is written, and the exit status is 1."""
 
 
 class UsageError(Exception):
@@ -1586,6 +1596,7 @@ If = collections.namedtuple("If", "line clauses otherwise")  # [(condition, body
 Case = collections.namedtuple("Case", "line word items")  # [(patterns, body, ";;", ";&" or ";;&")]
 Arithmetic = collections.namedtuple("Arithmetic", "line expression")  # (( expression ))
 For = collections.namedtuple("For", "line name words body")  # words None: "$@"
+ArithmeticFor = collections.namedtuple("ArithmeticFor", "line expression body")  # for ((a; b; c))
 While = collections.namedtuple("While", "line until condition body")
 Function = collections.namedtuple("Function", "line name body")
 Group = collections.namedtuple("Group", "line body subshell")  # ( body ) or { body; }
@@ -1721,14 +1732,14 @@ class ScriptParser:
             return Function(line, text, self.parse_command())
         return self.parse_simple()
 
-    def parse_arithmetic(self):
+    def parse_arithmetic(self, separators=(";",)):
         """(( expression )), or None (and nothing taken) when the text is
         two subshells instead: ( (cd x; make) )."""
         start, line, depth, words = self.pos, self.peek()[2], 0, []
         self.pos += 2
         while not self.at_end():
             kind, text, _ = self.next()
-            if kind == "newline" or text in (";", "&", "&&", "||", "|"):
+            if kind == "newline" or text in separators:
                 break
             if (kind, text, depth) == ("op", ")", 0) and self.peek()[:2] == ("op", ")"):
                 self.next()
@@ -1792,6 +1803,13 @@ class ScriptParser:
 
     def parse_for(self):
         line = self.next()[2]
+        if self.peek()[:2] == ("op", "(") and self.tokens[self.pos + 1][:2] == ("op", "("):
+            loop = self.parse_arithmetic(separators=())
+            if loop is None:
+                raise ShellSyntax(line, "a for (( )) loop the checker does not read")
+            if self.peek()[:2] == ("op", ";"):
+                self.next()
+            return ArithmeticFor(line, loop.expression, self.parse_do())
         kind, name, _ = self.next()
         if kind != "word" or not SH_NAME_RE.match(name):
             raise ShellSyntax(line, "a for loop the checker does not read (for %s)" % name)
@@ -1996,6 +2014,10 @@ class ScriptReader:
             return self.run_for(line, node.name, node.words, node.body)
         if kind is While:
             return self.run_while(line, node.until, node.condition, node.body)
+        if kind is ArithmeticFor:  # how often it runs is not told: its names are unknown
+            self.arithmetic_status(line, node.expression.split(";"))
+            return self.either("the for loop at line %d" % line, [lambda: self.run_list(node.body),
+                                                                   lambda: None])
         if kind is Function:
             self.change(self.functions, node.name, node.body)
             return True
@@ -2029,7 +2051,10 @@ class ScriptReader:
 
     def run_case(self, line, word, items):
         value = self.expand_one(word).replace(NOT_REACHED, "")
-        paths = self.case_paths(value, items, 0)
+        paths = self.case_paths(value, items, 0, {})
+        if paths is None:
+            self.unfollow(line, "a case with more than %d ways to run" % SH_MAX_LOOPS)
+            raise ScriptExit()
         if len(paths) == 1:
             for body in paths[0]:
                 self.run_list(body)
@@ -2037,9 +2062,17 @@ class ScriptReader:
         label = "case %s at line %d" % (word, line)
         return self.either(label, [lambda p=p: [self.run_list(b) for b in p] for p in paths])
 
-    def case_paths(self, value, items, start):
+    def case_paths(self, value, items, start, known_paths):
         """The bodies each possible run of a case runs, testing from item
-        `start`: ;& runs the next body untested, ;;& goes on testing."""
+        `start`: ;& runs the next body untested, ;;& goes on testing.  None
+        for more than SH_MAX_LOOPS runs (each ;;& an undecided test doubles
+        them); `known_paths` keeps the answer for each start."""
+        if start not in known_paths:
+            paths = self.case_paths_from(value, items, start, known_paths)
+            known_paths[start] = paths if paths is None or len(paths) <= SH_MAX_LOOPS else None
+        return known_paths[start]
+
+    def case_paths_from(self, value, items, start, known_paths):
         for at in range(start, len(items)):
             pieces = [self.expand_one(p) for p in items[at][0]]
             matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
@@ -2048,11 +2081,14 @@ class ScriptReader:
             end = at
             while items[end][2] == ";&" and end + 1 < len(items):
                 end += 1
-            rest = self.case_paths(value, items, end + 1) if items[end][2] == ";;&" else [[]]
+            rest = self.case_paths(value, items, end + 1, known_paths) if items[end][2] == ";;&" else [[]]
+            if rest is None:
+                return None
             paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
             if matched and known(value) and all(known(p) for p in pieces):
                 return paths
-            return paths + self.case_paths(value, items, at + 1)
+            others = self.case_paths(value, items, at + 1, known_paths)
+            return None if others is None else paths + others
         return [[]]
 
     def run_for(self, line, name, words, body):
@@ -2158,7 +2194,9 @@ class ScriptReader:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
             return None
         name = command.rsplit("/", 1)[-1]
-        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))):
+        # A program it does not read, or one it does not know running a compiler (sudo nvcc ...).
+        if SH_PROGRAM_RE.match(name) or ("/" in command and not command.startswith(("/bin/", "/usr/bin/"))) or (
+                command != "echo" and any(is_compiler_name(word) for word in argv[1:])):
             self.unfollow(line, "%s, a program whose commands it does not read"
                           % show_word(" ".join(argv[:2]))[:80])
             return None
@@ -2355,9 +2393,10 @@ class ScriptReader:
             else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
                 self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
         for source in operands:
-            if directory is not None:
-                self.place("add", directory.rstrip("/") + "/" + source.rstrip("/").rsplit("/", 1)[-1],
-                           line)
+            name = source.rstrip("/").rsplit("/", 1)[-1]
+            if directory is not None:  # cp build/* "$1/", cp -r build/. "$1/": names it cannot tell
+                self.place("add", directory.rstrip("/") + "/" + name, line,
+                           name not in ("", ".", "..") and not any(c in name for c in "*?["))
             if command == "mv":
                 self.place("remove", source, line)
         return True
@@ -2371,9 +2410,10 @@ class ScriptReader:
     def place(self, op, path, line, named=True):
         """Record what a command puts into <output-dir> or takes out of it
         (`named`: whether `path` surely names the file, not a directory)."""
-        if not path.startswith(OUT_DIR) and known(path):
+        inside = path == OUT_DIR or path.startswith(OUT_DIR + "/")
+        if not inside and known(path):
             return  # elsewhere
-        if path.startswith(OUT_DIR) and known(path) and named:
+        if inside and known(path) and named:
             path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
             self.placements.append((op, "" if path == "." else path, line, self.condition))
         elif op == "add":
@@ -3546,7 +3586,7 @@ def check_build_script(repo, backend):
         backend.error("S002", "build.script %s %s" % (describe(script), problem), key="build.script")
         return
     path = backend.dir + "/" + rel
-    if not repo.inside(path):
+    if backend.files.get(rel) == "link" and not repo.inside(path):
         backend.error("S002", "build script %s is a symbolic link to %s, outside the repository; "
                       "keep it in the repository, where CI and the trace run it"
                       % (rel, os.path.realpath(path)), rel_path)
@@ -3708,7 +3748,9 @@ def check_index_modes(repo, backends):
 
 
 def check_backend(repo, backend):
-    if not repo.inside(backend.manifest_path):
+    # Only a link can lead out (the walk follows no linked directory): no realpath per backend.
+    if backend.files.get(backend.name + MANIFEST_SUFFIX) == "link" and not repo.inside(
+            backend.manifest_path):
         backend.error("S002", "%s is a symbolic link to %s, outside the repository; the check does "
                       "not follow it (replace the link with the file it stands for)"
                       % (backend.name + MANIFEST_SUFFIX, os.path.realpath(backend.manifest_path)))
@@ -4156,10 +4198,11 @@ class ChildOutcome:
         self.error = error
 
 
-def run_streaming(command, cwd, timeout, stream, env=None):
+def run_streaming(command, cwd, timeout, stream, env=None, show=None):
     """Run command with its output (stdout and stderr together) copied to
-    stream line by line, each line prefixed with the elapsed time.  At the
-    time limit the child's whole process group is terminated, then killed."""
+    stream line by line, each line prefixed with the elapsed time (and put
+    through show, when given).  At the time limit the child's whole process
+    group is terminated, then killed."""
     import signal
     import subprocess
     import threading
@@ -4178,7 +4221,9 @@ def run_streaming(command, cwd, timeout, stream, env=None):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             if not first:
                 first.append(line)
-            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, line))
+            # Escaped: a \r or an escape sequence must not forge a line of the report.
+            shown = escape_control(show(line) if show else line)
+            stream.write("[%7.1fs] %s\n" % (time.monotonic() - start, shown))
             stream.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -4189,20 +4234,27 @@ def run_streaming(command, cwd, timeout, stream, env=None):
             returncode = child.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _signal_group(child, signal.SIGTERM)
-            try:
-                returncode = child.wait(5)
-            except subprocess.TimeoutExpired:
-                _signal_group(child, signal.SIGKILL)
-                returncode = child.wait()
+            returncode = _stop(child)
     except BaseException:
-        _signal_group(child, signal.SIGKILL)
-        child.wait()
+        _stop(child)
         raise
     _signal_group(child, signal.SIGKILL)  # what the child left running in its group
     reader.join(5)
     child.stdout.close()
     return ChildOutcome(returncode, timed_out, time.monotonic() - start, first[0] if first else None)
+
+
+def _stop(child):
+    """Terminate the child's process group (a trace launcher then kills
+    everything the script started), then kill it; returns its status."""
+    import signal
+    import subprocess
+    _signal_group(child, signal.SIGTERM)
+    try:
+        return child.wait(5)
+    except subprocess.TimeoutExpired:
+        _signal_group(child, signal.SIGKILL)
+        return child.wait()
 
 
 def _signal_group(child, signum):
@@ -4384,14 +4436,20 @@ def parity_backend(repo, run, backend, args, stream):
 #
 # `trace` runs a build script as CI would, on a temporary copy of the
 # repository (the files git lists, or every file but .git outside a git work
-# tree), with a shim in place of every compiler: first on PATH, in $NVCC,
+# tree, copied once per command and again for each run from that snapshot),
+# with a fresh, read-only shim in place of every compiler: first on PATH, in $NVCC,
 # $HIPCC, $CC and $CXX, and in the fake toolkit that CUDA_HOME, CUDA_PATH,
 # HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
 # arguments, creates the file its -o names (never /dev/null), answers
 # --version-style probes and does nothing else: no toolchain is needed and
 # nothing is compiled.  The script itself does run: what it does besides
-# calling compilers (mkdir, make, cp, and any download) happens, inside the
-# copy and the temporary directory.  A compiler called by an absolute path
+# calling compilers (mkdir, make, cp) happens, inside the copy and the
+# temporary directory.  It runs from a launcher (TRACE_LAUNCHER) with an empty
+# environment; where unprivileged namespaces are allowed, in user, mount, PID
+# and network namespaces that hide the checkout, the caller's home and the
+# checker, else as the launcher's subreaped descendant.  Either way every
+# process it started is killed when it ends, and the checkout, the snapshot
+# and the shims are compared with what they were before it ran.  A compiler called by an absolute path
 # (/usr/bin/gcc) gets past the shims; bash's xtrace, switched on in every
 # bash the script starts (BASH_ENV), shows such calls.
 
@@ -4406,11 +4464,19 @@ TRACE_TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "HIP_PATH", "ROCM_PATH")
 # invocation sets no optional variable.
 TRACE_KEPT_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME")
 TRACE_TIMEOUT = 120.0  # seconds a run of a script may take, unless --timeout says otherwise
+TRACE_LOG_CAP = 1 << 20       # bytes a shim's record of one call may hold
+TRACE_LOG_ENTRIES = 100000    # records in the call log of one run
+TRACE_XTRACE_CAP = 64 << 20   # bytes of bash's trace read for compilers run by their path
+# Set (to anything but empty) to isolate traced scripts by the launcher alone.
+NO_NAMESPACES_VARIABLE = "CHECK_CONTRACT_NO_NAMESPACES"
+UNSHARE_OPTIONS = ("--user", "--map-root-user", "--mount", "--pid", "--fork", "--net",
+                   "--mount-proc", "--kill-child")
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
-# arguments, creates the file -o names and answers version probes; it
-# compiles nothing and runs nothing.
+# arguments, creates the file -o names (a shared object nm and strip read,
+# an executable that does nothing, or an empty object file) and answers
+# version probes; it compiles nothing and runs nothing.
 name=${0##*/} via= word=${0##*/}
 case $name in
 ccache|sccache)
@@ -4419,10 +4485,14 @@ ccache|sccache)
     shift ;;
 esac
 printf '%%s\0' "$via" "$PWD" "$word" "$@" > %(log)s/"$(date +%%s%%N).$$"
-out= next= probe= stdin=
+out= next= probe= stdin= made=program
 for arg in "$@"; do
     if [ -n "$next" ]; then out=$arg next=; continue; fi
     case $arg in
+    -shared|--shared) [ "$made" = object ] || made=library ;;
+    -c|--compile|-S|-E|-M|-MM|-dc|--device-c|-ptx|--ptx|-cubin|--cubin|-fatbin|--fatbin|--genco\
+    |--cuda-device-only)
+        made=object ;;
     -o|--output-file) next=1 ;;
     --output-file=*) out=${arg#*=} ;;
     -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
@@ -4436,7 +4506,7 @@ done
 case $probe in
 --version)
     case $name in
-    nvcc*) printf 'nvcc: NVIDIA (R) Cuda compiler driver (trace shim)\nCuda compilation tools, release 12.8, V12.8.93\n' ;;
+    nvcc*) printf '%%s\n' %(nvcc_version)s ;;
     hipcc*) printf 'HIP version: 6.2.41133 (trace shim)\nAMD clang version 18.0.0\nTarget: x86_64-unknown-linux-gnu\n' ;;
     *clang*) printf 'clang version 18.1.8 (trace shim)\nTarget: x86_64-unknown-linux-gnu\n' ;;
     *) printf '%%s (trace shim) 12.2.0\n' "$name" ;;
@@ -4449,7 +4519,11 @@ case $probe in
 esac
 case $out in
 ''|-|/dev/null) ;;
-*) : > "$out" || exit 1 ;;
+*)  case $made in
+    library) cat %(library)s > "$out" && chmod +x "$out" || exit 1 ;;
+    program) printf '#!/bin/sh\nexit 0\n' > "$out" && chmod +x "$out" || exit 1 ;;
+    *) : > "$out" || exit 1 ;;
+    esac ;;
 esac
 exit 0
 """
@@ -4460,6 +4534,120 @@ TRACE_BASH_ENV = """exec {check_contract_xtrace}>>%(xtrace)s
 BASH_XTRACEFD=$check_contract_xtrace
 PS4='+ '
 set -x
+"""
+
+# Started as `python -I -S -c TRACE_LAUNCHER <config>` with an empty
+# environment; it runs the traced script with the environment the config
+# gives.  In namespaces it is pid 1 of its own PID namespace: it hides the
+# checkout and the caller's home under empty read-only tmpfs mounts, makes
+# the shims read-only, and enters one more user namespace, which locks
+# those mounts (the script, root there, cannot undo them).  Without, it
+# becomes the subreaper of all the script starts.  When the script ends, or
+# on SIGTERM, it kills every process left below it.  A script that cannot
+# be started has its reason written to the config's "status" file.
+TRACE_LAUNCHER = r"""
+import ctypes, json, os, signal, sys
+config = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER = 0x20000, 0x10000000, 36
+
+
+def fail(what):
+    os.write(2, ("check_contract.py: the trace's isolation cannot be set up: %s\n" % what).encode())
+    os._exit(125)
+
+
+def call(result, what):
+    if result != 0:
+        fail("%s: %s" % (what, os.strerror(ctypes.get_errno())))
+
+
+def mount(source, target, fstype, flags, data=None):
+    call(libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                    data and data.encode()), "mount " + target)
+
+
+def descendants():
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as handle:
+                parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all():
+    while True:
+        for pid in descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def stop(signum, frame):
+    kill_all()
+    os._exit(128 + signum)
+
+
+if config["namespaces"]:
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    for path in config["hidden"]:
+        mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for path in config["read_only"]:
+        mount(path, path, None, MS_BIND | MS_REC)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    uid, gid = os.getuid(), os.getgid()
+    call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare")
+    # Bytes, not text: the home holding the interpreter's codecs may be hidden now.
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+        fd = os.open("/proc/self/" + name, os.O_WRONLY)
+        os.write(fd, text.encode())
+        os.close(fd)
+else:
+    call(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(signum, stop)
+failed, started = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(failed)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        os.chdir(config["cwd"])
+        os.execve(config["command"][0], config["command"], config["env"])
+    except OSError as exc:
+        os.write(started, (exc.strerror or str(exc)).encode())
+    os._exit(127)
+os.close(started)
+reason = os.read(failed, 4096)
+if reason:
+    with open(config["status"], "wb") as handle:
+        handle.write(reason)
+status = 0
+while True:
+    try:
+        done, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    if done == pid:
+        break
+kill_all()
+os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 """
 
 
@@ -4479,7 +4667,7 @@ class RecordedCall:
 class Trace:
     """What one run of a build script under the shims did.  Paths inside the
     temporary directory are shown as what they stand for: <output-dir>, the
-    repository (relative), <toolkit> and <tmp>."""
+    repository (relative), <toolkit>, ~ (the run's HOME), $TMPDIR and <tmp>."""
 
     def __init__(self, command, child, calls, uncaught, written, binaries, out_dir, places):
         self.command = command    # as run, shown
@@ -4490,13 +4678,21 @@ class Trace:
         self.binaries = binaries  # the ELF files among them, which no shim writes
         self.out_dir = out_dir    # the temporary <output-dir>
         self.places = places      # (temporary path, shown as), longest first
+        self.tampered = []        # what the script changed of the trace's own files
+        self.changed = []         # checkout paths the run changed
+        self.commands = []        # the command lines of bash's trace
 
     def show(self, text):
-        for path, name in self.places:
-            if text == path:
-                return name
-            text = text.replace(path + "/", name + "/" if name != "." else "")
-        return text
+        return show_places(self.places, text)
+
+
+def show_places(places, text):
+    """text with each temporary path of places written as what it stands for."""
+    for path, name in places:
+        if text == path:
+            return name
+        text = text.replace(path + "/", name + "/" if name != "." else "")
+    return text
 
 
 def shell_quote(word):
@@ -4504,37 +4700,52 @@ def shell_quote(word):
 
 
 class Shims:
-    """The compiler shims of one trace or init, in a temporary directory:
-    toolkit/bin holds a shim for every compiler name (those on PATH among
-    them, so that no installed compiler is reached by its name), calls/ the
-    calls of the run in progress, xtrace what its bash ran.  Each run gets a
-    fresh run/ directory: the repository's copy, <output-dir>, HOME, TMPDIR."""
+    """The compiler shims of one run, in a toolkit directory of their own:
+    bin/ holds a shim for every compiler name (those on PATH among them, so
+    that no installed compiler is reached by its name), bash_env what every
+    bash the script starts sources.  The toolkit is read-only to the script
+    (and in namespaces mounted so); its state is kept to show a change."""
 
-    def __init__(self):
-        import tempfile
-        self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
-        self.toolkit = os.path.join(self.top, "toolkit")
-        self.log = os.path.join(self.top, "calls")
-        self.xtrace = os.path.join(self.top, "xtrace")
-        self.bash_env = os.path.join(self.top, "bash_env")
-        self.run_dir = os.path.join(self.top, "run")
-        bin_dir = os.path.join(self.toolkit, "bin")
+    def __init__(self, toolkit, log, xtrace, nvcc_version):
+        self.toolkit = toolkit
+        self.bash_env = os.path.join(toolkit, "bash_env")
+        bin_dir = os.path.join(toolkit, "bin")
         os.makedirs(bin_dir)
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_SHIM % {"log": shell_quote(self.log)})
-        os.chmod(shim, 0o755)
+            handle.write(TRACE_SHIM % {"log": shell_quote(log), "nvcc_version": shell_quote(
+                nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so"))})
         for name in sorted(shim_names()):
             os.symlink(".shim", os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
+        with open(os.path.join(self.toolkit, "lib", "shim.so"), "wb") as handle:
+            handle.write(SHIM_LIBRARY)
         os.symlink(".", os.path.join(self.toolkit, "llvm"))
         os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
         with open(self.bash_env, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(self.xtrace)})
+            handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
+        self._chmod(0o444, 0o555)
+        self.state = tree_state(toolkit)
+
+    def _chmod(self, file_mode, dir_mode):
+        for top, dirs, files in os.walk(self.toolkit):
+            for name in dirs + files:
+                path = os.path.join(top, name)
+                if not os.path.islink(path):
+                    os.chmod(path, dir_mode if name in dirs or name == ".shim" else file_mode)
+        os.chmod(self.toolkit, dir_mode)
+
+    def changes(self):
+        """What the script changed in the toolkit, as <toolkit>/<path>."""
+        return ["<toolkit>/" + p for p in state_changes(self.state, tree_state(self.toolkit))]
 
     def close(self):
         import shutil
-        shutil.rmtree(self.top, ignore_errors=True)
+        try:
+            self._chmod(0o644, 0o755)
+        except OSError:
+            pass  # what the script left in their place goes too
+        shutil.rmtree(self.toolkit, ignore_errors=True)
 
 
 def shim_names():
@@ -4553,6 +4764,130 @@ def shim_names():
             if match and match.group(1) not in ("ld", "ld.lld"):  # a linker gcc itself runs
                 names.add(entry)
     return names
+
+
+def tree_state(root):
+    """{path relative to root: its lstat fingerprint} for everything under
+    root, links not followed.  The inode change time is in it: no write,
+    chmod or rename leaves it as it was, even with the times put back."""
+    state = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            # A directory changes when its entries do; those are listed themselves.
+            state[os.path.relpath(path, root)] = (info.st_mode,) if stat.S_ISDIR(info.st_mode) else (
+                info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
+    return state
+
+
+def state_changes(before, after):
+    """The paths added, removed or changed between two tree_states."""
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
+def namespace_problem(top):
+    """None when traced scripts can run in namespaces here, else why not."""
+    import shutil
+    import subprocess
+    if os.environ.get(NO_NAMESPACES_VARIABLE):
+        return "%s is set" % NO_NAMESPACES_VARIABLE
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "unshare is not installed"
+    hidden, locked = os.path.join(top, "hidden"), os.path.join(top, "locked")
+    os.mkdir(hidden)
+    os.mkdir(locked)
+    config = {"namespaces": True, "hidden": [hidden], "read_only": [locked], "cwd": "/",
+              "command": ["/bin/sh", "-c", "exit 0"], "env": {},
+              "status": os.path.join(top, "status")}
+    try:
+        probe = subprocess.run(launcher_command(unshare, config), env={}, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
+                               check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "unshare cannot be run (%s)" % (getattr(exc, "strerror", None) or exc)
+    finally:
+        os.rmdir(hidden)
+        os.rmdir(locked)
+    if probe.returncode != 0:
+        said = probe.stdout.decode("utf-8", "replace").strip().splitlines()
+        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), said[-1] if said else
+                                         "exit status %d" % probe.returncode)
+    return None
+
+
+def machine_nvcc_version():
+    """What the shims' nvcc --version says: the machine's nvcc's words where
+    there is one (a script checking the CUDA release sees the one its
+    compile job has), else those of a recent release."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        try:
+            done = subprocess.run([nvcc, "--version"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=30,
+                                  check=False)
+            said = done.stdout.decode("utf-8", "replace").strip()
+            if done.returncode == 0 and "release" in said:
+                return said
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return ("nvcc: NVIDIA (R) Cuda compiler driver\n"
+            "Cuda compilation tools, release 12.8, V12.8.93")
+
+
+def launcher_command(unshare, config):
+    """The command that runs config's script from TRACE_LAUNCHER, in
+    namespaces when unshare is given."""
+    command = [sys.executable, "-I", "-S", "-c", TRACE_LAUNCHER, json.dumps(config)]
+    return [unshare] + list(UNSHARE_OPTIONS) + command if unshare else command
+
+
+class TraceSession:
+    """What the runs of one trace or init command share: the temporary
+    directory, the snapshot of the repository (copied once), how scripts
+    are isolated, and the checkout's state, which every run is checked
+    against."""
+
+    def __init__(self, repo):
+        import shutil
+        import tempfile
+        self.root = repo.root
+        self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
+        self.snapshot = os.path.join(self.top, "snapshot")
+        self.run_dir = os.path.join(self.top, "run")
+        self.toolkit = os.path.join(self.top, "toolkit")
+        os.mkdir(self.snapshot)
+        copy_repository(repo.root, self.snapshot)
+        self.snapshot_state = tree_state(self.snapshot)
+        self.checkout = tree_state(repo.root)
+        home = os.path.realpath(os.path.expanduser("~"))
+        self.hidden = [os.path.realpath(repo.root), self.snapshot] + ([home] if home != "/" else [])
+        holding = [h for h in self.hidden[:1] + self.hidden[2:]
+                   if self.top.startswith(h.rstrip("/") + "/") or h == "/"]
+        self.problem = ("the temporary directory is inside %s; set TMPDIR elsewhere" % (
+            "the repository" if holding[0] == self.hidden[0] else "your home")
+            if holding else namespace_problem(self.top))
+        self.unshare = shutil.which("unshare") if self.problem is None else None
+        self.nvcc_version = machine_nvcc_version()
+
+    def describe(self):
+        """One line: how the scripts are isolated."""
+        if self.problem is None:
+            return ("namespaces: the script sees neither the checkout, nor your home, nor the "
+                    "checker's processes, and has no network")
+        return ("launcher only, no namespaces (%s): the script starts with an empty environment, "
+                "every process it started is killed when it ends, and the checkout is compared "
+                "with what it was" % self.problem)
+
+    def close(self):
+        import shutil
+        shutil.rmtree(self.top, ignore_errors=True)
 
 
 def repository_files(root):
@@ -4580,8 +4915,8 @@ def repository_files(root):
 def copy_repository(root, copy):
     """Copy the repository's files into copy, modes kept.  A symbolic link
     is copied as a link, except that one leading into the repository by an
-    absolute path leads to the same place in the copy: nothing the script
-    does reaches the repository."""
+    absolute path leads, relatively, to the same place in the copy: nothing
+    the script does reaches the repository, and a copy of the copy holds."""
     import shutil
     real_root = os.path.realpath(root)
     for rel in repository_files(root):
@@ -4594,21 +4929,91 @@ def copy_repository(root, copy):
             if os.path.isabs(link):
                 real = os.path.realpath(link)
                 if real == real_root or real.startswith(real_root + os.sep):
-                    link = os.path.join(copy, os.path.relpath(real, real_root))
+                    link = os.path.relpath(os.path.join(copy, os.path.relpath(real, real_root)),
+                                           os.path.dirname(target))
             os.symlink(link, target)
         elif os.path.isfile(source):
             shutil.copy2(source, target)
 
 
+def shim_library():
+    """The shared object a shim writes for -shared: an x86-64 ELF file with
+    an empty dynamic symbol table, an empty code section named SHIM_SECTION
+    (strip keeps it) and no program header, which nm, strip and objdump
+    accept and nothing can load."""
+    import struct
+    names = b"\0.dynsym\0.dynstr\0" + SHIM_SECTION + b"\0.shstrtab\0"
+    symbols, strings = bytes(24), b"\0"  # the null symbol; the empty name
+    at_symbols = 64
+    at_strings = at_symbols + len(symbols)
+    at_names = at_strings + len(strings)
+    at_sections = (at_names + len(names) + 7) & ~7
+    header = ELF_MAGIC + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack(
+        "<HHIQQQIHHHHHH", ELF_TYPE_SHARED, 62, 1, 0, 0, at_sections, 0, 64, 0, 0, 64, 5, 4)
+    body = header + symbols + strings + names
+    body += bytes(at_sections - len(body))
+
+    def section(name, kind, flags, offset, size, link=0, info=0, align=1, entsize=0):
+        return struct.pack("<IIQQQQIIQQ", name, kind, flags, 0, offset, size, link, info, align,
+                           entsize)
+    return (body + bytes(64) + section(1, SECTION_DYNSYM, 2, at_symbols, 24, 2, 1, 8, 24)
+            + section(9, 3, 2, at_strings, 1) + section(17, 1, 6, at_names, 0, align=16)
+            + section(18 + len(SHIM_SECTION), 3, 0, at_names, len(names)))
+
+
+SHIM_SECTION = b".check_contract_shim"
+SHIM_LIBRARY = shim_library()
+
+
+def read_bounded(path, cap):
+    """(data, problem): at most cap bytes of a regular file, never through a
+    link, never blocking; problem says why it is not (all) there."""
+    try:
+        fd = os.open(path, O_READ | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return None, "a link" if os.path.islink(path) else exc.strerror or str(exc)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, "not a regular file"
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(READ_CHUNK, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > cap:
+        return data[:cap], "larger than %d bytes" % cap
+    return data, None
+
+
 def read_calls(log):
-    """The RecordedCalls the shims recorded, in the order they were made."""
-    calls = []
-    for entry in sorted(os.listdir(log), key=call_order):
-        with open(os.path.join(log, entry), "rb") as handle:
-            fields = [os.fsdecode(f) for f in handle.read().split(b"\0")[:-1]]
+    """(the RecordedCalls the shims recorded, in the order they were made;
+    the log's entries that no shim wrote, with why)."""
+    calls, odd = [], []
+    try:
+        if not stat.S_ISDIR(os.lstat(log).st_mode):
+            return [], ["the log itself (not a directory)"]
+        entries = os.listdir(log)
+    except OSError as exc:
+        return [], ["the log itself (%s)" % (exc.strerror or exc)]
+    if len(entries) > TRACE_LOG_ENTRIES:
+        return [], ["more than %d entries" % TRACE_LOG_ENTRIES]
+    for entry in sorted(entries, key=call_order):
+        data, problem = read_bounded(os.path.join(log, entry), TRACE_LOG_CAP)
+        if problem is not None:
+            odd.append("%s (%s)" % (entry, problem))
+            continue
+        fields = [os.fsdecode(f) for f in data.split(b"\0")[:-1]]
         if len(fields) >= 3:
             calls.append(RecordedCall(fields[2:], fields[1], fields[0] or None))
-    return calls
+    return calls, odd
 
 
 def call_order(name):
@@ -4617,26 +5022,37 @@ def call_order(name):
     return [int(part) if part.isdigit() else -1 for part in name.split(".")]
 
 
-def read_uncaught(xtrace, toolkit):
-    """The compiler words bash ran by a path outside the shims' toolkit."""
+def read_xtrace(xtrace):
+    """The command lines of bash's trace, and what is wrong with the file
+    (None when nothing is; a trace too long is read in part)."""
+    if not os.path.lexists(xtrace):
+        return [], None  # no bash ran
+    data, problem = read_bounded(xtrace, TRACE_XTRACE_CAP)
+    lines = [] if data is None else [line for line in data.decode("utf-8", "replace").split("\n")
+                                     if line.startswith("+")]
+    return lines, problem if data is None else None
+
+
+def xtrace_words(line):
+    """The words of a command line of bash's trace, from the command on:
+    VAR=value and wrapper words before it dropped."""
     import shlex
     try:
-        with open(xtrace, encoding="utf-8", errors="replace") as handle:
-            lines = handle.read().split("\n")
-    except OSError:
-        return []
+        words = shlex.split(line.lstrip("+"))
+    except ValueError:
+        words = line.lstrip("+").split()
+    while words and (ENV_WORD_RE.match(words[0]) or words[0] in (
+            "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
+        words.pop(0)
+    return words
+
+
+def read_uncaught(lines, toolkit):
+    """The compiler words bash ran by a path outside the shims' toolkit."""
     inside = os.path.realpath(toolkit) + os.sep
     found = []
     for line in lines:
-        if not line.startswith("+"):
-            continue
-        try:
-            words = shlex.split(line.lstrip("+"))
-        except ValueError:
-            words = line.lstrip("+").split()
-        while words and (ENV_WORD_RE.match(words[0]) or words[0] in (
-                "exec", "command", "env", "nohup", "time") + TRACE_WRAPPERS):
-            words.pop(0)  # VAR=value and wrapper words before the compiler
+        words = xtrace_words(line)
         if not words or "/" not in words[0]:
             continue
         word = words[0]
@@ -4647,36 +5063,51 @@ def read_uncaught(xtrace, toolkit):
 
 
 def written_files(out):
-    """({path under out: size}, [the paths of ELF files]) of what the run left
-    in out.  A shim writes empty files: an ELF file was compiled by a
-    program the shims did not stand in for."""
+    """({path under out: size}, [the paths of ELF files], problem) of what the
+    run left in out.  A shim writes no ELF file but SHIM_LIBRARY (stripped
+    or not, its SHIM_SECTION names it): another was compiled by a program
+    the shims did not stand in for.  No link is followed: out
+    itself replaced by one is the problem, and nothing under it is read."""
     written, binaries = {}, []
+    try:
+        info = os.lstat(out)
+    except OSError:
+        return written, binaries, None  # the script made no <output-dir>
+    if not stat.S_ISDIR(info.st_mode):
+        return written, binaries, "<output-dir> itself (replaced by %s)" % (
+            "a link" if stat.S_ISLNK(info.st_mode) else "a file")
     for top, dirs, files in os.walk(out):
         for name in files:
             path = os.path.join(top, name)
             rel = os.path.relpath(path, out)
             try:
                 info = os.lstat(path)
-                written[rel] = info.st_size
-                if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
-                    with open(path, "rb") as handle:
-                        if handle.read(len(ELF_MAGIC)) == ELF_MAGIC:
-                            binaries.append(rel)
             except OSError:
-                pass
-    return written, sorted(binaries)
+                continue
+            written[rel] = info.st_size
+            if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
+                data, _ = read_bounded(path, READ_CHUNK)
+                shim = b"\0" + SHIM_SECTION + b"\0"
+                if data and data[:len(ELF_MAGIC)] == ELF_MAGIC and shim not in data:
+                    binaries.append(rel)
+    return written, sorted(binaries), None
 
 
-def trace_script(repo, backend, arch, timeout, stream, shims):
-    """Run the backend's build script under the shims, `<script> <out>` or,
-    with arch, `<script> <out> <arch>`, and return the Trace of that run."""
+def trace_script(session, backend, arch, timeout, stream):
+    """Run the backend's build script under fresh shims, `<script> <out>`
+    or, with arch, `<script> <out> <arch>`, on a fresh copy of the snapshot,
+    and return the Trace of that run."""
     import shutil
-    top = shims.run_dir
-    copy, out, home, tmp = (os.path.join(top, n) for n in ("repo", "out", "home", "tmp"))
+    top = session.run_dir
+    copy, out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
+        "repo", "out", "home", "tmp", "calls", "xtrace", "status"))
+    shims = None
     try:
-        for path in (shims.log, top, copy, home, tmp):
+        os.mkdir(top)
+        for path in (home, tmp, log):
             os.mkdir(path)
-        copy_repository(repo.root, copy)
+        shutil.copytree(session.snapshot, copy, symlinks=True)
+        shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
@@ -4686,19 +5117,43 @@ def trace_script(repo, backend, arch, timeout, stream, shims):
         script = backend.rel(backend.build_script)
         command = [os.path.join(copy, script), out] + ([arch] if arch is not None else [])
         places = [(out, "<output-dir>"), (shims.toolkit, "<toolkit>"), (copy, "."),
-                  (shims.top, "<tmp>")]
+                  (home, "~"), (tmp, "$TMPDIR"), (session.top, "<tmp>")]
         shown = " ".join(["./" + script, "<output-dir>"] + command[2:])
         stream.write("==> trace %s: %s\n" % (backend.key, shown))
         stream.flush()
-        child = run_streaming(command, copy, timeout, stream, env=env)
-        written, binaries = written_files(out)
-        return Trace(shown, child, read_calls(shims.log),
-                     read_uncaught(shims.xtrace, shims.toolkit), written, binaries, out, places)
+        config = {"namespaces": session.unshare is not None, "hidden": session.hidden,
+                  "read_only": [shims.toolkit], "cwd": copy, "command": command, "env": env,
+                  "status": status}
+        child = run_streaming(launcher_command(session.unshare, config), copy, timeout, stream,
+                              env={}, show=lambda line: show_places(places, line))
+        reason, _ = read_bounded(status, READ_CHUNK)
+        if reason and child.error is None:
+            child.error = reason.decode("utf-8", "replace")
+        written, binaries, out_problem = written_files(out)
+        calls, odd = read_calls(log)
+        lines, xtrace_problem = read_xtrace(xtrace)
+        trace = Trace(shown, child, calls, read_uncaught(lines, shims.toolkit), written,
+                      binaries, out, places)
+        trace.commands = lines
+        trace.tampered = shims.changes()
+        trace.tampered += ["the call log's %s" % o for o in odd]
+        trace.tampered += ["bash's trace (%s)" % xtrace_problem] if xtrace_problem else []
+        trace.tampered += [out_problem] if out_problem else []
+        snapshot = tree_state(session.snapshot)
+        if snapshot != session.snapshot_state:
+            trace.tampered.append("the trace's copy of the repository")
+            shutil.rmtree(session.snapshot)
+            os.mkdir(session.snapshot)
+            copy_repository(session.root, session.snapshot)
+            session.snapshot_state = tree_state(session.snapshot)
+        checkout = tree_state(session.root)
+        trace.changed = state_changes(session.checkout, checkout)
+        session.checkout = checkout
+        return trace
     finally:
-        for path in (top, shims.log):
-            shutil.rmtree(path, ignore_errors=True)
-        if os.path.exists(shims.xtrace):
-            os.unlink(shims.xtrace)
+        if shims is not None:
+            shims.close()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def traced_facts(trace):
@@ -4749,7 +5204,7 @@ def traced_build(trace, calls, platform):
             "written": sorted(trace.written)}
 
 
-def trace_backend(repo, run, backend, args, stream, shims):
+def trace_backend(repo, run, backend, args, stream, session):
     """Trace one backend's build script: its default invocation, and its
     single-target invocation for --arch, build.default_arch or the first of
     build.architectures; compare what they did with the manifest."""
@@ -4767,7 +5222,7 @@ def trace_backend(repo, run, backend, args, stream, shims):
     arch = args.arch or backend.default_arch or (backend.architectures or [None])[0]
     found, runs = [], []
     for target in (None, arch) if arch is not None else (None,):
-        trace = trace_script(repo, backend, target, args.timeout, stream, shims)
+        trace = trace_script(session, backend, target, args.timeout, stream)
         facts, calls = traced_facts(trace)
         built = traced_build(trace, calls, platform)
         runs.append(built)
@@ -4777,6 +5232,14 @@ def trace_backend(repo, run, backend, args, stream, shims):
         def report(level, code, message):
             found.append(Diagnostic(level, code, key, backend.rel(script), None, said + message))
 
+        if trace.changed:
+            report("error", "X002", "the script changed the checkout: %s; a build script must "
+                   "write only into its <output-dir> argument and temporary files"
+                   % show_paths(trace.changed))
+        if trace.tampered:
+            report("error", "X004", "the script changed the trace's own files: %s; what it built "
+                   "cannot be told" % show_paths(trace.tampered))
+            continue
         for word in trace.uncaught:
             report("warning", "X001", "the script runs the compiler %s by its path, which the "
                    "trace cannot intercept; what that call built is not in this report (call it "
@@ -4794,7 +5257,13 @@ def trace_backend(repo, run, backend, args, stream, shims):
                    % args.timeout)
             continue
         if child.returncode != 0:
-            report("error", "R001", "the script failed with exit status %d" % child.returncode)
+            limit = shim_limit(trace, facts)
+            if limit is None:
+                report("error", "R001", "the script failed with exit status %d" % child.returncode)
+            else:
+                report("warning", "X003", "the script failed with exit status %d, and %s: the "
+                       "trace cannot tell whether it builds what the manifest says (build, with "
+                       "the toolchain, can)" % (child.returncode, limit))
             continue
         checked = copy.copy(backend)
         checked.diagnostics = []
@@ -4803,7 +5272,7 @@ def trace_backend(repo, run, backend, args, stream, shims):
         check_build_facts(checked, script, facts, traced=True)
         if target is None:
             check_compiled_sources(repo, checked, facts.calls, lambda path: None if trace.show(
-                path).startswith(("<", "/")) else trace.show(path), traced=True,
+                path).startswith(("<", "/", "~", "$")) else trace.show(path), traced=True,
                 complete=not trace.uncaught and not trace.binaries)
         for d in checked.diagnostics:
             d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
@@ -4821,6 +5290,44 @@ def trace_backend(repo, run, backend, args, stream, shims):
     return result
 
 
+def show_paths(paths, most=5):
+    """Paths for a message: the first few, then how many more."""
+    shown = ", ".join(paths[:most])
+    return shown + (" and %d more" % (len(paths) - most) if len(paths) > most else "")
+
+
+# Tools whose own compiler checks build and run test programs.
+PROBING_TOOLS = ("cmake", "meson", "configure")
+# Tools that read a compiled file, which a shim only stands in for.
+INSPECTING_TOOLS = ("nm", "strip", "objdump", "readelf", "objcopy", "ldd", "file", "patchelf",
+                    "cuobjdump", "nvdisasm")
+VERSION_PROBES = ("--version", "-dumpversion", "-dumpfullversion", "-V")
+SHIM_LIMIT_LINES = 3  # the last command lines of a failed run that may show a shim's limit
+
+
+def shim_limit(trace, facts):
+    """Why a run that failed may have failed for the shims and not for the
+    script (it runs CMake; its last commands run or inspect what a shim
+    wrote, or ask a compiler its version), or None."""
+    made = {posixpath.basename(o) for call in facts.calls for o in call.outputs}
+    parsed = [w for w in (xtrace_words(line) for line in trace.commands) if w]
+    for words in parsed:
+        if posixpath.basename(words[0]) in PROBING_TOOLS:
+            return ("it runs %s, whose compiler checks build and run test programs that the "
+                    "shims only stand in for" % posixpath.basename(words[0]))
+    for words in parsed[-SHIM_LIMIT_LINES:]:
+        first = posixpath.basename(words[0])
+        if first in made and "/" in words[0]:
+            return "it runs %s, which a shim wrote in place of compiling it" % trace.show(words[0])
+        inspected = [w for w in words[1:] if posixpath.basename(w) in made]
+        if first in INSPECTING_TOOLS and inspected:
+            return "it runs %s on %s, which a shim wrote in place of compiling it" % (
+                first, trace.show(inspected[0]))
+        if is_compiler_name(words[0]) and any(w in VERSION_PROBES for w in words[1:]):
+            return "it asks %s its version, which a shim answers" % trace.show(words[0])
+    return None
+
+
 def trace_summary(built):
     """One line: what a traced run built."""
     parts = ["%d compiler call(s)" % sum(1 for c in built["calls"] if not c["probe"])]
@@ -4835,13 +5342,16 @@ def trace_summary(built):
     return "; ".join(parts)
 
 
-def report_tier(results, fmt, out, root):
+def report_tier(results, fmt, out, root, isolation=None):
     """The results of build, test, parity or trace: as JSON, or a line per
     backend (and per traced call) with its findings as text lines or GitHub
-    annotations, then the counts."""
+    annotations, then for trace the isolation used, then the counts."""
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("passed", "failed", "skipped")}
     if fmt == "json":
-        json.dump(dict({"results": [r.as_dict() for r in results]}, **counts), out, indent=2)
+        found = dict({"results": [r.as_dict() for r in results]}, **counts)
+        if isolation is not None:
+            found["isolation"] = isolation
+        json.dump(found, out, indent=2)
         out.write("\n")
         return
     locator = Locator(root)
@@ -4862,21 +5372,25 @@ def report_tier(results, fmt, out, root):
             out.write("    -> %s\n" % escape_control(trace_summary(built)))
         for d in result.diagnostics:
             out.write(finding(d))
+    if isolation is not None:
+        out.write("isolation: %s\n" % isolation)
     out.write("%(passed)d backend(s) passed, %(failed)d failed, %(skipped)d skipped" % counts)
     out.write(suppressed_note([d for r in results for d in r.suppressed]) + "\n")
 
 
-def run_tier(args, run_one, choose=None):
-    repo = repository(args)
+def run_tier(args, run_one, choose=None, repo=None, isolation=None):
+    repo = repo or repository(args)
     run = run_check(repo, args.names)
     backends = run.backends if choose is None else choose(run.backends, args.names)
     stream = tier_stream(args)
+    if isolation is not None:
+        stream.write("==> isolation: %s\n" % isolation)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
     for result in results:
         suppress(result.diagnostics, backends, args.ignore)
         result.suppressed = [d for d in result.diagnostics if d.suppressed is not None]
         result.diagnostics = [d for d in result.diagnostics if d.suppressed is None]
-    report_tier(results, args.format, sys.stdout, repo.root)
+    report_tier(results, args.format, sys.stdout, repo.root, isolation)
     return 1 if any(r.outcome == "failed" for r in results) else 0
 
 
@@ -4997,25 +5511,28 @@ TARGET_FLAGS = {"cuda": "-gencode, -arch or -code", "hip": "--offload-arch or -m
 
 
 def inferred_build(script, facts, platform):
-    """(build.output, build.architectures) as the facts of `script` show them;
-    a UsageError that names what cannot be told and what to write."""
+    """(build.output, build.architectures, where the library is written when
+    that is not in <output-dir>, else None) as the facts of `script` show
+    them; CannotTell names what cannot be told and what to write."""
     unfollowed = "".join("; the checker does not follow line %d (%s)" % item
                          for item in facts.unfollowed)
     outputs = [(output, call) for call in facts.calls for output in call.outputs]
     if not outputs:
-        raise UsageError("init: cannot tell from %s which library it writes: no compiler command "
+        raise CannotTell("init: cannot tell from %s which library it writes: no compiler command "
                          "with -o%s; write the library with -o \"$1/<library>\", or write the "
                          "manifest yourself" % (script, unfollowed))
     output, call = outputs[-1]
     prefix = facts.out_dir + "/"
     if call.condition or UNDECIDED in output:
-        raise UsageError("init: cannot tell from %s which library it writes: -o %s at line %d "
+        raise CannotTell("init: cannot tell from %s which library it writes: -o %s at line %d "
                          "depends on %s; give build.output yourself"
                          % (script, show_word(output), call.line,
                             call.condition or "a value the checker cannot decide"))
-    if not output.startswith(prefix) or any(m in output[len(prefix):] for m in MARKERS):
-        raise UsageError("init: %s writes its library to %s, not to a file named in its "
-                         "<output-dir> argument; write it with -o \"$1/<library>\""
+    inside = output.startswith(prefix)
+    library = output[len(prefix):] if inside else posixpath.basename(output)
+    if any(m in library for m in MARKERS) or not library:
+        raise CannotTell("init: cannot tell from %s which library it writes: it writes %s; write it "
+                         "with -o \"$1/<library>\", or give build.output yourself"
                          % (script, show_path(output)))
     archs, unknown = [], []
     for call in facts.calls:
@@ -5024,13 +5541,29 @@ def inferred_build(script, facts, platform):
         archs.extend(a for a in call.targets(platform) if a not in archs)
         unknown.extend(call.open_targets + call.unknown)
     if unknown or not archs:
-        raise UsageError("init: cannot tell which architectures %s builds (%s); give each target "
+        raise CannotTell("init: cannot tell which architectures %s builds (%s); give each target "
                          "in a flag of its own (%s) and run init again, or write the manifest "
                          "yourself" % (script, "; ".join(unknown) or "no target flag",
                                        TARGET_FLAGS.get(platform, "a target flag")))
     if platform == "cuda":
         archs.sort(key=lambda a: (arch_number(a) or 0, a))
-    return posixpath.normpath(output[len(prefix):]), archs
+    return posixpath.normpath(library), archs, None if inside else output
+
+
+# A command word written as an absolute path: at the start of a line or
+# after ; & | then do else, past VAR=value words.
+COMMAND_PATH_RE = re.compile(r"(?:^|[;&|]|\bthen\b|\bdo\b|\belse\b)[ \t]*(?:[A-Za-z_][A-Za-z0-9_]*="
+                             r"[^ \t]*[ \t]+)*(/[^\s'\"`;&|()<>$]+)")
+
+
+def compilers_by_path(text):
+    """(line, word) of each compiler the script's text runs by an absolute
+    path, which no shim stands in for."""
+    found = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.lstrip().startswith("#"):
+            found += [(number, w) for w in COMMAND_PATH_RE.findall(line) if is_compiler_name(w)]
+    return found
 
 
 def cmd_init(args):
@@ -5060,22 +5593,40 @@ def cmd_init(args):
                      and not p.rsplit("/", 1)[-1].startswith("test_")
                      and "tests" not in p.split("/")[:-1])
     if not sources:
-        raise UsageError("init %s: no kernel sources (%s) found" % (args.dir, " ".join(KERNEL_SUFFIXES)))
+        raise CannotTell("init %s: no kernel sources (%s) found" % (args.dir, " ".join(KERNEL_SUFFIXES)))
     scripts = sorted(p for p in files if "/" not in p and p.endswith(".sh"))
     if not scripts:
-        raise UsageError("init %s: no build script (*.sh) found; write one taking "
+        raise CannotTell("init %s: no build script (*.sh) found; write one taking "
                          "<output-dir> [<arch>] first" % args.dir)
+    if "build.sh" not in scripts and len(scripts) > 1:
+        raise CannotTell("init %s: cannot tell which script builds the backend: %s; name it "
+                         "build.sh, or write the manifest yourself" % (args.dir, ", ".join(scripts)))
     script = "build.sh" if "build.sh" in scripts else scripts[0]
     text, problem, _ = read_text(os.path.join(target, script))
     if text is None:
-        raise UsageError("init: cannot read %s: %s" % (script, problem))
+        raise CannotTell("init: cannot read %s: %s" % (script, problem))
     facts = ScriptReader(text, target).facts()
     rel_dir = posixpath.join(repo.backends_dir, platform, name)
     backend = Backend(name, platform, target, rel_dir)
     backend.build_script = script
-    if not args.no_trace and shutil.which("bash") is not None:
+    said = sys.stderr if args.format == "json" else sys.stdout
+    traced = not args.no_trace and shutil.which("bash") is not None
+    if traced:
+        check_shebang(backend, script, text, script)
+        for d in backend.diagnostics:
+            raise CannotTell("init: %s (%s); or give --no-trace to read it without running it"
+                             % (d.message, d.code))
+        for number, word in compilers_by_path(text):
+            raise CannotTell("init: %s line %d runs the compiler %s by its path, which the "
+                             "trace cannot intercept (X001); call it by name or through "
+                             "$NVCC/$CC/$CXX/$HIPCC, or give --no-trace to read the script "
+                             "without running it" % (script, number, word))
+        if script != "build.sh":
+            said.write("init: %s is the only *.sh here, so build.script; running ./%s "
+                       "<output-dir> with the compiler shims in place\n"
+                       % (script, backend.rel(script)))
         facts = init_trace(repo, backend, facts.default_target)
-    output, archs = inferred_build(script, facts, platform)
+    output, archs, elsewhere = inferred_build(script, facts, platform)
     abi = 1
     for source in sources:
         text, _, _ = read_text(os.path.join(target, source))
@@ -5104,7 +5655,7 @@ def cmd_init(args):
     check_keys(repo, backend)
     rejected = [d.message for d in backend.diagnostics if d.level == "error"]
     if rejected:
-        raise UsageError("init: the manifest inferred from %s would not pass the check: %s; "
+        raise CannotTell("init: the manifest inferred from %s would not pass the check: %s; "
                          "nothing was written" % (args.dir, "; ".join(rejected)))
     temporary = manifest_path + ".tmp"
     created = False
@@ -5124,13 +5675,17 @@ def cmd_init(args):
         sys.stderr.write("check_contract.py: error: init: cannot write %s: %s; nothing was "
                          "written\n" % (os.path.relpath(manifest_path), reason))
         return 1
-    (sys.stderr if args.format == "json" else sys.stdout).write("wrote %s%s\n" % (
+    said.write("wrote %s%s\n" % (
         os.path.relpath(manifest_path),
         " (keeping the ignore entries of the one it replaced: %s)" % ", ".join(sorted(kept))
         if kept else ""))
     run = run_check(repo, [platform + "/" + name])
     REPORTERS[args.format](run, sys.stdout)
-    return 1 if run.count("error") else 0
+    if elsewhere is not None:
+        said.write("init: %s writes its library to %s, not into its <output-dir> argument, where "
+                   "the build tier and CI look for it: write it with -o \"$1/%s\"\n"
+                   % (script, show_word(elsewhere) if traced else show_path(elsewhere), output))
+    return 1 if run.count("error") or elsewhere is not None else 0
 
 
 def replaced_ignore(path):
@@ -5148,32 +5703,46 @@ def replaced_ignore(path):
 
 def init_trace(repo, backend, default_target):
     """The ScriptFacts of the backend's build script run under the compiler
-    shims, for init; a UsageError when the run does not show them."""
+    shims, for init, paths shown as the repository's or <output-dir>;
+    CannotTell when the run does not show them."""
     import io
     script = backend.build_script
     output = io.StringIO()
-    shims = Shims()
+    session = TraceSession(repo)
     try:
-        trace = trace_script(repo, backend, None, TRACE_TIMEOUT, output, shims)
+        trace = trace_script(session, backend, None, TRACE_TIMEOUT, output)
     finally:
-        shims.close()
+        session.close()
     child = trace.child
+    # A real compiler run by its path fails or succeeds on its own: that is
+    # what to say, whatever happened next.
+    if trace.uncaught:
+        raise CannotTell("init: %s runs the compiler %s by its path, which the trace cannot "
+                         "intercept (X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or "
+                         "give --no-trace to read the script without running it"
+                         % (script, ", ".join(trace.uncaught)))
+    if trace.tampered or trace.changed:
+        raise CannotTell("init: %s changed %s while it ran; init cannot tell what it builds"
+                         % (script, show_paths(trace.tampered + trace.changed)))
+    facts, _ = traced_facts(trace)
     failure = (child.error if child.error is not None else
                "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
                "it failed with exit status %d" % child.returncode if child.returncode else None)
     if failure is not None:
+        limit = shim_limit(trace, facts) if child.returncode else None
+        if limit is not None:
+            raise CannotTell("init: cannot tell what %s builds: %s, and %s; write the manifest "
+                             "yourself and check it with build, or give --no-trace to read the "
+                             "script without running it" % (script, failure, limit))
         # The script's last line of output, without the elapsed time before it.
         said = [line.split("] ", 1)[-1] for line in output.getvalue().splitlines()[1:]]
         said = [line for line in said if line.strip()]
-        raise UsageError("init: %s cannot be run with the compiler shims in place (%s%s); make it "
+        raise CannotTell("init: %s cannot be run with the compiler shims in place (%s%s); make it "
                          "run as ./%s <output-dir>, or give --no-trace to read it without running "
                          "it" % (script, failure, ": " + said[-1] if said else "", script))
-    if trace.uncaught:
-        raise UsageError("init: %s runs the compiler %s by its path, which the trace cannot "
-                         "intercept; call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give "
-                         "--no-trace to read the script without running it"
-                         % (script, ", ".join(trace.uncaught)))
-    facts, _ = traced_facts(trace)
+    for call in facts.calls:
+        call.outputs = [trace.show(o) for o in call.outputs]
+    facts.out_dir = "<output-dir>"
     facts.default_target = default_target
     return facts
 
@@ -5191,11 +5760,13 @@ def cmd_test(args):
 def cmd_trace(args):
     if args.arch is not None and not args.arch.strip():
         raise UsageError("--arch must name an architecture, e.g. --arch 90")
-    shims = Shims()
+    repo = repository(args)
+    session = TraceSession(repo)
     try:
-        return run_tier(args, lambda *a: trace_backend(*a, shims=shims))
+        return run_tier(args, lambda *a: trace_backend(*a, session=session), repo=repo,
+                        isolation=session.describe())
     finally:
-        shims.close()
+        session.close()
 
 
 def cmd_parity(args):
@@ -5343,7 +5914,9 @@ def add_init_parser(sub, common, formatter):
                           "(sources, ABI version, build script), status experimental, then check it. "
                           "What the build script builds is learnt by running it as trace does, with "
                           "compiler shims in place (--no-trace: by reading it). Nothing is written "
-                          "when a value cannot be told; the message says which and what to write.",
+                          "when a value cannot be told (exit 1); the message says which and what to "
+                          "write. A library written outside <output-dir> is written down by its "
+                          "name, and the fix to the script is said (exit 1).",
                           epilog="examples:\n"
                           "  python3 check_contract.py init backends/cuda/flash_attn\n"
                           "  python3 check_contract.py init --force backends/cpu/llm_ops\n")
@@ -5416,9 +5989,12 @@ def add_trace_parser(sub, common, formatter):
         "compiler replaced by a shim that records its arguments and creates the file -o names; "
         "report the compiler calls, where the library lands, its targets and -D flags, and "
         "check the manifest against them with the codes of the contract check. No toolchain "
-        "is needed; the repository is not changed. The script itself runs (with bash, in an "
-        "environment holding only PATH, the locale, HOME and TMPDIR in the temporary "
-        "directory, and the compiler variables): a script that downloads, downloads.",
+        "is needed. The script itself runs (with bash, in an environment holding only PATH, "
+        "the locale, HOME and TMPDIR in the temporary directory, and the compiler variables), "
+        "where the machine allows it in namespaces that hide the checkout, your home and the "
+        "checker, with no network; else (or with CHECK_CONTRACT_NO_NAMESPACES=1) from a "
+        "launcher that kills all it started, the checkout compared with what it was before "
+        "(a change is X002). The isolation used is the report's last line but one.",
         epilog="examples:\n"
         "  python3 check_contract.py trace\n"
         "  python3 check_contract.py trace cuda/llm_ops --arch 89\n"
@@ -5531,6 +6107,9 @@ def main(argv=None):
     except UsageError as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
         return 2
+    except CannotTell as exc:
+        sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
+        return 1
     except ReportError as exc:
         discard_output(stdout)
         try:

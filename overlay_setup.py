@@ -99,7 +99,7 @@ how to fix it):
         directory is too large to scan whole, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
-        directory
+        directory, E122 a file of a cache to snapshot has hard links outside it
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -669,15 +669,6 @@ def written(exc: OSError) -> str:
     return _FAULTS["target"] or "a file"
 
 
-def cause(exc: OSError) -> str:
-    """Why an I/O error happened, in words that say what to change."""
-    if exc.errno == errno.EXDEV:
-        return ("%s: %s and %s lie on different mounts (of one filesystem, as a bind mount "
-                "makes), so one cannot be renamed to the other; pass a --state on the same "
-                "mount" % (exc.strerror, exc.filename, exc.filename2))
-    return exc.strerror
-
-
 # ---------------------------------------------------------------- paths
 
 
@@ -700,6 +691,29 @@ def require_abs_normal(path: str, option: str) -> str:
 
 def is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def mount_of(path: str) -> Tuple[int, int]:
+    """(device, mount id) of the nearest existing directory at or above
+    `path`.  A rename or a hard link works only within one mount: two bind
+    mounts of one filesystem share the device, yet the kernel refuses a
+    rename between them (EXDEV).  Linux names an open file's mount in
+    /proc/self/fdinfo; where that cannot be read the device alone stands in."""
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)  # no read right needed
+    try:
+        device = os.fstat(fd).st_dev
+        try:
+            with open("/proc/self/fdinfo/%d" % fd, encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("mnt_id:"):
+                        return device, int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return device, -1
+    finally:
+        os.close(fd)
 
 
 def host_name() -> str:
@@ -1832,7 +1846,11 @@ def module_names(python: str, files: List[dict], state: State, patch_name: str) 
 def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
     """{path: [kind, size, mtime_ns]} under `root`, bounded to SCAN_LIMIT entries."""
     found: Dict[str, list] = {}
-    pending = [root]
+    # An excluded directory is not entered, so what lies under it is never
+    # reached: a look-up per entry is enough (a walk comparing each entry
+    # with every excluded path took hours for 50,000 backed-up products).
+    skipped = set(excluded)
+    pending = [] if any(is_within(root, path) for path in excluded) else [root]
     while pending:
         directory = pending.pop()
         try:
@@ -1841,7 +1859,7 @@ def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
             continue
         with iterator:
             for item in iterator:
-                if any(is_within(item.path, path) for path in excluded):
+                if item.path in skipped:
                     continue
                 if len(found) >= SCAN_LIMIT:
                     return found, True
@@ -2345,10 +2363,12 @@ def predict_products(build: dict, sources: List[str], excluded: List[str],
     if predicted is None:
         predicted = product_files(build_trees(build)[0], excluded)
     paths = []
+    seen = set()
     for path in [name for target in predicted for name in side_products(target)]:
-        if path not in paths and not any(is_within(path, other) for other in excluded) and \
+        if path not in seen and not any(is_within(path, other) for other in excluded) and \
                 os.path.isfile(path) and not os.path.islink(path):
             paths.append(path)
+            seen.add(path)
     return paths, how
 
 
@@ -2360,6 +2380,7 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
     automatic part is refused over PROTECT_BUDGET before anything changes."""
     excluded = sources + artifacts + caches + [state.root, os.path.realpath(state.root)]
     chosen: List[Tuple[str, str]] = []
+    taken = set()  # the paths in chosen and predicted: a look-up, not a pass over them
     for path in protect:
         files = [path]
         if os.path.isdir(path):
@@ -2367,8 +2388,9 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                            for name in names if os.path.isfile(os.path.join(directory, name))
                            and not os.path.islink(os.path.join(directory, name)))
         for name in files:
-            if name not in excluded and all(name != other for other, _ in chosen):
+            if name not in excluded and name not in taken:
                 chosen.append((name, "--protect"))
+                taken.add(name)
     if no_protect:
         return chosen
     # A JIT at import (torch's extension loader runs ninja in the artifact's
@@ -2379,8 +2401,8 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
     predicted: List[Tuple[str, str]] = []
     for one in builds:
         found, how = predict_products(one, sources, excluded, ask_make)
-        predicted += [(path, how) for path in found if all(
-            path != other for other, _ in chosen + predicted)]
+        predicted += [(path, how) for path in found if path not in taken]
+        taken.update(found)
     size = sum(os.lstat(path).st_size for path, _ in predicted)
     if size > PROTECT_BUDGET:
         raise OverlayError("E110", "backing up the %d existing build product(s) the build may "
@@ -2642,6 +2664,28 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                                               other.root, other.root))
 
 
+@contextlib.contextmanager
+def claims_locked():
+    """Held from the claim check until the entry that claims the paths is
+    journaled: two state directories checking at the same moment would each
+    read the other's journal before it names them, and both apply.  The lock
+    is on the folder that holds the registry the check reads, which every
+    state directory of this user shares."""
+    home = os.path.dirname(registry_dir())
+    makedirs_durable(home, 0o700)
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held while another apply backs up and journals (seconds)
+            print("waiting for another overlay to journal what it claims (lock on %s)" % home,
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def check_state_outside_build(state: State, build: Optional[dict]) -> None:
     """Refused before the state directory is even created: one inside the
     build directory dies with the build's clean step (`git clean -xdf`)."""
@@ -2656,9 +2700,26 @@ def check_state_outside_build(state: State, build: Optional[dict]) -> None:
                                % (state.root, tree, default_state_dir(os.getcwd())))
 
 
+def linked_from_outside(cache: str) -> Optional[Tuple[str, int, int]]:
+    """(path, links, links outside) of the first file of `cache` that has hard
+    links outside it, else None.  A snapshot gives a file back under a new
+    inode, which names outside the cache no longer share; links within the
+    cache come back (the snapshot holds them)."""
+    found: Dict[Tuple[int, int], list] = {}
+    for directory, _dirs, files in os.walk(cache):
+        for name in files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                found.setdefault((st.st_dev, st.st_ino), [path, st.st_nlink, 0])[2] += 1
+    for path, links, inside in sorted(found.values()):
+        if inside < links:
+            return path, links, links - inside
+    return None
+
+
 def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
-    check_claims(state, sources, artifacts, caches)
     overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
@@ -2699,18 +2760,27 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
             raise OverlayError("E104", "%s lies under %s, which is a symlink; pass the real path "
                                "%s" % (path, link, os.path.realpath(path)))
     for cache in caches:
-        if os.path.ismount(cache):
+        if mount_of(cache) != mount_of(os.path.dirname(cache)):  # also a bind mount of one fs
             raise OverlayError("E106", "--invalidate-cache %s is a mount point, which cannot be "
                                "set aside; pass a directory inside it, or unmount it"
                                % cache)
-    state_dev = os.stat(state.root).st_dev if os.path.isdir(state.root) else None
+    state_mount = mount_of(state.root)
     for source in sources:
         st = os.lstat(source) if os.path.lexists(source) else None
-        if st and st.st_nlink > 1 and st.st_dev != state_dev:
+        if st and st.st_nlink > 1 and mount_of(os.path.dirname(source)) != state_mount:
             raise OverlayError("E106", "source %s has %d hard links, and the state directory %s "
-                               "is on another filesystem, so revert could not give the links "
-                               "their file back; pass a --state on the same filesystem"
+                               "is on another filesystem or mount, so revert could not give the "
+                               "links their file back; pass a --state on the same mount"
                                % (source, st.st_nlink, state.root))
+    for cache in caches:
+        linked = linked_from_outside(cache) if os.path.isdir(cache) and \
+            mount_of(cache) != state_mount else None  # a cache to snapshot: not renamed
+        if linked:
+            raise OverlayError("E122", "--invalidate-cache %s holds %s, which has %d hard links, "
+                               "%d of them outside the cache: restored from a snapshot it "
+                               "would come back as a separate file; nothing was changed: pass "
+                               "a --state on the cache's mount (the cache is then renamed aside "
+                               "whole), or give the file a copy of its own" % ((cache,) + linked))
     if build_cwd is not None and not os.path.isdir(build_cwd):
         raise UsageError("E107", "--build-cwd %s is not a directory; pass the directory the "
                            "build command runs in" % build_cwd)
@@ -2764,10 +2834,10 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         elif record["present"]:
             record["backup"] = "%s/a%d" % (directory, number)
         entry["artifacts"].append(record)
-    backup_dev = os.stat(state.root).st_dev
+    backup_mount = mount_of(state.root)
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
-        same_fs = present and os.stat(cache).st_dev == backup_dev
+        same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
         # What the cache holds is read for a tar snapshot only: a revert killed after
         # the snapshot's extraction finds the cache back by it, whereas a renamed
         # cache that is back has left no backup (rebuilt_since_apply).
@@ -3887,8 +3957,10 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
     modules_before = set(manifest["python"]["modules"])
     try:
         if changes:
-            entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                       protected, command, modes or {})
+            with claims_locked():
+                check_claims(state, changes_paths(changes), artifacts, caches)
+                entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
+                                           protected, command, modes or {})
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
                 shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
@@ -3921,10 +3993,10 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `%s revert` once the cause is fixed"
-                           % (written(exc), cause(exc), getattr(second, "strerror", second),
+                           % (written(exc), exc.strerror, getattr(second, "strerror", second),
                               tool_at(state)))
     raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), cause(exc)))
+                       "run the command again" % (written(exc), exc.strerror))
 
 
 def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
@@ -3933,6 +4005,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     """Check and print the plan of add-native or apply; change nothing."""
     manifest = state.load() if state.exists() else empty_manifest()
     sources = changes_paths(changes)
+    check_claims(state, sources, artifacts, caches)
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
                                 args.no_protect, ask_make=False) if changes else []

@@ -3432,6 +3432,62 @@ class TarSnapshotTest(OverlayTestCase):
         self.refused("sub/file", "a path through a symlink")
 
 
+@unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+class SnapshotHardLinkTest(OverlayTestCase):
+    """Hard links of a cache that is snapshotted with tar (on /dev/shm, another
+    filesystem than the state directory): within the cache they come back as
+    links; one with a name outside the cache is refused up front."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.shm = tempfile.mkdtemp(prefix="overlay-links-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, self.shm, True)
+        self.cache = os.path.join(self.shm, "cache")
+        write_tree(self.cache, {"a.o": "A\n", "sub/keep": "K\n", "one": "1\n"})
+
+    def add(self) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.proj, "k.c"), "--patched",
+                         os.path.join(self.proj, "fast.c"), "--invalidate-cache", self.cache,
+                         "--no-build", "--owner-pid", str(os.getpid()))
+
+    def links(self) -> dict:
+        """name -> (the first name of its inode, link count), for every file of the cache."""
+        first, found = {}, {}
+        for relative in sorted(tree_state(self.cache)):
+            st = os.lstat(os.path.join(self.cache, relative))
+            if stat.S_ISREG(st.st_mode):
+                found[relative] = (first.setdefault(st.st_ino, relative), st.st_nlink)
+        return found
+
+    def test_hard_links_within_the_cache_come_back_as_links(self) -> None:
+        os.link(os.path.join(self.cache, "a.o"), os.path.join(self.cache, "sub", "a-copy.o"))
+        os.link(os.path.join(self.cache, "a.o"), os.path.join(self.cache, "z.o"))
+        before, links = tree_state(self.cache), self.links()
+        self.assertEqual(links, {"a.o": ("a.o", 3), "one": ("one", 1), "sub/a-copy.o": (
+            "a.o", 3), "sub/keep": ("sub/keep", 1), "z.o": ("a.o", 3)})
+        self.assertOk(self.add())
+        self.assertFalse(os.path.exists(self.cache))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual((tree_state(self.cache), self.links()), (before, links))
+
+    def test_a_file_linked_from_outside_the_cache_is_refused_before_anything_changes(self) -> None:
+        inside = os.path.join(self.cache, "a.o")
+        outside = os.path.join(self.shm, "build-a.o")  # as ccache's hard_link mode makes them
+        os.link(inside, outside)
+        before = (tree_state(self.proj), tree_state(self.shm), os.stat(inside).st_ino)
+        self.assertEqual(self.add(), (
+            1, "", "overlay_setup: E122 --invalidate-cache %s holds %s, which has 2 hard links, "
+            "1 of them outside the cache: restored from a snapshot it would come back as a "
+            "separate file; nothing was changed: pass a --state on the cache's mount (the cache "
+            "is then renamed aside whole), or give the file a copy of its own\n"
+            % (self.cache, inside)))
+        self.assertEqual((tree_state(self.proj), tree_state(self.shm), os.stat(inside).st_ino),
+                         before)
+        self.assertEqual(os.stat(outside).st_nlink, 2)
+
+
 class StateDirectorySafetyTest(OverlayTestCase):
     """The state directory: nothing written into another program's directory,
     private to its owner, safe on concurrent first use, no backup left over."""
@@ -3727,8 +3783,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         os.rmdir(self.state)
         self.assertEqual(self.add("--no-build"), (
             1, "", "overlay_setup: E106 source %s has 2 hard links, and the state directory %s is "
-            "on another filesystem, so revert could not give the links their file back; pass a "
-            "--state on the same filesystem\n" % (self.source, self.state)))
+            "on another filesystem or mount, so revert could not give the links their file back; "
+            "pass a --state on the same mount\n" % (self.source, self.state)))
 
     def test_extended_attributes_acls_and_capabilities_come_back(self) -> None:
         tool = os.path.join(self.proj, "tool")
@@ -4043,22 +4099,60 @@ class MountTest(OverlayTestCase):
             "device); nothing stays applied: fix the cause and run the command again\n" % state))
         self.assertEqual(tree_state(self.proj), before)
 
-    def test_a_bind_mount_between_cache_and_state_is_named_as_the_cause(self) -> None:
+    def bound_copy(self) -> tuple:
+        """(real, bound): a folder and a bind mount of it, one filesystem
+        and device, two mounts."""
         real, bound = os.path.join(self.tmp, "real"), os.path.join(self.tmp, "bound")
-        write_tree(real, {"cache/a": "A\n"})
+        os.mkdir(real)
         os.mkdir(bound)
         self.mount("--bind", real, bound)
+        self.assertEqual(os.stat(real).st_dev, os.stat(bound).st_dev)
+        return real, bound
+
+    def test_a_cache_on_a_bind_mount_of_the_state_filesystem_round_trips(self) -> None:
+        real, bound = self.bound_copy()
+        write_tree(real, {"cache/a": "A\n", "cache/sub/b": "B\n"})
         before = (tree_state(self.proj), tree_state(real))
         cache = os.path.join(bound, "cache")
+        # A rename between the two mounts fails (EXDEV): it was E601 after a
+        # rollback; the cache is snapshotted as one on another filesystem is.
         rc, out, err = self.tool("add-native", "--source", self.source, "--patched",
                                  os.path.join(self.proj, "fast.c"), "--invalidate-cache", cache,
                                  "--no-build", "--owner-pid", str(os.getpid()))
-        self.assertEqual((rc, err), (1, "overlay_setup: E601 could not write %s (Invalid "
-                         "cross-device link: %s and %s/backups/1/c0 lie on different mounts (of "
-                         "one filesystem, as a bind mount makes), so one cannot be renamed to the "
-                         "other; pass a --state on the same mount); nothing stays applied: fix "
-                         "the cause and run the command again\n" % (cache, cache, self.state)))
+        self.assertEqual((rc, err), (0, ""))
+        self.assertFalse(os.path.exists(cache))
+        self.assertEqual(read_json(os.path.join(self.state, "manifest.json"))["entries"][0][
+            "caches"][0]["method"], "tar")
+        self.assertOk(self.tool("revert"))
         self.assertEqual((tree_state(self.proj), tree_state(real)), before)
+
+    def test_a_hard_linked_source_with_the_state_on_a_bind_mount_is_refused(self) -> None:
+        real, bound = self.bound_copy()
+        write_tree(real, {"k.c": "int k;\n"})
+        source = os.path.join(bound, "k.c")
+        os.link(source, os.path.join(bound, "k_other_name.c"))
+        before = tree_state(real)
+        self.assertEqual(self.tool("add-native", "--source", source, "--patched",
+                                   os.path.join(self.proj, "fast.c"), "--no-build",
+                                   "--owner-pid", str(os.getpid())), (
+            1, "", "overlay_setup: E106 source %s has 2 hard links, and the state directory %s "
+            "is on another filesystem or mount, so revert could not give the links their file "
+            "back; pass a --state on the same mount\n" % (source, self.state)))
+        self.assertEqual(tree_state(real), before)
+
+    def test_a_cache_that_is_a_bind_mount_of_the_same_filesystem_is_refused(self) -> None:
+        cache = os.path.join(self.proj, "cache")
+        write_tree(self.tmp, {"elsewhere/a": "A\n"})
+        os.mkdir(cache)
+        self.mount("--bind", os.path.join(self.tmp, "elsewhere"), cache)
+        before = tree_state(self.proj)
+        self.assertEqual(self.tool("add-native", "--source", self.source, "--patched",
+                                   os.path.join(self.proj, "fast.c"), "--invalidate-cache", cache,
+                                   "--no-build", "--owner-pid", str(os.getpid())), (
+            1, "", "overlay_setup: E106 --invalidate-cache %s is a mount point, which cannot be "
+            "set aside; pass a directory inside it, or unmount it\n" % cache))
+        self.assertEqual(tree_state(self.proj), before)
+
 
 class TwoOverlaysTest(OverlayTestCase):
     def test_the_advice_for_a_source_patched_again_leads_back_to_the_original(self) -> None:
@@ -4084,6 +4178,105 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(read_text(source), "int k = 1;\n")
         self.assertOk(call("--state", older, "revert"))
         self.assertEqual(tree_state(proj), original)
+
+
+class ClaimRaceTest(OverlayTestCase):
+    """Two state directories claiming one source at the same moment: real
+    processes, both loaded and waiting on one pipe, released together."""
+
+    def test_two_state_directories_applying_one_source_at_once_one_is_refused(self) -> None:
+        proj = os.path.join(self.tmp, "proj")
+        write_tree(proj, {"k.c": "int k;\n", "one.c": "int k = 1;\n", "two.c": "int k = 2;\n"})
+        source, artifact = os.path.join(proj, "k.c"), os.path.join(proj, "libk.so")
+        with open(artifact, "wb") as handle:  # its backup copy keeps each run a while
+            handle.write(os.urandom(32 << 20))
+        before = tree_state(proj)
+        release_read, release_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        waiting = ("import os, sys; sys.path.insert(0, %r); import overlay_setup; "
+                   "os.write(%d, b'.'); os.read(%d, 1); sys.exit(overlay_setup.main(sys.argv[1:]))"
+                   % (HERE, ready_write, release_read))
+        env = dict(os.environ)
+        env.pop("OVERLAY_STATE", None)
+        runs = {}
+        for name in ("one", "two"):
+            state = os.path.join(self.tmp, "state-" + name)
+            runs[state] = subprocess.Popen(
+                [sys.executable, "-c", waiting, "--state", state, "add-native", "--source",
+                 source, "--patched", os.path.join(proj, name + ".c"), "--artifact", artifact,
+                 "--build-cmd", "printf x >> libk.so", "--build-cwd", proj,
+                 "--owner-pid", str(os.getpid())], env=env, pass_fds=(ready_write, release_read),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        os.close(ready_write)
+        os.close(release_read)
+        for _ in runs:  # both loaded and waiting (a read that ends at EOF if one died)
+            self.assertEqual(os.read(ready_read, 1), b".")
+        os.close(ready_read)
+        os.close(release_write)  # both reads end at this moment
+        results = {state: process.communicate(timeout=120) + (process.returncode,)
+                   for state, process in runs.items()}
+        won = [state for state, (_, _, rc) in results.items() if rc == 0]
+        self.assertEqual(len(won), 1, results)
+        winner = won[0]
+        loser = [state for state in runs if state != winner][0]
+        refused = ("overlay_setup: E120 --source %s is already held by the overlay at %s "
+                   "(entry 1, %s); nothing was changed: revert that one first (`overlay_setup.py "
+                   "--state %s revert`), or add this change to it with --state %s\n"
+                   % (source, winner, source, winner, winner))
+        waited = ("waiting for another overlay to journal what it claims (lock on %s)\n"
+                  % os.path.dirname(overlay_setup.registry_dir()))
+        self.assertIn(results[loser][1:], ((refused, 1), (waited + refused, 1)))
+        self.assertEqual(read_text(source), read_text(os.path.join(proj, (
+            "one.c" if winner.endswith("one") else "two.c"))))
+        with open(artifact, "rb") as handle:
+            handle.seek(32 << 20)
+            self.assertEqual(handle.read(), b"x", "one build ran, the winner's")
+        self.assertEqual(read_json(os.path.join(loser, "manifest.json"))["entries"], [])
+        self.assertOk(call("--state", winner, "revert"))
+        self.assertEqual(tree_state(proj), before)
+
+
+class ScanGrowthTest(OverlayTestCase):
+    """The work of an apply and its revert grows linearly with the build
+    products it backs up: counted in calls the tool's own code makes, not
+    timed.  On tmpfs (where fsync costs nothing) so that it stays fast."""
+
+    def round_trip_calls(self, products: int) -> int:
+        root = tempfile.mkdtemp(prefix="overlay-scan-", dir="/dev/shm" if os.path.isdir(
+            "/dev/shm") else self.tmp)
+        self.addCleanup(shutil.rmtree, root, True)
+        proj = os.path.join(root, "proj")
+        write_tree(proj, {"k.c": "int k;\n", "../fast.c": "int k = 1;\n"})
+        write_tree(proj, {"obj/d%02d/f%04d.o" % (number // 50, number): "o"
+                          for number in range(products)})
+        state = os.path.join(root, "state")
+        counted = [0]
+
+        def count(frame, event, arg) -> None:
+            if event in ("call", "c_call") and frame.f_code.co_filename == overlay_setup.__file__:
+                counted[0] += 1
+
+        sys.setprofile(count)
+        try:
+            applied = call("--state", state, "add-native", "--source",
+                           os.path.join(proj, "k.c"), "--patched",
+                           os.path.join(root, "fast.c"), "--build-cmd", "true",
+                           "--build-cwd", proj, "--owner-pid", str(os.getpid()))
+            reverted = call("--state", state, "revert")
+        finally:
+            sys.setprofile(None)
+        self.assertOk(applied)
+        self.assertIn("backed up %d build product(s)" % products, applied[1])
+        self.assertOk(reverted)
+        return counted[0]
+
+    def test_work_grows_linearly_with_the_backed_up_products(self) -> None:
+        few, some, many = (self.round_trip_calls(n) for n in (10, 40, 310))
+        first, then = (some - few) / 30, (many - some) / 270
+        # Linear: each product costs the same, whatever the count.  The scan
+        # that compared every entry with every product made the products
+        # after the 40th cost several times as much as the 30 before them.
+        self.assertLess(then, 1.25 * first, (few, some, many))
 
 
 def full_tree(root: str) -> dict:

@@ -18,9 +18,15 @@ and out again are timed side by side, interleaved, in the same run:
 Each figure is the median of --repeat round trips.  Goals: tool <= 1.5x floor
 at every size, and tool(4x cache) <= 1.25x tool(1x cache).
 
+With --products N it times instead the tool's round trip in a build directory
+of N object files and of 10N (each backed up before the build, the tree
+scanned before and after it), side by side; goal: time linear in the number
+of products, at most 10x the time for 10x the products.
+
 Usage:
   python3 bench/bench_overlay.py [--dir /tmp] [--repeat 3] [--artifact-mb 200]
                                  [--cache-files 2500] [--cache-mb 250]
+  python3 bench/bench_overlay.py --products 500 [--dir /tmp] [--repeat 3]
 
 Exit codes: 0 goals met, 1 a goal missed (the numbers are printed either
 way), 2 usage.
@@ -42,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(os.path.dirname(HERE), "overlay_setup.py")
 ROUND_TRIP_GOAL = 1.5
 CACHE_SCALING_GOAL = 1.25
+PRODUCTS_SCALE = 10  # the larger build directory has this many times the products
 
 FLOOR_SCRIPT = r'''
 import os, shutil, sys, tarfile
@@ -138,6 +145,55 @@ def fingerprint(root: str) -> List[tuple]:
     return sorted(found)
 
 
+def make_build_dir(root: str, products: int) -> None:
+    """A build directory of `products` object files (100 to a folder) and a source."""
+    for number in range(products):
+        folder = os.path.join(root, "obj", "%03d" % (number // 100))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "k%06d.o" % number), "wb") as handle:
+            handle.write(number.to_bytes(8, "little"))
+    with open(os.path.join(root, "kernel.cu"), "w") as handle:
+        handle.write("__global__ void k(float *x) { x[0] = 4.0f; }\n")
+    with open(os.path.join(os.path.dirname(root), "kernel_patched.cu"), "w") as handle:
+        handle.write("__global__ void k(float *x) { x[0] = 7.0f; }\n")
+    subprocess.run(["sync"], check=True)
+
+
+def products_round_trip(root: str) -> float:
+    """add-native with a build that does nothing (every product is backed up
+    and the directory scanned before and after it), then revert."""
+    state = ["--state", os.path.join(os.path.dirname(root), "state")]
+    add = [sys.executable, TOOL] + state + [
+        "add-native", "--source", os.path.join(root, "kernel.cu"),
+        "--patched", os.path.join(os.path.dirname(root), "kernel_patched.cu"),
+        "--build-cmd", "true", "--build-cwd", root]
+    return timed([add, [sys.executable, TOOL] + state + ["revert"]])
+
+
+def measure_products(base: str, products: int, repeat: int) -> int:
+    roots = {}
+    for count in (products, products * PRODUCTS_SCALE):
+        roots[count] = os.path.join(base, "p%d" % count, "build")
+        print("generating a build directory of %d object files ..." % count, flush=True)
+        make_build_dir(roots[count], count)
+    times: Dict[int, List[float]] = {count: [] for count in roots}
+    for _ in range(repeat):  # interleaved, so that both see the same load
+        for count, root in roots.items():
+            times[count].append(products_round_trip(root))
+    median = {count: statistics.median(values) for count, values in times.items()}
+    print()
+    print("| products | tool (s) |")
+    print("|---:|---:|")
+    for count in sorted(median):
+        print("| %d | %.3f |" % (count, median[count]))
+    ratio = median[products * PRODUCTS_SCALE] / median[products]
+    print()
+    print("product scaling: tool(%dx products) / tool(1x) = %.2fx (goal <= %dx, linear): %s"
+          % (PRODUCTS_SCALE, ratio, PRODUCTS_SCALE,
+             "met" if ratio <= PRODUCTS_SCALE else "MISSED"))
+    return 0 if ratio <= PRODUCTS_SCALE else 1
+
+
 def measure(root: str, repeat: int) -> Dict[str, float]:
     """Median seconds per method, runs interleaved so page-cache state is shared."""
     reference = fingerprint(root)
@@ -161,10 +217,20 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--artifact-mb", type=int, default=200)
     parser.add_argument("--cache-files", type=int, default=2500)
     parser.add_argument("--cache-mb", type=int, default=250)
+    parser.add_argument("--products", type=int,
+                        help="time instead a build directory of this many object files "
+                        "against one of %d times as many" % PRODUCTS_SCALE)
     args = parser.parse_args(argv)
-    if args.repeat < 1 or args.artifact_mb < 1 or args.cache_files < 1 or args.cache_mb < 1:
-        parser.error("--repeat, --artifact-mb, --cache-files and --cache-mb must be positive")
+    if args.repeat < 1 or args.artifact_mb < 1 or args.cache_files < 1 or args.cache_mb < 1 \
+            or (args.products is not None and args.products < 1):
+        parser.error("--repeat, --artifact-mb, --cache-files, --cache-mb and --products must be "
+                     "positive")
     base = tempfile.mkdtemp(prefix="bench-overlay-", dir=args.dir)
+    if args.products is not None:
+        try:
+            return measure_products(base, args.products, args.repeat)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
     results = {}
     try:
         for scale in (1, 4):
