@@ -1078,7 +1078,8 @@ class State:
                 if build.get("tree") is not None:
                     target(build["tree"], "build directory")
                     inside_roots(build["tree"])
-                for product in entry.get("untracked") or []:
+                for product in (entry.get("untracked") or []) + (
+                        entry.get("earlier_untracked") or []):
                     target(product.get("path"), "build product")
                     if not any(is_within(product["path"], tree) for tree in build_trees(build)):
                         raise OverlayError("E203", "journal %s names build product %r outside "
@@ -1163,8 +1164,9 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
             problems.append(bad(entry["build"], "build", where + ".build"))
             if entry["build"].get("process") is not None:
                 problems.append(bad(entry["build"]["process"], "process", where + ".build.process"))
-        problems += [bad(p, "product", "%s.untracked[%d]" % (where, i))
-                     for i, p in enumerate(entry.get("untracked") or [])]
+        for key in ("untracked", "earlier_untracked"):
+            problems += [bad(p, "product", "%s.%s[%d]" % (where, key, i))
+                         for i, p in enumerate(entry.get(key) or [])]
         if not all(isinstance(k, str) and type(v) is int
                    for k, v in entry.get("dirs", {}).items()):
             problems.append(where + ".dirs")

@@ -1220,6 +1220,23 @@ class OwnedFilesTest(OverlayTestCase):
         self.assertEqual({k: v for k, v in after.items() if k != "."},
                          {k: v for k, v in self.before.items() if k != "."})
 
+    def test_a_tampered_product_of_an_earlier_build_is_refused_before_acting(self) -> None:
+        self.assertOk(self.add())
+        victim = os.path.join(self.tmp, "victim.txt")
+        write_text_file(victim, "keep\n")
+        path = os.path.join(self.state, "manifest.json")
+        journal = read_json(path)
+        journal["entries"][0]["untracked"] = None  # as an update killed in its build leaves it
+        journal["entries"][0]["earlier_untracked"] = [
+            {"path": victim, "kind": "f", "created": True}]
+        write_json(path, journal)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E203 journal %s names build product %r outside "
+                              "the build directory %s; nothing was changed\n"
+                         % (path, victim, self.pkg))
+        self.assertEqual(read_text(victim), "keep\n")
+
     def test_update_of_one_entry_does_not_take_another_entrys_products(self) -> None:
         write_tree(self.pkg, {"m.c": "int m;\n"})
         before = tree_state(self.pkg)
