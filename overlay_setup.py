@@ -3671,10 +3671,24 @@ def revert_all(state: State, manifest: dict, force: bool,
         write_python_overlay(state, manifest)
         state.save(manifest)
     remove_path(state.python)
+    # What revert gives back is what lies in these directories (and each
+    # file named): a build's write elsewhere, an install step's copy into a
+    # prefix, is not seen, and is said not to be.
+    trees = {path for entry in manifest["entries"]
+             for path in build_trees(entry["build"]) + [cache["path"] for cache in entry["caches"]]}
+    checked = sorted([tree for tree in trees if not any(tree != other and is_within(tree, other)
+                                                        for other in trees)]
+                     + sorted({record["path"] for entry in manifest["entries"]
+                               for record in entry_files(entry)
+                               if not any(is_within(record["path"], tree) for tree in trees)}))
     for entry in reversed(list(manifest["entries"])):
         inexact += revert_entry(state, manifest, entry, keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+    if checked:
+        done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
+                    "are not, unless named with --artifact"
+                    % (", ".join(checked), "it" if len(checked) == 1 else "them"))
     del manifest["reverting"]
     state.save(manifest)
     remove_path(state.backups)

@@ -107,6 +107,13 @@ def tree_state(root: str) -> dict:
     return found
 
 
+def checked(*directories: str) -> str:
+    """The line revert ends its list with: the directories it checked."""
+    return ("checked %s; a build's writes outside %s (an install step into a prefix) are not, "
+            "unless named with --artifact\n" % (", ".join(directories),
+                                                "it" if len(directories) == 1 else "them"))
+
+
 def call(*argv: str) -> tuple:
     """Run main() in-process and return (rc, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
@@ -247,8 +254,8 @@ class CProjectTest(OverlayTestCase):
 
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertEqual(out, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"),
-                                                                       self.state))
+        self.assertEqual(out, "entry 1 restored: %s\n%sreverted %s\n"
+                         % (self.p("kernel_b.c"), checked(self.proj), self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
@@ -266,8 +273,9 @@ class CProjectTest(OverlayTestCase):
                          (0, "3 artifact(s) rebuilt from the patched sources\n", ""))
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\nreverted %s\n"
-                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), self.state))
+        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\n%sreverted %s\n"
+                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), checked(self.proj),
+                            self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
 
@@ -624,7 +632,8 @@ class CProjectTest(OverlayTestCase):
                                                                 default_state)))
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(call("revert", "--all"), (
-            0, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"), default_state),
+            0, "entry 1 restored: %s\n%sreverted %s\n"
+            % (self.p("kernel_b.c"), checked(self.proj), default_state),
             ""))
         self.assertEqual(overlay_setup.registered_states(), [])
         self.assertEqual(tree_state(self.proj), before)
@@ -779,7 +788,8 @@ class CProjectTest(OverlayTestCase):
         write_tree(self.tmp, {"outside/fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
         rc, out, err = call("add-native", "--source", self.p("kernel_b.c"), "--patched",
                             os.path.join(self.tmp, "outside/fast.c"), "--artifact", self.lib,
-                            "--state", state, "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
+                            "--state", state,
+                            "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
                             "sleep 0.05; done; git clean -xdfq .. && make",
                             "--build-cwd", self.proj)
         record = overlay_setup.registry_record(state)
@@ -946,8 +956,9 @@ class DefaultStateTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("state: %s\nowner: " % state, out)
         self.assertIn("entry 1: built", out)
-        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"), state), ""))
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                             state), ""))
         self.assertEqual(tree_state(self.pkg), self.before)
 
     def test_from_elsewhere_status_lists_and_each_message_names_the_exact_command(self) -> None:
@@ -1039,8 +1050,9 @@ class DefaultStateTest(OverlayTestCase):
         rc, out, err = call("status")
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("state: %s\n" % legacy, out)
-        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"), legacy), ""))
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"),
+                                             checked(os.path.join(self.pkg, "k.c")), legacy), ""))
         self.assertEqual(registry_entries(), [])
         shutil.rmtree(legacy)
         self.assertEqual(tree_state(self.pkg), self.before)
@@ -1200,8 +1212,9 @@ class OwnedFilesTest(OverlayTestCase):
         self.assertIn("backed up 2 build product(s) the build may rewrite: %s (predicted by "
                       "make -n -W), %s (predicted by make -n -W)"
                       % (os.path.join(self.pkg, "k.o"), os.path.join(self.pkg, "libk.so")), out)
-        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                               % (os.path.join(self.pkg, "k.c"), self.state), ""))
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                               % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                                  self.state), ""))
         self.assertEqual(tree_state(self.pkg), before)
         self.assertEqual(read_text(os.path.join(work, "results.txt")), "0.93\n")
 
@@ -1261,8 +1274,9 @@ class OwnedFilesTest(OverlayTestCase):
         os.unlink(library)
         write_text_file(library, "version 2 of the package\n")  # an upgrade replaced it
         rc, out, err = self.tool("revert")
-        self.assertEqual((rc, out), (3, "entry 1 restored: %s\nreverted %s\n"
-                                     % (os.path.join(self.pkg, "k.c"), self.state)))
+        self.assertEqual((rc, out), (3, "entry 1 restored: %s\n%sreverted %s\n"
+                                     % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                        self.state)))
         self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
                               "(not what the build left, nor the original), so it is not the "
                               "overlay's to restore or remove; run `overlay_setup.py revert "
@@ -1320,9 +1334,35 @@ class OwnedFilesTest(OverlayTestCase):
                                 "--patched", os.path.join(self.tmp, "fast.c"), "--build-cmd",
                                 "cc -c -o k.o k.c", "--build-cwd", bare))
         self.assertTrue(os.path.isfile(os.path.join(bare, "k.o")))
-        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                               % (os.path.join(bare, "k.c"), self.state), ""))
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                               % (os.path.join(bare, "k.c"), checked(bare),
+                                                  self.state), ""))
         self.assertEqual(tree_state(bare), before)
+
+    def test_revert_names_what_it_checked_and_an_install_prefix_is_watched_by_artifact(
+            self) -> None:
+        prefix = os.path.join(self.tmp, "prefix")
+        write_tree(self.pkg, {"Makefile": self.MAKEFILE + "install: libk.so\n"
+                              "\tmkdir -p $(PREFIX)/lib && cp -p libk.so $(PREFIX)/lib/\n"})
+        subprocess.run(["make", "-s", "-C", self.pkg, "install", "PREFIX=" + prefix], check=True)
+        before = (tree_state(self.pkg), tree_state(prefix))
+        build = "make install PREFIX=%s" % prefix
+        self.assertOk(self.add("--build-cmd", build))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(checked(self.pkg) + "reverted %s\n" % self.state), out)
+        self.assertEqual(tree_state(self.pkg), before[0])
+        self.assertNotEqual(tree_state(prefix), before[1], "the prefix is not watched")
+        subprocess.run(["make", "-s", "-C", self.pkg, "-B", "install", "PREFIX=" + prefix],
+                       check=True)
+        before = (tree_state(self.pkg), tree_state(prefix))
+        installed = os.path.join(prefix, "lib", "libk.so")
+        self.assertOk(self.add("--build-cmd", build, "--artifact", installed))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(checked(self.pkg, installed)
+                                     + "reverted %s\n" % self.state), out)
+        self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
 
     def test_a_pre_existing_file_the_build_deletes_is_named(self) -> None:
         write_tree(self.pkg, {"stale.txt": "old\n"})
@@ -3031,8 +3071,9 @@ class ProtectTest(OverlayTestCase):
                               "makes them again): {0}; next time pass --protect {0}\n"
                               .format(self.p("b.d")))
         rc, out, err = self.tool("revert")
-        self.assertEqual((rc, out), (overlay_setup.NOT_EXACT, "entry 1 restored: %s\nreverted %s\n"
-                                     % (self.p("b.c"), self.state)))
+        self.assertEqual((rc, out), (overlay_setup.NOT_EXACT,
+                                     "entry 1 restored: %s\n%sreverted %s\n"
+                                     % (self.p("b.c"), checked(self.proj), self.state)))
         self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
                               "backup; the next build makes it again (to keep it next time, pass "
                               "--protect {0})\n".format(self.p("b.d")))
