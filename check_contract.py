@@ -1548,8 +1548,10 @@ def tokenize(text):
     tokens = []
     line = 1
     heredocs = []  # (delimiter, strip tabs) waiting for the end of the line
-    matches = SH_TOKEN_RE.finditer(text)
-    for match in iter(lambda: next(matches, None), None):
+    pos = 0
+    while pos < len(text):  # SH_TOKEN_RE matches at every position (other: any character)
+        match = SH_TOKEN_RE.match(text, pos)
+        pos = match.end()
         kind = match.lastgroup
         if kind == "word" or kind == "other":
             start = end = match.end()
@@ -1562,8 +1564,7 @@ def tokenize(text):
                 heredocs.append((re.sub(r"[\"'\\]", "", word), tokens[-1][1].endswith("-")))
             tokens.append(("word", word, line))
             line += word.count("\n")
-            if end != match.end():
-                matches = SH_TOKEN_RE.finditer(text, end)
+            pos = end
         elif kind == "newline":
             tokens.append(("newline", "\n", line))
             line += 1
@@ -1579,7 +1580,6 @@ def tokenize(text):
                         if (body.lstrip("\t") if strip else body) == delimiter:
                             break
                 heredocs = []
-                matches = SH_TOKEN_RE.finditer(text, pos)
         elif kind == "op":
             tokens.append(("op", match.group(), line))
         elif kind == "blank" and "\n" in match.group():

@@ -86,7 +86,9 @@ Exit codes:
   130  interrupted (Ctrl-C), also while the tool starts; trial reverts first
      (143 for SIGTERM)
 
-Messages are one line on stderr: `overlay_setup: CODE what is wrong; what to do`.
+Failures are one line on stderr: `overlay_setup: CODE what is wrong; what to do`
+(warnings start with `warning: `; gc-stale and revert --all end with a count
+of the state directories they could not handle).
 Codes (stable, never reused; docs/overlay_setup.md says what each means and
 how to fix it):
   E1xx  arguments and preconditions
@@ -94,7 +96,7 @@ how to fix it):
         E102 input missing or unreadable, E103 already overlaid, E104 not a
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
-        running, E109 bad build option (--timeout, -p), E110 the build
+        running, E109 missing or bad build option (--timeout, -p), E110 the build
         products to back up are over the size budget, or the build
         directory is too large to scan whole, E111 a .py file the
         interpreter does not import from that file, E120 a path
@@ -174,6 +176,11 @@ VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
+# Build descriptions a patch may tune (flags, architectures), patched in place
+# like a source; build.ninja is not among them: the build system writes it.
+BUILD_FILE_NAMES = ("Makefile", "makefile", "GNUmakefile", "CMakeLists.txt", "setup.py",
+                    "pyproject.toml")
+BUILD_FILE_SUFFIXES = (".mk", ".cmake")
 SCAN_LIMIT = 50000
 CHUNK = 1 << 20
 INPUT_LIMIT = 64 << 20  # a patch or a patched source, read whole into memory
@@ -2660,10 +2667,10 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                     if is_within(path, their) or is_within(their, path):
                         raise OverlayError("E120", "%s %s is already held by the overlay at %s "
                                            "(entry %d, %s); nothing was changed: revert that "
-                                           "one first (`overlay_setup.py --state %s revert`), "
-                                           "or add this change to it with --state %s"
+                                           "one first (`%s revert`), or add this change to "
+                                           "it with --state %s"
                                            % (option, path, other.root, entry["id"], their,
-                                              other.root, other.root))
+                                              tool_at(other), shell_quote(other.root)))
 
 
 @contextlib.contextmanager
@@ -3647,15 +3654,16 @@ def revert_all(state: State, manifest: dict, force: bool,
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
                                    "the original nor the patched content); nothing was reverted: "
                                    "if another overlay patched it since, revert that one first; "
-                                   "else run `overlay_setup.py revert --force` to restore the "
-                                   "original anyway" % changed[0])
+                                   "else run `%s revert --force` to restore the original "
+                                   "anyway" % (changed[0], tool_at(state)))
         changed = rebuilt_since_apply(state, manifest["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
                                "wrote it, and restoring it now would undo that; nothing was "
-                               "reverted: revert the other one first, or run `overlay_setup.py "
-                               "revert --force` to restore the original anyway" % changed[0])
+                               "reverted: revert the other one first, or run `%s revert "
+                               "--force` to restore the original anyway"
+                               % (changed[0], tool_at(state)))
     done: List[str] = []
     inexact: List[str] = []
     # A revert killed halfway is a crash whoever the owner is (interrupted()).
@@ -3842,8 +3850,8 @@ def cmd_add_python(args: argparse.Namespace) -> int:
                             os.path.abspath(args.file))
         state.save(manifest)
         write_python_overlay(state, manifest)
-    print("module %s now served from %s to processes started with `overlay_setup.py env`"
-          % (args.module, os.path.abspath(args.file)))
+    print("module %s now served from %s to processes started with `%s env`"
+          % (args.module, os.path.abspath(args.file), tool_at(state)))
     print("state: %s" % state.root)
     return 0
 
@@ -3872,7 +3880,8 @@ def cmd_rebind(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     state = open_state(args)
     if not os.path.isfile(os.path.join(state.site, "sitecustomize.py")):
-        raise OverlayError("E207", "no overlay at %s; run `overlay_setup.py init` first" % state.root)
+        raise OverlayError("E207", "no overlay at %s; run `%s init` first"
+                           % (state.root, tool_at(state)))
     value = overlay_environment(state)["PYTHONPATH"]
     if args.format == "json":
         print(json.dumps({"PYTHONPATH": value, "OVERLAY_STATE": state.root}, sort_keys=True))
@@ -3888,12 +3897,15 @@ def shell_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
-def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
-    artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
-    caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
+def require_build_choice(args: argparse.Namespace) -> None:
     if args.build_cmd is None and not args.no_build and not args.dry_run:
         raise UsageError("E109", "pass --build-cmd CMD (the install's own build) or --no-build; "
                          "--dry-run lists the build systems found near the source")
+
+
+def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Optional[dict]]:
+    artifacts = [require_abs_normal(path, "--artifact") for path in args.artifact]
+    caches = [require_abs_normal(path, "--invalidate-cache") for path in args.invalidate_cache]
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError("E109", "--timeout must be a positive, finite number of seconds (got %g)"
                          % args.timeout)
@@ -4051,6 +4063,7 @@ def protection(state: State, sources: List[str], artifacts: List[str], caches: L
 
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
+    require_build_choice(args)
     artifacts, caches, build = native_options(args)
     patched = read_input(args.patched, "--patched ", "; pass the patched file")
     if not os.path.isfile(source):
@@ -4090,6 +4103,30 @@ def where_the_diff_fits(relative: str, root: str, strip: int) -> str:
     return "pass --root at the directory the diff was made in, and the -p that fits its paths"
 
 
+def already_applied(args: argparse.Namespace, name: str, target: str, file_patch: FilePatch,
+                    current: bytes) -> None:
+    """A patch whose hunks do not apply because it is applied already, as
+    an entry of this state directory: say so (E103) instead of E302."""
+    state = open_state(args)
+    if not state.exists():
+        return
+    for entry in state.load()["entries"]:
+        for record in entry["sources"]:
+            if record["path"] != target or not record["present"]:
+                continue
+            with open(state.state_path(record["backup"]), "rb") as handle:
+                original = handle.read()
+            try:
+                patched = apply_hunks(file_patch, original, name)
+            except OverlayError:
+                continue
+            if patched == current:
+                raise OverlayError("E103", "%s is already applied as entry %d (%s); nothing was "
+                                   "written: to change that entry, run `%s update PATCH` with a "
+                                   "patch against the original, or `%s revert` first"
+                                   % (name, entry["id"], target, tool_at(state), tool_at(state)))
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     if args.p < 0:
@@ -4105,10 +4142,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
     for file_patch in file_patches:
         relative = file_patch.path
         suffix = os.path.splitext(relative)[1]
-        if suffix not in NATIVE_SUFFIXES + (".py",):
-            raise OverlayError("E303", "%s: %s is neither a compiled source (%s) nor a .py file; "
-                               "nothing was written: leave it out of the patch"
-                               % (name, relative, " ".join(NATIVE_SUFFIXES)))
+        base = os.path.basename(relative)
+        if base in BUILD_FILE_NAMES or suffix in BUILD_FILE_SUFFIXES:
+            suffix = ""  # patched in place and reverted as a source is, setup.py too
+        elif base == "build.ninja":
+            raise OverlayError("E303", "%s: %s is written by the build system (CMake, Meson, "
+                               "torch's extension loader); nothing was written: patch what "
+                               "generates it instead" % (name, relative))
+        elif suffix not in NATIVE_SUFFIXES + (".py",):
+            raise OverlayError("E303", "%s: %s is neither a compiled source (%s), a build file "
+                               "(%s) nor a .py file; nothing was written: leave it out of the "
+                               "patch" % (name, relative, " ".join(NATIVE_SUFFIXES), " ".join(
+                                   BUILD_FILE_NAMES + tuple("*" + s for s in
+                                                            BUILD_FILE_SUFFIXES))))
         target = os.path.join(root, relative)
         if file_patch.old is not None and not os.path.lexists(target):
             raise OverlayError("E302", "%s: %s is not under %s, where the diff's paths are read "
@@ -4131,7 +4177,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if os.path.isfile(target):
             with open(target, "rb") as handle:
                 original = handle.read()
-        result = apply_hunks(file_patch, original, name)
+        try:
+            result = apply_hunks(file_patch, original, name)
+        except OverlayError as exc:
+            if exc.code == "E302" and original is not None:
+                already_applied(args, name, target, file_patch, original)
+            raise
         if suffix == ".py" and file_patch.mode is not None and (
                 original is not None or file_patch.mode != 0o644):
             raise OverlayError("E305", "%s: %s changes mode to %s, but a .py file is overlaid by "
@@ -4144,6 +4195,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             python_files.append({"path": target, "content": result})
         else:
             natives.append((target, result))
+    if natives:
+        require_build_choice(args)  # a patch of .py files alone builds nothing
     if natives and not artifacts and build is not None:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
@@ -4275,8 +4328,8 @@ def cmd_update(args: argparse.Namespace) -> int:
         print("state: %s" % state.root, flush=True)
         if entry["build"] is not None:
             run_entry_build(state, manifest, entry)
-    print("entry %d updated: %s; the originals stay backed up for `overlay_setup.py --state %s "
-          "revert`" % (entry["id"], ", ".join(sorted(contents)), shell_quote(state.root)))
+    print("entry %d updated: %s; the originals stay backed up for `%s revert`"
+          % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
     return 0
 
 
@@ -4307,7 +4360,11 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
                 continue
             seen.add(record["path"])
             checked += 1
-            current = content_sha256(record["path"])
+            if "after_build_identity" in record and content_identity(
+                    record["path"]) == record["after_build_identity"]:
+                current = record["after_build_sha256"]  # not written since that hash
+            else:
+                current = content_sha256(record["path"])
             if current is None:
                 problems.append("artifact %s is missing%s"
                                 % (record["path"], "" if later else " after the build"))
@@ -4778,9 +4835,13 @@ def cmd_trial(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     revert = result["revert"]
+    # 130 and 143 say the install is back: only when it is byte-identical
     if revert is not None and not revert["reverted"]:
-        status = TRIAL_EXIT["revert"]  # 130 and 143 say the install is back: it is not
+        status = TRIAL_EXIT["revert"]
         result["failed_step"] = "revert: the revert did not finish (see above)"
+    elif revert is not None and revert["differences"]:
+        status = TRIAL_EXIT["revert"]
+        result["failed_step"] = "revert: the install is not as it was before"
     result["exit"] = status
     result["summary"] = trial_summary(result["runs"])
     result["output"] = compare_outputs(outputs)
@@ -5185,6 +5246,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_hint(message: str) -> str:
+    """'; did you mean "apply"?' for a command argparse does not know."""
+    unknown = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+    if unknown is None:
+        return ""
+    import difflib  # only on this path: it costs the start-up of every command
+    near = difflib.get_close_matches(unknown.group(1), list(COMMANDS), n=1)
+    return '; did you mean "%s"?' % near[0] if near else ""
+
+
 COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
             "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
             "update": cmd_update, "trial": cmd_trial, "verify-native": cmd_verify_native,
@@ -5212,8 +5283,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CommandLineError as exc:
         command = next((arg for arg in (sys.argv[1:] if argv is None else argv)
                         if arg in COMMANDS), None)
-        print("overlay_setup: E100 %s; see overlay_setup.py %s--help"
-              % (exc.message, command + " " if command else ""), file=sys.stderr)
+        print("overlay_setup: E100 %s%s; see overlay_setup.py %s--help"
+              % (exc.message, command_hint(exc.message), command + " " if command else ""),
+              file=sys.stderr)
         return 2
     except UsageError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
@@ -5235,16 +5307,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + signal.SIGPIPE
         print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
-              "fix the cause, then run `overlay_setup.py --state %s revert`"
-              % (written(exc), exc.strerror, shell_quote(state_root(args))), file=sys.stderr)
+              "fix the cause, then run `%s revert`"
+              % (written(exc), exc.strerror, tool_at(State(state_root(args)))), file=sys.stderr)
         return 1
     except Stopped as exc:
         print("overlay_setup: stopped by %s; the build was stopped with it and the patch stays "
-              "applied: run `overlay_setup.py --state %s revert`"
-              % (signal.Signals(exc.signum).name, shell_quote(state_root(args))), file=sys.stderr)
+              "applied: run `%s revert`"
+              % (signal.Signals(exc.signum).name, tool_at(State(state_root(args)))),
+              file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:
-        here = "overlay_setup.py --state %s" % shell_quote(state_root(args))
+        here = tool_at(State(state_root(args)))
         print("overlay_setup: interrupted; run `%s status`, then `%s revert`" % (here, here),
               file=sys.stderr)
         return 130

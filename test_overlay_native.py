@@ -260,6 +260,30 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
 
+    def test_verify_native_reads_no_artifact_unwritten_since_the_build(self) -> None:
+        self.assertOk(self.add_kernel_b())
+        hashed = []
+        file_sha256 = overlay_setup.file_sha256
+
+        def spy(path: str):  # the tool's own hash, with the paths it reads noted
+            hashed.append(os.path.realpath(path))
+            return file_sha256(path)
+
+        overlay_setup.file_sha256 = spy
+        try:
+            verified = self.tool("verify-native")
+            with open(self.lib, "ab") as handle:  # written after the build: read again
+                handle.write(b"\0")
+            rewritten = self.tool("verify-native")
+        finally:
+            overlay_setup.file_sha256 = file_sha256
+        self.assertEqual(verified, (0, "2 artifact(s) rebuilt from the patched sources\n", ""))
+        self.assertEqual(rewritten, (1, "", "overlay_setup: E403 artifact %s changed after the "
+                                     "build finished\n" % self.lib))
+        self.assertEqual(hashed.count(os.path.realpath(self.lib)), 1)
+        self.assertNotIn(os.path.realpath(self.p("kernel_b.o")), hashed)
+        self.assertOk(self.tool("revert", "--force"))
+
     def test_two_entries_sharing_an_artifact_are_reverted_in_reverse_order(self) -> None:
         before = tree_state(self.proj)
         self.assertOk(self.add_kernel_b())
@@ -414,8 +438,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % self.p("kernel_b.c")))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (self.p("kernel_b.c"), self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(self.p("kernel_b.c")), KERNELS["kernel_b.c"])
 
@@ -430,8 +454,8 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % self.p("kernel_b.c")))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (self.p("kernel_b.c"), self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(read_text(victim), "precious\n")
         self.assertFalse(os.path.islink(self.p("kernel_b.c")))
@@ -727,14 +751,14 @@ class CProjectTest(OverlayTestCase):
         message = ("overlay_setup: E509 %s was changed after the overlay's build (neither the "
                    "original nor what that build made): another overlay or build wrote it, and "
                    "restoring it now would undo that; nothing was reverted: revert the other one "
-                   "first, or run `overlay_setup.py revert --force` to restore the original "
-                   "anyway\n")
-        self.assertEqual(self.tool("revert"), (1, "", message % self.p("cache")))
+                   "first, or run `overlay_setup.py --state %s revert --force` to restore the "
+                   "original anyway\n")
+        self.assertEqual(self.tool("revert"), (1, "", message % (self.p("cache"), self.state)))
         self.assertEqual(tree_state(self.proj), patched)
         self.assertOk(call("--state", other, "revert"))
         with open(self.lib, "ab") as handle:
             handle.write(b"\0")
-        self.assertEqual(self.tool("revert"), (1, "", message % self.lib))
+        self.assertEqual(self.tool("revert"), (1, "", message % (self.lib, self.state)))
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(tree_state(self.proj), before)
 
@@ -1704,11 +1728,12 @@ class PatchTest(OverlayTestCase):
         self.assertEqual(read_text(os.path.join(self.proj, "tail.c")), "int a;\nint b;")
 
     def test_unsupported_file_kind_is_refused(self) -> None:
-        patch = self.make_patch({"Makefile": KERNELS["Makefile"] + "# more\n"})
+        patch = self.make_patch({"notes.txt": "more\n"})
         self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
-            1, "", "overlay_setup: E303 change.diff: Makefile is neither a compiled source "
-            "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp) nor a .py file; nothing was written: leave "
-            "it out of the patch\n"))
+            1, "", "overlay_setup: E303 change.diff: notes.txt is neither a compiled source "
+            "(.cu .cuh .hip .cpp .cc .cxx .c .h .hpp), a build file (Makefile makefile "
+            "GNUmakefile CMakeLists.txt setup.py pyproject.toml *.mk *.cmake) nor a .py file; "
+            "nothing was written: leave it out of the patch\n"))
 
     def test_a_git_diff_applied_from_a_subdirectory_names_the_root_or_p_to_pass(self) -> None:
         # git diff names paths from the repository's top, wherever it runs;
@@ -1903,8 +1928,8 @@ class PythonOverlayTest(OverlayTestCase):
 
     def test_env_without_an_overlay_says_what_to_run(self) -> None:
         self.assertEqual(self.tool("env"), (
-            1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py init` first\n"
-            % self.state))
+            1, "", "overlay_setup: E207 no overlay at %s; run `overlay_setup.py --state %s init` "
+            "first\n" % (self.state, self.state)))
 
 
 def crash_fixture(root: str, shm: str) -> None:
@@ -2113,8 +2138,11 @@ class CrashMatrixTest(unittest.TestCase):
                 forked_tool(["--state", state, "revert"]).check_returncode()
                 return write
             self.assertEqual(result.returncode, 1)
-            self.assertRegex(result.stderr, r"(?m)^overlay_setup: E601 could not write .*"
-                                            r"\(No space left on device\)")
+            # The first write is the state directory's own: E210, refused
+            # before anything changed; any later one rolls back (E601).
+            self.assertRegex(result.stderr, r"(?m)^overlay_setup: (E601 could not write|E210 "
+                                            r"cannot write the state directory) .*"
+                                            r"No space left on device")
             self.assertNotIn("Traceback", result.stderr)
             fixed = forked_tool(["--state", state, "revert"])
             self.assertEqual(fixed.returncode, 0, fixed.stderr)
@@ -4230,8 +4258,8 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(call("--state", older, "revert"), (
             1, "", "overlay_setup: E501 %s was changed after the overlay was applied (neither the "
             "original nor the patched content); nothing was reverted: if another overlay patched "
-            "it since, revert that one first; else run `overlay_setup.py revert --force` to "
-            "restore the original anyway\n" % source))
+            "it since, revert that one first; else run `overlay_setup.py --state %s revert "
+            "--force` to restore the original anyway\n" % (source, older)))
         self.assertOk(call("--state", newer, "revert"))
         self.assertEqual(read_text(source), "int k = 1;\n")
         self.assertOk(call("--state", older, "revert"))
@@ -4621,6 +4649,17 @@ class TrialTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), self.before)
 
+    def test_a_stopped_trial_whose_install_differs_does_not_exit_as_reverted(self) -> None:
+        # The candidate writes into the install, then the trial gets SIGTERM:
+        # the revert runs, but the install is not as it was: 14, not 143.
+        # (only the candidate runs with the overlay's environment, OVERLAY_STATE)
+        done = self.trial(command=["sh", "-c", '[ -z "$OVERLAY_STATE" ] || { touch "$0/notes"; '
+                                               'kill -TERM $PPID; }', self.proj])
+        self.assertEqual(done.returncode, 14, done.stderr)
+        self.assertIn("  revert: the install differs from before: %s/notes\nresult: revert: "
+                      "the install is not as it was before (exit status 14)\n" % self.proj,
+                      done.stdout)
+
     def test_no_line_inside_a_trial_says_to_run_revert(self) -> None:
         done = self.trial()
         self.assertEqual(done.returncode, 0, done.stderr)
@@ -4649,6 +4688,97 @@ class TrialTest(OverlayTestCase):
 
 def shell_words(words: list) -> list:
     return [overlay_setup.shell_quote(word) for word in words]
+
+
+class ApplyMessageTest(OverlayTestCase):
+    """What a new user meets first: a mistyped command, a patch applied
+    twice, a patch of .py files only, a patch that tunes the build file."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, TRIAL_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        age_tree(self.proj)
+        self.before = tree_state(self.proj)
+        on_python_path(self, self.proj)
+
+    def diff(self, relative: str, old: str, new: str) -> str:
+        path = os.path.join(self.tmp, "change.diff")
+        write_text_file(path, "".join(difflib.unified_diff(
+            old.splitlines(True), new.splitlines(True), "a/" + relative, "b/" + relative)))
+        return path
+
+    def test_a_mistyped_command_gets_a_did_you_mean(self) -> None:
+        rc, out, err = call("aply", "x.diff")
+        self.assertEqual((rc, out), (2, ""))
+        self.assertRegex(err, r"^overlay_setup: E100 argument COMMAND: invalid choice: 'aply' "
+                              r"\(choose from .*\); did you mean \"apply\"\?; see "
+                              r"overlay_setup.py --help\n$")
+        self.assertNotIn("did you mean", call("xyzzy")[2])
+
+    def test_a_patch_applied_twice_names_its_entry_and_update(self) -> None:
+        patch = self.diff("b.c", LIB_SOURCES["b.c"], LIB_SOURCES["b.c"].replace("K", "7"))
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E103 change.diff is already applied as entry 1 (%s/b.c); "
+            "nothing was written: to change that entry, run `overlay_setup.py --state %s update "
+            "PATCH` with a patch against the original, or `overlay_setup.py --state %s revert` "
+            "first\n" % (self.proj, self.state, self.state)))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_patch_of_py_files_only_needs_no_build_option(self) -> None:
+        patch = self.diff("pkg/mod.py", "VALUE = 1\n", "VALUE = 2\n")
+        rc, out, err = self.tool("apply", patch, "--root", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("1 Python module(s) overlaid (pkg.mod)", out)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_build_file_is_patched_in_place_and_reverted_like_a_source(self) -> None:
+        makefile = TRIAL_PROJECT["Makefile"]
+        patch = self.diff("Makefile", makefile, makefile.replace("-O1", "-O2"))
+        # make rebuilds for a changed Makefile only when asked: -B
+        rc, out, err = self.tool("apply", patch, "--root", self.proj, "--artifact",
+                                 os.path.join(self.proj, "b.o"), "--build-cmd", "make -B",
+                                 "--build-cwd", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("-O2 -fPIC -c -o b.o b.c", out)
+        self.assertIn("-O2", read_text(os.path.join(self.proj, "Makefile")))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), self.before)
+        self.assertEqual(quiet(["make", "-q"], self.proj).returncode, 0)
+
+    def test_stderr_lines_take_the_three_forms_the_docs_name(self) -> None:
+        patch = self.diff("b.c", LIB_SOURCES["b.c"], LIB_SOURCES["b.c"].replace("K", "7"))
+        rc, out, warned = self.tool("apply", patch, "--root", self.proj, "--build-cmd", "make",
+                                    "--build-cwd", self.proj)
+        self.assertEqual((rc, warned), (0, "warning: no --artifact given; verify-native will "
+                                           "have nothing to check\n"))
+        self.assertOk(self.tool("revert"))
+        shared = os.path.join(self.tmp, "shared")
+        self.assertOk(call("--state", shared, "init"))
+        os.chmod(shared, 0o777)
+        rc, out, counted = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 1)
+        self.assertTrue(counted.endswith("\noverlay_setup: 1 state directory refused or failed; "
+                                         "see above\n"), counted)
+        for line in (warned + counted).splitlines():
+            self.assertRegex(line, r"^(overlay_setup: E\d{3} |warning: |overlay_setup: \d+ "
+                                   r"state director(y|ies) (refused or failed|not reverted); "
+                                   r"see above$)")
+        docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
+        for line in (warned.strip(), counted.splitlines()[-1]):
+            self.assertIn("`%s`" % line, docs)
+
+    def test_build_ninja_stays_refused(self) -> None:
+        write_text_file(os.path.join(self.proj, "build.ninja"), "# generated\n")
+        patch = self.diff("build.ninja", "# generated\n", "# edited\n")
+        self.assertEqual(self.tool("apply", patch, "--root", self.proj, "--no-build"), (
+            1, "", "overlay_setup: E303 change.diff: build.ninja is written by the build system "
+            "(CMake, Meson, torch's extension loader); nothing was written: patch what generates "
+            "it instead\n"))
 
 
 # A real PyTorch, for TorchExtensionTest: the interpreter of a virtual
@@ -4927,7 +5057,7 @@ class TorchExtensionTest(OverlayTestCase):
         self.assertEqual(result["watched"], [os.path.join(self.ext, "jitout_op"), self.site])
         self.assertEqual(self.snapshot(self.site, self.ext), before)
 
-    def test_invalidate_cache_of_the_extension_build_directory_verifies_the_rebuilt_op(self) -> None:
+    def test_jit_build_directory_set_aside_verifies_the_op_against_its_copy(self) -> None:
         self.package(jit_package("jitout", cache_inside=False))
         self.assertEqual(self.probe("jitout"), "4.0 plain")
         cache = os.path.join(self.ext, "jitout_op")
@@ -4998,7 +5128,7 @@ class TorchExtensionTest(OverlayTestCase):
         output = quiet(build, proj).stdout
         self.assertNotRegex(output, r"(?m)^\[\d+/\d+\] ", output)
 
-    def test_build_ext_inplace_then_update_then_revert(self) -> None:
+    def test_build_ext_inplace_update_revert_and_a_kill_during_the_build(self) -> None:
         proj, build = self.aot_build(cuda=False)
         on_python_path(self, proj)
         suffix = quiet([self.python, "-c", "import sysconfig; print(sysconfig.get_config_var("
@@ -5020,6 +5150,17 @@ class TorchExtensionTest(OverlayTestCase):
         self.assertEqual(self.snapshot(proj), before)
         # torch's BuildExtension copies the in-place library again on every
         # run, even one that compiles nothing
+        self.compiles_nothing(build, proj)
+        self.assertEqual(self.probe("aot"), "4.0 plain")
+        before = self.snapshot(proj)  # what that run copied again
+        self.kill_when_compiling(OWN + [sys.executable, TOOL, "--state", self.state, "apply",
+                                        self.op_patch("aot", op="aot/op.cpp"), "--root", proj,
+                                        "--artifact", library, "--build-cmd", " ".join(build),
+                                        "--build-cwd", proj], "cc1plus")
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("): reverted\n", out)
+        self.assertEqual(self.snapshot(proj), before)
         self.compiles_nothing(build, proj)
         self.assertEqual(self.probe("aot"), "4.0 plain")
 

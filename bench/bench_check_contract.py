@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Time check_contract.py against two baselines over the same generated tree.
 
-For each size (default 100, 1000 and 4000 backends) the script generates a
-git repository of backends that pass the check, then times, interleaved and
-in the same run:
+For each size (default 30, 1000 and 4000 backends) the script generates a
+git repository of backends that pass the check (one in four a fat-library
+cuda backend, the rest the test corpus's build scripts, each under its own
+name, so no two scripts are alike), then times, interleaved and in the same
+run:
 
   checker  python3 check_contract.py --root TREE
   grep     grep -r ABI_VERSION TREE/backends
@@ -14,8 +16,8 @@ in the same run:
 Every command is a fresh process, so interpreter start-up is included for
 both Python commands. The best (minimum) of --repeat interleaved runs is
 reported, since other load on the machine only ever adds time; the ratios
-are of those minima. The goals: checker/reader <= 2 at 1,000 backends and
-more, and time linear in the number of backends (the last line compares
+are of those minima. The goals: checker/reader <= 2 at 30, 1,000 and 4,000
+backends, and time linear in the number of backends (the last line compares
 the growth of the checker's time between the smallest and the largest size
 with the reader's). Where the machine's speed drifts from run to run, the
 minima of two columns may come from different moments: "round median" is
@@ -35,8 +37,8 @@ each; its time should grow as the text does, so the line gives the size
 ratio beside the time ratio.
 
 Usage:
-    python3 bench/bench_check_contract.py [--sizes 100,1000,4000] [--repeat 11]
-                                          [--keep DIR]
+    python3 bench/bench_check_contract.py [--sizes 30,1000,4000] [--repeat 11]
+                                          [--keep DIR] [--baseline CHECKER]
 Exit codes: 0 measured (whatever the ratios), 1 the checker failed on a
 generated tree, 2 usage error.
 """
@@ -133,9 +135,50 @@ COMPILE_CHECKER = "import sys; compile(open(sys.argv[1], 'rb').read(), sys.argv[
 OPS = ("rmsnorm", "softmax", "rotary", "silu_mul")
 
 
-def generate(root, count):
-    """A git repository of `count` valid cuda backends."""
+def corpus_shapes():
+    """The build scripts of the test corpus that the checker passes clean, as
+    (platform, name, files): the shapes real repositories' scripts take."""
+    sys.path.insert(0, os.path.dirname(CHECKER))
+    import test_check_contract as corpus
+    shapes = []
+    for name, platform, script, extra, construct, truth in corpus.BUILD_SCRIPT_CORPUS:
+        if construct is None:
+            shapes.append((platform, name, corpus.corpus_backend(name, platform, script, extra, truth)))
+    with tempfile.TemporaryDirectory(prefix="bench-shapes-") as root:
+        for _, _, files in shapes:
+            write_files(root, files, "", "")
+        done = subprocess.run([sys.executable, CHECKER, "--root", root, "--format", "json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    flagged = {issue["backend"] for issue in json.loads(done.stdout)["issues"]}
+    return [shape for shape in shapes if "%s/%s" % shape[:2] not in flagged]
+
+
+def write_files(root, files, name, new_name):
+    """Write a corpus backend's files under root, every mention of its name
+    renamed, so that no two backends' files are alike."""
+    for path, content in files.items():
+        if isinstance(content, dict):
+            content = json.dumps(content, indent=2)
+        if name:
+            path, content = path.replace(name, new_name), content.replace(name, new_name)
+        full = os.path.join(root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w") as handle:
+            handle.write(content)
+        if path.endswith(".sh"):
+            os.chmod(full, 0o755)
+
+
+def generate(root, count, shapes):
+    """A git repository of `count` valid backends: one in four is the
+    fat-library cuda backend below (a header with the ABI macro, four .cu
+    files), the others the test corpus's build scripts in turn, each backend
+    under its own name, so that every script differs from every other."""
     for index in range(count):
+        if index % 4:
+            platform, shape, files = shapes[index % len(shapes)]
+            write_files(root, files, shape, "%s_%05d" % (shape, index))
+            continue
         name = "k%05d" % index
         prefix = name
         directory = os.path.join(root, "backends", "cuda", name)
@@ -171,7 +214,7 @@ def timed(command):
     return elapsed, done.returncode, done.stderr
 
 
-def measure(root, repeat):
+def measure(root, repeat, baseline):
     commands = {
         "checker": [sys.executable, CHECKER, "--root", root],
         "grep": ["grep", "-r", "ABI_VERSION", os.path.join(root, "backends")],
@@ -182,9 +225,13 @@ def measure(root, repeat):
         "start-up": [sys.executable, "-c", "pass"],
         "compile": [sys.executable, "-c", COMPILE_CHECKER, CHECKER],
     }
+    if baseline:
+        # Another version of the checker: its findings on these trees may
+        # differ, so its exit status is not checked.
+        commands["baseline"] = [sys.executable, baseline, "--root", root]
     for name, command in commands.items():  # warm the page cache
         elapsed, rc, err = timed(command)
-        if name != "grep" and rc != 0:
+        if name not in ("grep", "baseline") and rc != 0:
             raise RuntimeError("%s failed (exit %d): %s" % (name, rc, err.decode(errors="replace")))
     times = {name: [] for name in commands}
     for _ in range(repeat):
@@ -195,6 +242,9 @@ def measure(root, repeat):
     # The checker and the reader of the same round ran under the same load.
     result["paired"] = statistics.median(
         checker / reader for checker, reader in zip(times["checker"], times["reader"]))
+    if baseline:
+        result["baseline paired"] = statistics.median(
+            other / reader for other, reader in zip(times["baseline"], times["reader"]))
     return result
 
 
@@ -244,11 +294,13 @@ def script_scaling(repeat):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="100,1000,4000",
-                        help="comma-separated backend counts (default: 100,1000,4000)")
+    parser.add_argument("--sizes", default="30,1000,4000",
+                        help="comma-separated backend counts (default: 30,1000,4000)")
     parser.add_argument("--repeat", type=int, default=11,
                         help="timed runs per command (default: 11)")
     parser.add_argument("--keep", metavar="DIR", help="generate the trees in DIR and keep them")
+    parser.add_argument("--baseline", metavar="CHECKER",
+                        help="also time this other version of check_contract.py, interleaved")
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -258,6 +310,7 @@ def main(argv=None):
         parser.error("--repeat and --sizes must be positive")
     base = args.keep or tempfile.mkdtemp(prefix="bench-check-contract-")
     rows = []
+    shapes = corpus_shapes()
     try:
         print("python %s, best of %d interleaved runs, seconds" % (sys.version.split()[0], args.repeat))
         print("load average before: %s" % " ".join("%.2f" % x for x in os.getloadavg()))
@@ -267,9 +320,9 @@ def main(argv=None):
             root = os.path.join(base, "tree-%d" % size)
             if os.path.exists(root):
                 shutil.rmtree(root)
-            generate(root, size)
+            generate(root, size, shapes)
             try:
-                result = measure(root, args.repeat)
+                result = measure(root, args.repeat, args.baseline)
             except RuntimeError as exc:
                 print("error: %s" % exc, file=sys.stderr)
                 return 1
@@ -278,6 +331,10 @@ def main(argv=None):
                 size, result["checker"], result["reader"], result["grep"],
                 result["checker"] / result["reader"], result["checker"] / result["grep"],
                 result["paired"]), flush=True)
+            if args.baseline:
+                print("%9s %9.3f %9s %9s %14.2fx %12s %13.2fx  (--baseline)" % (
+                    "", result["baseline"], "", "", result["baseline"] / result["reader"], "",
+                    result["baseline paired"]), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

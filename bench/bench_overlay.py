@@ -26,6 +26,7 @@ of products, at most 10x the time for 10x the products.
 Usage:
   python3 bench/bench_overlay.py [--dir /tmp] [--repeat 3] [--artifact-mb 200]
                                  [--cache-files 2500] [--cache-mb 250]
+                                 [--baseline OTHER/overlay_setup.py]
   python3 bench/bench_overlay.py --products 500 [--dir /tmp] [--repeat 3]
 
 Exit codes: 0 goals met, 1 a goal missed (the numbers are printed either
@@ -117,16 +118,17 @@ def timed(commands: List[List[str]]) -> float:
     return time.perf_counter() - start
 
 
-def tool_round_trip(root: str) -> float:
-    state = ["--state", os.path.join(os.path.dirname(root), "state")]
-    add = [sys.executable, TOOL] + state + [
+def tool_round_trip(root: str, tool: str = TOOL) -> float:
+    state = ["--state", os.path.join(os.path.dirname(root), "state-" + os.path.basename(
+        os.path.dirname(tool)))]
+    add = [sys.executable, tool] + state + [
         "add-native", "--source", os.path.join(root, "src/kernel.cu"),
         "--patched", os.path.join(root, "kernel_patched.cu"),
         "--artifact", os.path.join(root, "lib/libkernels.so"),
         "--invalidate-cache", os.path.join(root, "cache"),
         # a build must change the artifact (one that does not fails with E404): append a byte
         "--build-cmd", "printf x >> ../lib/libkernels.so", "--build-cwd", os.path.join(root, "build")]
-    return timed([add, [sys.executable, TOOL] + state + ["revert"]])
+    return timed([add, [sys.executable, tool] + state + ["revert"]])
 
 
 def floor_round_trip(root: str, cache_mode: str) -> float:
@@ -194,13 +196,17 @@ def measure_products(base: str, products: int, repeat: int) -> int:
     return 0 if ratio <= PRODUCTS_SCALE else 1
 
 
-def measure(root: str, repeat: int) -> Dict[str, float]:
+def measure(root: str, repeat: int, baseline: str = None) -> Dict[str, float]:
     """Median seconds per method, runs interleaved so page-cache state is shared."""
     reference = fingerprint(root)
     times: Dict[str, List[float]] = {"tool": [], "floor": [], "naive": []}
+    if baseline:
+        times["baseline"] = []
     for _ in range(repeat):
         times["floor"].append(floor_round_trip(root, "rename"))
         times["tool"].append(tool_round_trip(root))
+        if baseline:
+            times["baseline"].append(tool_round_trip(root, baseline))
         times["naive"].append(floor_round_trip(root, "tar"))
         if fingerprint(root) != reference:
             raise SystemExit("bench_overlay: the install differs after a round trip; the "
@@ -220,6 +226,8 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--products", type=int,
                         help="time instead a build directory of this many object files "
                         "against one of %d times as many" % PRODUCTS_SCALE)
+    parser.add_argument("--baseline", metavar="TOOL",
+                        help="also time this other version of overlay_setup.py, interleaved")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.artifact_mb < 1 or args.cache_files < 1 or args.cache_mb < 1 \
             or (args.products is not None and args.products < 1):
@@ -232,6 +240,7 @@ def main(argv: List[str] = None) -> int:
         finally:
             shutil.rmtree(base, ignore_errors=True)
     results = {}
+    print("load average before: %s" % " ".join("%.2f" % x for x in os.getloadavg()))
     try:
         for scale in (1, 4):
             root = os.path.join(base, "x%d" % scale, "install")
@@ -240,7 +249,7 @@ def main(argv: List[str] = None) -> int:
                   % (args.artifact_mb, args.cache_files * scale, args.cache_mb * scale),
                   flush=True)
             make_install(root, args.artifact_mb, args.cache_files * scale, args.cache_mb * scale)
-            results[scale] = measure(root, args.repeat)
+            results[scale] = measure(root, args.repeat, args.baseline)
             shutil.rmtree(os.path.dirname(root))
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -252,6 +261,13 @@ def main(argv: List[str] = None) -> int:
         print("| %d files, %d MB | %.3f | %.3f | %.3f | %.2fx | %.2fx |" % (
             args.cache_files * scale, args.cache_mb * scale, row["floor"], row["tool"],
             row["naive"], row["tool"] / row["floor"], row["naive"] / row["floor"]))
+    if args.baseline:
+        for scale, row in sorted(results.items()):
+            print("| %d files, %d MB | %.3f | %.3f (--baseline) | | %.2fx | |" % (
+                args.cache_files * scale, args.cache_mb * scale, row["floor"], row["baseline"],
+                row["baseline"] / row["floor"]))
+        print("--baseline cache scaling: %.2fx" % (results[4]["baseline"] / results[1]["baseline"]))
+    print("load average after: %s" % " ".join("%.2f" % x for x in os.getloadavg()))
     scaling = results[4]["tool"] / results[1]["tool"]
     worst = max(row["tool"] / row["floor"] for row in results.values())
     print()
