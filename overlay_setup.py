@@ -46,7 +46,10 @@ Usage:
   outputs depending on the source in ninja's graph plus .ninja_log and
   .ninja_deps, for any other build the object files, libraries and depfiles
   of the build directory and everything under its build/ folder (over 1 GiB
-  is refused: --no-protect, --protect PATH).  --dry-run prints that plan.
+  is refused: --no-protect, --protect PATH).  make is asked only once the
+  entry is journaled (make -n evaluates the Makefile's $(shell ...)), ninja
+  in a copy of its logs (every ninja run rewrites them).  --dry-run prints
+  the plan and runs nothing of the install: it does not ask make.
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
   else the current directory's own state directory outside every install,
@@ -164,6 +167,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -1081,7 +1085,8 @@ class State:
                 if build.get("tree") is not None:
                     target(build["tree"], "build directory")
                     inside_roots(build["tree"])
-                for product in entry.get("untracked") or []:
+                for product in (entry.get("untracked") or []) + (
+                        entry.get("earlier_untracked") or []):
                     target(product.get("path"), "build product")
                     if not any(is_within(product["path"], tree) for tree in build_trees(build)):
                         raise OverlayError("E203", "journal %s names build product %r outside "
@@ -1166,8 +1171,9 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
             problems.append(bad(entry["build"], "build", where + ".build"))
             if entry["build"].get("process") is not None:
                 problems.append(bad(entry["build"]["process"], "process", where + ".build.process"))
-        problems += [bad(p, "product", "%s.untracked[%d]" % (where, i))
-                     for i, p in enumerate(entry.get("untracked") or [])]
+        for key in ("untracked", "earlier_untracked"):
+            problems += [bad(p, "product", "%s.%s[%d]" % (where, key, i))
+                         for i, p in enumerate(entry.get(key) or [])]
         if not all(isinstance(k, str) and type(v) is int
                    for k, v in entry.get("dirs", {}).items()):
             problems.append(where + ".dirs")
@@ -1965,8 +1971,10 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
             products.append({"path": path, "kind": info[0], "created": True})
         elif info[0] != "d" and old[:3] != info and scanned_link(old) is None:
             products.append({"path": path, "kind": info[0], "created": False})
+    excluded = set(scan_exclusions(state, entry))  # backed up since the scan, or the state's
     for path, old in sorted(before.items()):
-        if path not in after and isinstance(old, list) and old and old[0] == "f":
+        if path not in after and isinstance(old, list) and old and old[0] == "f" and \
+                path not in excluded:
             products.append({"path": path, "kind": "f", "created": False, "deleted": True})
     return merge_products(entry.get("earlier_untracked") or [], products)
 
@@ -2221,12 +2229,41 @@ def depfile_readers(directory: str, sources: List[str]) -> List[str]:
     return found
 
 
+@contextlib.contextmanager
+def ninja_copy(directory: str):
+    """A folder that stands for the build directory in ninja's queries: its
+    logs copied, everything else linked.  Every ninja run rewrites the logs
+    it reads (an older log format converted; one it finds too old or too new,
+    as another ninja wrote it, deleted), and asking for the plan must not."""
+    folder = tempfile.mkdtemp(prefix="overlay-ninja-")
+    try:
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if name in (".ninja_log", ".ninja_deps") and os.path.isfile(path):
+                shutil.copy2(path, os.path.join(folder, name))
+            else:
+                os.symlink(path, os.path.join(folder, name))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def ninja_targets(argv: List[str], directory: str, sources: List[str]) -> Optional[List[str]]:
     """Every output that depends on one of `sources` in ninja's graph: the
     edges that read a node (`ninja -t query`) and the header dependencies
     ninja recorded (`ninja -t deps`) or the depfiles on disk hold, followed to
-    the end; then .ninja_log and .ninja_deps, which every ninja run rewrites."""
-    base = [argv[0], "-C", directory]
+    the end; then .ninja_log and .ninja_deps, which every ninja run rewrites.
+    ninja is asked in a copy of the build directory (ninja_copy)."""
+    try:
+        with ninja_copy(directory) as copy:
+            return ninja_query(argv, directory, copy, sources)
+    except OSError:
+        return None
+
+
+def ninja_query(argv: List[str], directory: str, copy: str,
+                sources: List[str]) -> Optional[List[str]]:
+    base = [argv[0], "-C", copy]
     for number, word in enumerate(argv[:-1]):
         if word == "-f":
             base += ["-f", argv[number + 1]]
@@ -2301,8 +2338,18 @@ def side_products(target: str) -> List[str]:
     return found
 
 
-def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tuple[List[str], str]:
-    """The existing regular files the build may rewrite, and how that was found."""
+def asks_make(build: Optional[dict]) -> bool:
+    """Whether the build's products come from make's plan: make -n -W
+    evaluates the Makefile's $(shell ...) (only recipes are not run), so it is
+    asked only once the entry is journaled, and never by --dry-run."""
+    tool = build_tool(build["cmd"], build["cwd"]) if build is not None else None
+    return tool is not None and tool[0] == "make"
+
+
+def predict_products(build: dict, sources: List[str], excluded: List[str],
+                     ask_make: bool = True) -> Tuple[List[str], str]:
+    """The existing regular files the build may rewrite, and how that was
+    found (nothing for a make build when not `ask_make`)."""
     tool = build_tool(build["cmd"], build["cwd"])
     if tool is None and os.path.isfile(os.path.join(build["cwd"], "build.ninja")):
         # A command that runs ninja there itself: an import that triggers
@@ -2312,6 +2359,8 @@ def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tu
     how = "found in the build directory"
     if tool is not None:
         kind, argv, directory = tool
+        if kind == "make" and not ask_make:
+            return [], "not asked"
         if kind == "make":
             predicted = make_targets(argv, build["cwd"], sources)
             how = "predicted by make -n -W"
@@ -2334,7 +2383,7 @@ def predict_products(build: dict, sources: List[str], excluded: List[str]) -> Tu
 
 def protected_paths(state: State, sources: List[str], artifacts: List[str], caches: List[str],
                     build: Optional[dict], protect: List[str],
-                    no_protect: bool) -> List[Tuple[str, str]]:
+                    no_protect: bool, ask_make: bool = True) -> List[Tuple[str, str]]:
     """[(path, why)] of the existing files to back up besides sources and
     artifacts, so that revert gives back what the build rewrites.  The
     automatic part is refused over PROTECT_BUDGET before anything changes."""
@@ -2360,7 +2409,7 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
         {"cmd": "ninja", "cwd": directory} for directory in jit_directories(artifacts, build)]
     predicted: List[Tuple[str, str]] = []
     for one in builds:
-        found, how = predict_products(one, sources, excluded)
+        found, how = predict_products(one, sources, excluded, ask_make)
         predicted += [(path, how) for path in found if path not in taken]
         taken.update(found)
     size = sum(os.lstat(path).st_size for path, _ in predicted)
@@ -2746,18 +2795,32 @@ def validate_native_plan(state: State, manifest: dict, sources: List[str], artif
                            "build command runs in" % build_cwd)
 
 
+def track_parents(entry: dict, paths: List[str]) -> None:
+    """Every path a revert acts on lies under one of the entry's roots
+    (checked on load); their parent directories get their mtimes back too
+    (temp files and renames touch them)."""
+    entry["roots"] = sorted(set(entry["roots"]) | {os.path.dirname(path) for path in paths})
+    for path in paths:
+        parent = os.path.dirname(path)
+        if os.path.isdir(parent) and parent not in entry["dirs"]:
+            entry["dirs"][parent] = os.stat(parent).st_mtime_ns
+
+
 def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
     return [path for path, _ in changes]
 
 
 def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                        artifacts: List[str], caches: List[str], build: Optional[dict],
-                       protected: List[Tuple[str, str]], command: str,
+                       protected: Callable[[], List[Tuple[str, str]]], command: str,
                        modes: Dict[str, int]) -> dict:
     """Steps 1-3: make the backups and the journal entry durable, then set the
     caches aside and swap the sources.  `changes` maps each source to its
     patched content (None: delete it), `modes` some of them to a new mode.  A crash before the entry is journaled
-    leaves only unreferenced backups; the install is untouched until then."""
+    leaves only unreferenced backups; the install is untouched until then.
+    `protected` gives the build products to back up besides: it may ask make
+    for its plan, which runs the Makefile's $(shell ...), so it is called once
+    the entry is journaled (what that writes is then the entry's to undo)."""
     entry_id = manifest["next_id"]
     directory = "backups/%d" % entry_id
     entry = {"id": entry_id, "command": command, "state": "applying",
@@ -2780,11 +2843,6 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         elif record["present"]:
             record["backup"] = "%s/a%d" % (directory, number)
         entry["artifacts"].append(record)
-    for number, (path, why) in enumerate(protected):
-        record = record_file(path, "build product")
-        record["why"] = why
-        record["backup"] = "%s/p%d" % (directory, number)
-        entry["protected"].append(record)
     backup_mount = mount_of(state.root)
     for number, cache in enumerate(caches):
         present = os.path.isdir(cache)
@@ -2798,16 +2856,9 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
                                 "method": "rename" if same_fs or not present else "tar",
                                 "backup": "%s/c%d%s" % (directory, number,
                                                         "" if same_fs or not present else ".tar")})
-    tracked = changes_paths(changes) + artifacts + caches + [p for p, _ in protected]
-    # Every path a revert acts on lies under one of these (checked on load).
-    entry["roots"] = sorted({os.path.dirname(path) for path in tracked}
-                            | set(build_trees(build)) | ({build["cwd"]} if build else set()))
-    # Parent directories get their mtimes back too: temp files and renames touch them.
+    entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
     entry["dirs"] = {}
-    for path in tracked:
-        parent = os.path.dirname(path)
-        if os.path.isdir(parent) and parent not in entry["dirs"]:
-            entry["dirs"][parent] = os.stat(parent).st_mtime_ns
+    track_parents(entry, changes_paths(changes) + artifacts + caches)
     for tree in build_trees(build):
         if os.path.isdir(tree):
             entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
@@ -2841,6 +2892,22 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     manifest["next_id"] = entry_id + 1
     manifest["entries"].append(entry)
     state.save(manifest)
+    try:
+        products = protected()
+    except OverlayError:  # over the budget: undo what asking make did, and the entry
+        revert_entry(state, manifest, entry, keep_untracked=False)
+        raise
+    if products:
+        track_parents(entry, [path for path, _ in products])
+        for number, (path, why) in enumerate(products):
+            record = record_file(path, "build product")
+            record["why"] = why
+            record["backup"] = "%s/p%d" % (directory, number)
+            record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
+            record["identity"] = file_identity(path)
+            entry["protected"].append(record)
+        fsync_dir(backup_dir)
+        state.save(manifest)
 
     for cache in entry["caches"]:
         if not cache["present"]:
@@ -3447,20 +3514,22 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     stop_leftover_build(entry)
     found = untracked_products(state, entry)
     products = [] if keep_untracked else found
-    ours = [record for record in still_ours(manifest) if record not in entry_files(entry)
-            and record not in found]
+    mine = {id(record) for record in entry_files(entry) + found}
+    ours = [record for record in still_ours(manifest) if id(record) not in mine]
     kept = []
     if not force and entry.get("untracked") is not None:  # the entry's last build completed
         # Only what is still exactly what the build left is the build's:
         # a library upgraded since, a file edited or a link changed is not.
+        # What an interrupted revert already put back or removed is no change.
         kept = [record["path"] for record in entry.get("protected") or []
                 if not unchanged_since_build(record)
-                and seen(record["path"]) != record.get("identity")]
-        # One already gone (a revert killed after removing it) is done.
+                and seen(record["path"]) != record.get("identity")
+                and file_sha256(record["path"]) != record.get("sha256")]
         kept += [product["path"] for product in products
-                 if product["kind"] != "d" and not unchanged_since_build(product)
-                 and seen(product["path"]) is not None]
-        products = [product for product in products if product["path"] not in kept]
+                 if product["kind"] != "d" and os.path.lexists(product["path"])
+                 and not unchanged_since_build(product)]
+        keep = set(kept)
+        products = [product for product in products if product["path"] not in keep]
     aside = None
     if products and entry.get("untracked") is None:
         # The run died during its build: what appeared in the build directory
@@ -3483,8 +3552,9 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         products = [product for product in products if product["created"]
                     or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
+    keep = set(kept)
     for record in entry_files(entry):
-        if record["path"] in kept:
+        if record["path"] in keep:
             continue
         if record.get("in_cache"):
             continue  # its cache comes back whole below
@@ -3609,10 +3679,24 @@ def revert_all(state: State, manifest: dict, force: bool,
         write_python_overlay(state, manifest)
         state.save(manifest)
     remove_path(state.python)
+    # What revert gives back is what lies in these directories (and each
+    # file named): a build's write elsewhere, an install step's copy into a
+    # prefix, is not seen, and is said not to be.
+    trees = {path for entry in manifest["entries"]
+             for path in build_trees(entry["build"]) + [cache["path"] for cache in entry["caches"]]}
+    checked = sorted([tree for tree in trees if not any(tree != other and is_within(tree, other)
+                                                        for other in trees)]
+                     + sorted({record["path"] for entry in manifest["entries"]
+                               for record in entry_files(entry)
+                               if not any(is_within(record["path"], tree) for tree in trees)}))
     for entry in reversed(list(manifest["entries"])):
         inexact += revert_entry(state, manifest, entry, keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+    if checked:
+        done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
+                    "are not, unless named with --artifact"
+                    % (", ".join(checked), "it" if len(checked) == 1 else "them"))
     del manifest["reverting"]
     state.save(manifest)
     remove_path(state.backups)
@@ -3736,6 +3820,9 @@ class Locked:
 
 def unwritable_state(state: State, exc: OSError) -> OverlayError:
     """Refused before the install changes: without a journal nothing may."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):  # the place is right, the disk not
+        return OverlayError("E601", "could not write %s (%s); nothing was changed: fix the "
+                            "cause and run the command again" % (written(exc), exc.strerror))
     where = "" if written(exc) == state.root else "%s: " % written(exc)
     return OverlayError("E210", "cannot write the state directory %s (%s%s); nothing was "
                         "changed: pass --state DIR on a writable filesystem, or set "
@@ -3842,8 +3929,9 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
 
 def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[str, str]],
                artifacts: List[str], caches: List[str], build: Optional[dict],
-               protected: List[Tuple[str, str]], no_build: bool) -> None:
-    """What add-native or apply would do, for --dry-run."""
+               protected: List[Tuple[str, str]], no_build: bool, make_plan: bool) -> None:
+    """What add-native or apply would do, for --dry-run (`make_plan`: the
+    build products of a make build, which --dry-run cannot tell)."""
     print("plan (--dry-run: nothing was changed):")
     for path, patched in changes:
         print("  %-10s %s" % ("delete" if patched is None else
@@ -3863,6 +3951,10 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
                                            "" if os.path.lexists(path) else ", absent now"))
     for path, why in protected:
         print("  %-10s %s (build product, %s)" % ("back up", path, why))
+    if make_plan:
+        print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
+              "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+              "is written)" % "back up")
     for path in caches:
         print("  %-10s %s (cache%s)" % ("set aside", path,
                                         "" if os.path.lexists(path) else ", absent now"))
@@ -3884,7 +3976,8 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
 
 def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
                   artifacts: List[str], caches: List[str], build: Optional[dict],
-                  protected: List[Tuple[str, str]], command: str, python_update=None,
+                  protected: Callable[[], List[Tuple[str, str]]], command: str,
+                  python_update=None,
                   modes: Optional[Dict[str, int]] = None) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
@@ -3943,13 +4036,29 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
     check_claims(state, sources, artifacts, caches)
     validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
     protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
-                                args.no_protect) if changes else []
+                                args.no_protect, ask_make=False) if changes else []
     if changes and build is not None:
         for tree in build_trees(build):
             if scan_tree(tree, [state.root])[1]:
                 raise scan_limit_reached(tree)
-    print_plan(changes, modules, artifacts, caches, build, protected, args.no_build)
+    print_plan(changes, modules, artifacts, caches, build, protected, args.no_build,
+               changes and not args.no_protect and asks_make(build))
     return 0
+
+
+def protection(state: State, sources: List[str], artifacts: List[str], caches: List[str],
+               build: Optional[dict],
+               args: argparse.Namespace) -> Callable[[], List[Tuple[str, str]]]:
+    """The build products to back up, as begin_native_entry asks for them:
+    worked out now (so that the budget is refused before anything changes),
+    or for a make build once the entry is journaled (asks_make)."""
+    def plan() -> List[Tuple[str, str]]:
+        return protected_paths(state, sources, artifacts, caches, build, args.protect,
+                               args.no_protect)
+    if asks_make(build) and not args.no_protect:
+        return plan
+    found = plan()
+    return lambda: found
 
 
 def cmd_add_native(args: argparse.Namespace) -> int:
@@ -3964,8 +4073,7 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     check_state_outside_build(state, build)
     if args.dry_run:
         return dry_run(state, args, [(source, patched)], [], artifacts, caches, build)
-    protected = protected_paths(state, [source], artifacts, caches, build, args.protect,
-                                args.no_protect)
+    protected = protection(state, [source], artifacts, caches, build, args)
     with Locked(state, "add-native") as manifest:
         claim_owner(state, manifest, args.owner_pid)
         validate_native_plan(state, manifest, [source], artifacts, caches,
@@ -4107,8 +4215,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
                        artifacts, caches, build if natives else None)
-    protected = protected_paths(state, [path for path, _ in natives], artifacts, caches,
-                                build if natives else None, args.protect, args.no_protect)
+    protected = protection(state, [path for path, _ in natives], artifacts, caches,
+                           build if natives else None, args)
     with Locked(state, "apply") as manifest:
         claim_owner(state, manifest, args.owner_pid)
         for module, _content, _package, _origin in modules:

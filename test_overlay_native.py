@@ -107,6 +107,13 @@ def tree_state(root: str) -> dict:
     return found
 
 
+def checked(*directories: str) -> str:
+    """The line revert ends its list with: the directories it checked."""
+    return ("checked %s; a build's writes outside %s (an install step into a prefix) are not, "
+            "unless named with --artifact\n" % (", ".join(directories),
+                                                "it" if len(directories) == 1 else "them"))
+
+
 def call(*argv: str) -> tuple:
     """Run main() in-process and return (rc, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
@@ -247,8 +254,8 @@ class CProjectTest(OverlayTestCase):
 
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertEqual(out, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"),
-                                                                       self.state))
+        self.assertEqual(out, "entry 1 restored: %s\n%sreverted %s\n"
+                         % (self.p("kernel_b.c"), checked(self.proj), self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
@@ -290,8 +297,9 @@ class CProjectTest(OverlayTestCase):
                          (0, "3 artifact(s) rebuilt from the patched sources\n", ""))
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\nreverted %s\n"
-                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), self.state))
+        self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\n%sreverted %s\n"
+                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), checked(self.proj),
+                            self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
 
@@ -648,7 +656,8 @@ class CProjectTest(OverlayTestCase):
                                                                 default_state)))
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(call("revert", "--all"), (
-            0, "entry 1 restored: %s\nreverted %s\n" % (self.p("kernel_b.c"), default_state),
+            0, "entry 1 restored: %s\n%sreverted %s\n"
+            % (self.p("kernel_b.c"), checked(self.proj), default_state),
             ""))
         self.assertEqual(overlay_setup.registered_states(), [])
         self.assertEqual(tree_state(self.proj), before)
@@ -803,7 +812,8 @@ class CProjectTest(OverlayTestCase):
         write_tree(self.tmp, {"outside/fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
         rc, out, err = call("add-native", "--source", self.p("kernel_b.c"), "--patched",
                             os.path.join(self.tmp, "outside/fast.c"), "--artifact", self.lib,
-                            "--state", state, "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
+                            "--state", state,
+                            "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
                             "sleep 0.05; done; git clean -xdfq .. && make",
                             "--build-cwd", self.proj)
         record = overlay_setup.registry_record(state)
@@ -970,8 +980,9 @@ class DefaultStateTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("state: %s\nowner: " % state, out)
         self.assertIn("entry 1: built", out)
-        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"), state), ""))
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                             state), ""))
         self.assertEqual(tree_state(self.pkg), self.before)
 
     def test_from_elsewhere_status_lists_and_each_message_names_the_exact_command(self) -> None:
@@ -1063,8 +1074,9 @@ class DefaultStateTest(OverlayTestCase):
         rc, out, err = call("status")
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("state: %s\n" % legacy, out)
-        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"), legacy), ""))
+        self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                          % (os.path.join(self.pkg, "k.c"),
+                                             checked(os.path.join(self.pkg, "k.c")), legacy), ""))
         self.assertEqual(registry_entries(), [])
         shutil.rmtree(legacy)
         self.assertEqual(tree_state(self.pkg), self.before)
@@ -1224,8 +1236,9 @@ class OwnedFilesTest(OverlayTestCase):
         self.assertIn("backed up 2 build product(s) the build may rewrite: %s (predicted by "
                       "make -n -W), %s (predicted by make -n -W)"
                       % (os.path.join(self.pkg, "k.o"), os.path.join(self.pkg, "libk.so")), out)
-        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                               % (os.path.join(self.pkg, "k.c"), self.state), ""))
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                               % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                                  self.state), ""))
         self.assertEqual(tree_state(self.pkg), before)
         self.assertEqual(read_text(os.path.join(work, "results.txt")), "0.93\n")
 
@@ -1243,6 +1256,23 @@ class OwnedFilesTest(OverlayTestCase):
         after = tree_state(self.pkg)
         self.assertEqual({k: v for k, v in after.items() if k != "."},
                          {k: v for k, v in self.before.items() if k != "."})
+
+    def test_a_tampered_product_of_an_earlier_build_is_refused_before_acting(self) -> None:
+        self.assertOk(self.add())
+        victim = os.path.join(self.tmp, "victim.txt")
+        write_text_file(victim, "keep\n")
+        path = os.path.join(self.state, "manifest.json")
+        journal = read_json(path)
+        journal["entries"][0]["untracked"] = None  # as an update killed in its build leaves it
+        journal["entries"][0]["earlier_untracked"] = [
+            {"path": victim, "kind": "f", "created": True}]
+        write_json(path, journal)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "overlay_setup: E203 journal %s names build product %r outside "
+                              "the build directory %s; nothing was changed\n"
+                         % (path, victim, self.pkg))
+        self.assertEqual(read_text(victim), "keep\n")
 
     def test_update_of_one_entry_does_not_take_another_entrys_products(self) -> None:
         write_tree(self.pkg, {"m.c": "int m;\n"})
@@ -1268,8 +1298,9 @@ class OwnedFilesTest(OverlayTestCase):
         os.unlink(library)
         write_text_file(library, "version 2 of the package\n")  # an upgrade replaced it
         rc, out, err = self.tool("revert")
-        self.assertEqual((rc, out), (3, "entry 1 restored: %s\nreverted %s\n"
-                                     % (os.path.join(self.pkg, "k.c"), self.state)))
+        self.assertEqual((rc, out), (3, "entry 1 restored: %s\n%sreverted %s\n"
+                                     % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                        self.state)))
         self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
                               "(not what the build left, nor the original), so it is not the "
                               "overlay's to restore or remove; run `overlay_setup.py revert "
@@ -1327,9 +1358,35 @@ class OwnedFilesTest(OverlayTestCase):
                                 "--patched", os.path.join(self.tmp, "fast.c"), "--build-cmd",
                                 "cc -c -o k.o k.c", "--build-cwd", bare))
         self.assertTrue(os.path.isfile(os.path.join(bare, "k.o")))
-        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\nreverted %s\n"
-                                               % (os.path.join(bare, "k.c"), self.state), ""))
+        self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
+                                               % (os.path.join(bare, "k.c"), checked(bare),
+                                                  self.state), ""))
         self.assertEqual(tree_state(bare), before)
+
+    def test_revert_names_what_it_checked_and_an_install_prefix_is_watched_by_artifact(
+            self) -> None:
+        prefix = os.path.join(self.tmp, "prefix")
+        write_tree(self.pkg, {"Makefile": self.MAKEFILE + "install: libk.so\n"
+                              "\tmkdir -p $(PREFIX)/lib && cp -p libk.so $(PREFIX)/lib/\n"})
+        subprocess.run(["make", "-s", "-C", self.pkg, "install", "PREFIX=" + prefix], check=True)
+        before = (tree_state(self.pkg), tree_state(prefix))
+        build = "make install PREFIX=%s" % prefix
+        self.assertOk(self.add("--build-cmd", build))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(checked(self.pkg) + "reverted %s\n" % self.state), out)
+        self.assertEqual(tree_state(self.pkg), before[0])
+        self.assertNotEqual(tree_state(prefix), before[1], "the prefix is not watched")
+        subprocess.run(["make", "-s", "-C", self.pkg, "-B", "install", "PREFIX=" + prefix],
+                       check=True)
+        before = (tree_state(self.pkg), tree_state(prefix))
+        installed = os.path.join(prefix, "lib", "libk.so")
+        self.assertOk(self.add("--build-cmd", build, "--artifact", installed))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertTrue(out.endswith(checked(self.pkg, installed)
+                                     + "reverted %s\n" % self.state), out)
+        self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
 
     def test_a_pre_existing_file_the_build_deletes_is_named(self) -> None:
         write_tree(self.pkg, {"stale.txt": "old\n"})
@@ -1341,6 +1398,103 @@ class OwnedFilesTest(OverlayTestCase):
         self.assertEqual(rc, 3, err)
         self.assertIn("overlay_setup: E506 not byte-exact: the build deleted %s with no backup"
                       % os.path.join(self.pkg, "stale.txt"), err)
+
+
+class PlanRunsNothingTest(OverlayTestCase):
+    """Nothing of the install's build description runs before the entry is
+    journaled, and --dry-run changes no byte, mode or mtime of the tree."""
+
+    SOURCE = "double k(void) { return 1.0; }\n"
+    MAKEFILE = ("RAN := $(shell echo evaluated >> shell-ran)\n"
+                "libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+    NINJA = ("rule cc\n  command = cc -O1 -fPIC -c $in -o $out\n"
+             "rule link\n  command = cc -shared -o $out $in\n"
+             "build k.o: cc k.c\nbuild libk.so: link k.o\n")
+    OLD_LOG = "# ninja log v4\n0\t5\t0\tk.o\t1\n5\t9\t0\tlibk.so\t2\n"
+    CMAKE = ("cmake_minimum_required(VERSION 3.10)\nproject(k C)\n"
+             "add_library(k SHARED k.c)\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        write_text_file(os.path.join(self.tmp, "fast.c"), "double k(void) { return 2.0; }\n")
+
+    def project(self, name: str, files: dict) -> str:
+        root = os.path.join(self.tmp, name)
+        write_tree(root, dict(files, **{"k.c": self.SOURCE}))
+        return root
+
+    def make_project(self) -> str:
+        root = self.project("make", {"Makefile": self.MAKEFILE})
+        quiet(["make"], root).check_returncode()
+        os.unlink(os.path.join(root, "shell-ran"))
+        return root
+
+    def ninja_project(self) -> str:
+        root = self.project("ninja", {"build.ninja": self.NINJA})
+        quiet(["ninja"], root).check_returncode()
+        write_text_file(os.path.join(root, ".ninja_log"), self.OLD_LOG)  # an older ninja's
+        return root
+
+    def dry_run(self, root: str, command: str, build_cwd: str) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), "--build-cmd", command,
+                         "--build-cwd", build_cwd, "--dry-run")
+
+    def test_dry_run_on_each_build_system_changes_nothing_and_runs_nothing(self) -> None:
+        builds = [(self.make_project(), "make", None), (self.ninja_project(), "ninja", None)]
+        setuptools = self.project("setuptools", {"setup.py": (
+            "open('setup-ran', 'w').close()\n"
+            "from setuptools import setup, Extension\n"
+            "setup(name='k', ext_modules=[Extension('k', ['k.c'])])\n")})
+        builds.append((setuptools, "%s setup.py build_ext --inplace" % sys.executable, None))
+        if shutil.which("cmake"):
+            for generator in ("Unix Makefiles", "Ninja"):
+                root = self.project("cmake-" + generator.split()[0].lower(),
+                                    {"CMakeLists.txt": self.CMAKE})
+                build = os.path.join(root, "build")
+                quiet(["cmake", "-S", root, "-B", build, "-G", generator],
+                      root).check_returncode()
+                quiet(["cmake", "--build", build], root).check_returncode()
+                builds.append((root, "cmake --build build", build))
+        for root, command, build in builds:
+            with self.subTest(command=command, directory=os.path.basename(root)):
+                before = tree_state(root)
+                rc, out, err = self.dry_run(root, command, root)
+                self.assertEqual((rc, err), (0, ""), out)
+                self.assertTrue(out.startswith("plan (--dry-run: nothing was changed):\n"), out)
+                self.assertEqual(tree_state(root), before)
+                self.assertFalse(os.path.exists(os.path.join(root, "shell-ran")))
+                self.assertFalse(os.path.exists(os.path.join(root, "setup-ran")))
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_make_evaluates_the_makefile_only_once_the_entry_is_journaled(self) -> None:
+        root = self.make_project()
+        write_tree(root, {"Makefile": self.MAKEFILE.replace(
+            "echo evaluated", "grep -c applying %s/manifest.json" % self.state)})
+        before = tree_state(root)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                                 os.path.join(self.tmp, "fast.c"), "--build-cmd", "make",
+                                 "--build-cwd", root)
+        self.assertEqual((rc, err.count("E")), (0, 0), err)
+        # one line for make's plan, one for the build: both saw the journaled entry
+        self.assertEqual(read_text(os.path.join(root, "shell-ran")), "1\n1\n")
+        self.assertIn("(predicted by make -n -W)", out)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(tree_state(root), before)
+
+    def test_asking_ninja_for_its_plan_leaves_an_older_ninjas_log_as_it_was(self) -> None:
+        root = self.ninja_project()
+        before = tree_state(root)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
+                                 os.path.join(self.tmp, "fast.c"), "--build-cmd", "ninja",
+                                 "--build-cwd", root)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("%s (predicted from ninja's graph)" % os.path.join(root, ".ninja_log"), out)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(root), before)
+        self.assertEqual(read_text(os.path.join(root, ".ninja_log")), self.OLD_LOG)
 
 
 class RefusalTest(OverlayTestCase):
@@ -2772,8 +2926,9 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  back up    {p}/b.c (source)\n"
             "  back up    {p}/libk.so (artifact)\n"
-            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
-            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
+            "  back up    the build products make -n -W names (not asked by --dry-run: make "
+            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+            "is written)\n"
             "  build      make (in {p})\n").format(p=self.proj), ""))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
@@ -2818,9 +2973,9 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  overlay    module pkg.m from {p}/pkg/m.py (Python overlay)\n"
             "  back up    {p}/b.c (source)\n"
-            "  back up    {p}/b.o (build product, predicted by make -n -W)\n"
-            "  back up    {p}/b.d (build product, predicted by make -n -W)\n"
-            "  back up    {p}/libk.so (build product, predicted by make -n -W)\n"
+            "  back up    the build products make -n -W names (not asked by --dry-run: make "
+            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+            "is written)\n"
             "  build      make (in {p})\n").format(p=self.proj))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
@@ -2944,8 +3099,9 @@ class ProtectTest(OverlayTestCase):
                               "makes them again): {0}; next time pass --protect {0}\n"
                               .format(self.p("b.d")))
         rc, out, err = self.tool("revert")
-        self.assertEqual((rc, out), (overlay_setup.NOT_EXACT, "entry 1 restored: %s\nreverted %s\n"
-                                     % (self.p("b.c"), self.state)))
+        self.assertEqual((rc, out), (overlay_setup.NOT_EXACT,
+                                     "entry 1 restored: %s\n%sreverted %s\n"
+                                     % (self.p("b.c"), checked(self.proj), self.state)))
         self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
                               "backup; the next build makes it again (to keep it next time, pass "
                               "--protect {0})\n".format(self.p("b.d")))
