@@ -3707,7 +3707,7 @@ def protect_flags(paths: List[str]) -> str:
     return " ".join("--protect %s" % shell_quote(path) for path in paths)
 
 
-def report_inexact(inexact: List[Tuple[str, str]]) -> None:
+def report_inexact(state: State, inexact: List[Tuple[str, str]]) -> None:
     """E506 for what the build rewrote or deleted with no backup, E510 for
     what changed after the build and was left as it is."""
     rewritten = [path for path, why in inexact if why == "rewritten"]
@@ -3725,8 +3725,8 @@ def report_inexact(inexact: List[Tuple[str, str]]) -> None:
     if kept:
         print("overlay_setup: E510 kept %s: changed after the overlay's build (not what the "
               "build left, nor the original), so it is not the overlay's to restore or remove; "
-              "run `overlay_setup.py revert --force` to restore or remove it all the same"
-              % ", ".join(kept), file=sys.stderr)
+              "run `%s revert --force` to restore or remove it all the same"
+              % (", ".join(kept), tool_at(state)), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -3927,7 +3927,8 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
-def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[str, str]],
+def print_plan(state: State, changes: List[Tuple[str, Optional[bytes]]],
+               modules: List[Tuple[str, str]],
                artifacts: List[str], caches: List[str], build: Optional[dict],
                protected: List[Tuple[str, str]], no_build: bool, make_plan: bool) -> None:
     """What add-native or apply would do, for --dry-run (`make_plan`: the
@@ -3962,7 +3963,7 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
         print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
     elif no_build and changes:
         print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
-              "then `overlay_setup.py verify-native`)" % "build")
+              "then `%s verify-native`)" % ("build", tool_at(state)))
     elif changes:
         sources = changes_paths(changes)
         candidates = build_candidates(sources)
@@ -4041,7 +4042,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
         for tree in build_trees(build):
             if scan_tree(tree, [state.root])[1]:
                 raise scan_limit_reached(tree)
-    print_plan(changes, modules, artifacts, caches, build, protected, args.no_build,
+    print_plan(state, changes, modules, artifacts, caches, build, protected, args.no_build,
                changes and not args.no_protect and asks_make(build))
     return 0
 
@@ -4511,8 +4512,14 @@ def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> st
 def require_overlay(args: argparse.Namespace, state: State, command: str) -> None:
     """An overlay command run where there is none: E208 names the exact
     commands for this user's applied overlays, E207 says there are none."""
-    if state.exists() or state.orphaned_backups():
+    if state.orphaned_backups():
         return
+    if state.exists():
+        if anything_applied(state.load()):
+            return
+        # A state directory stays after its revert: its overlay is gone all the same.
+        raise OverlayError("E207", "nothing is applied at %s; `apply` or `add-native` first"
+                           % state.root)
     if os.path.isfile(registry_record(state.root)):
         raise vanished_state(state)
     others = others_applied(args, state)
@@ -4578,7 +4585,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
         print(line)
     print("reverted %s" % state.root)
     if inexact:
-        report_inexact(inexact)
+        report_inexact(state, inexact)
         return NOT_EXACT
     return 0
 
@@ -4603,7 +4610,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
         if done:
             print("reverted %s" % root)
         if inexact:
-            report_inexact(inexact)
+            report_inexact(state, inexact)
             not_exact = True
     if failures:
         print("overlay_setup: %d state director%s not reverted; see above"
@@ -4639,8 +4646,8 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             registered.append(directory)
         else:
             failures += 1
-            print("overlay_setup: %s" % vanished_state(State(directory)).message,
-                  file=sys.stderr)
+            vanished = vanished_state(State(directory))
+            print("overlay_setup: %s %s" % (vanished.code, vanished.message), file=sys.stderr)
     for directory in sorted(set(find_state_dirs(root) + registered)):
         state = State(directory)
         try:
@@ -4670,7 +4677,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 unregister(state)
                 print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
-                    report_inexact(inexact)
+                    report_inexact(state, inexact)
                     not_exact = True
             finally:
                 state.unlock()

@@ -1855,6 +1855,13 @@ class CommandLineTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.root, "init", "--force", target])
         self.assertEqual(rc, 0, out + err)
 
+    def test_init_of_a_missing_directory_says_which_to_give(self):
+        self.tree(demo_files())
+        self.assertEqual(run_main(["--repo-root", self.root, "init", "backends/cpu/nope"]),
+                         (2, "", "check_contract.py: error: init backends/cpu/nope: no such "
+                                 "directory; give the directory of the backend's sources, "
+                                 "backends/<platform>/<name>\n"))
+
     def test_init_refuses_a_directory_outside_the_backends(self):
         self.tree(demo_files(**{"elsewhere/x.c": ""}))
         rc, out, err = run_main(["--repo-root", self.root, "init", self.path("elsewhere")])

@@ -1303,8 +1303,9 @@ class OwnedFilesTest(OverlayTestCase):
                                         self.state)))
         self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
                               "(not what the build left, nor the original), so it is not the "
-                              "overlay's to restore or remove; run `overlay_setup.py revert "
-                              "--force` to restore or remove it all the same\n" % library)
+                              "overlay's to restore or remove; run `overlay_setup.py --state %s "
+                              "revert --force` to restore or remove it all the same\n"
+                         % (library, self.state))
         self.assertEqual(read_text(library), "version 2 of the package\n")
         self.assertEqual(read_text(os.path.join(self.pkg, "k.c")),
                          "double k(void) { return 1.0; }\n")
@@ -2740,7 +2741,8 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("  back up    %s/b.o (build product, predicted from ninja's graph)\n"
                       "  back up    %s/.ninja_log (build product" % (cache, cache), out)
         self.assertIn("  build      none (--no-build: a later build, such as a JIT at import, "
-                      "rebuilds; then `overlay_setup.py verify-native`)\n", out)
+                      "rebuilds; then `overlay_setup.py --state %s verify-native`)\n"
+                      % self.state, out)
         self.assertEqual((tree_state(proj), tree_state(extensions)), before)
         rc, out, err = self.tool(*args)
         self.assertEqual((rc, err), (0, ""))
@@ -4880,6 +4882,47 @@ def process_state(pid: int) -> str:
     except OSError:
         return "gone"
     return text[text.rfind(")") + 2:].split()[0]
+
+
+class FirstUseMessageTest(OverlayTestCase):
+    """The commands a message tells a new user to run work as written from
+    where they are, and every failure line carries its code."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, TRIAL_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        self.patched = os.path.join(self.tmp, "b_fast.c")
+        write_text_file(self.patched, LIB_SOURCES["b.c"].replace("K;", "7;"))
+        self.add = ["add-native", "--source", os.path.join(self.proj, "b.c"), "--patched",
+                    self.patched, "--artifact", os.path.join(self.proj, "libk.so")]
+
+    def test_the_dry_run_of_a_later_build_names_the_state_for_verify_native(self) -> None:
+        rc, out, err = self.tool(*self.add, "--no-build", "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("  build      none (--no-build: a later build, such as a JIT at import, "
+                      "rebuilds; then `overlay_setup.py --state %s verify-native`)\n"
+                      % self.state, out)
+
+    def test_verify_native_and_update_after_a_revert_say_nothing_is_applied(self) -> None:
+        self.assertOk(self.tool(*self.add, "--build-cmd", "make", "--build-cwd", self.proj))
+        self.assertOk(self.tool("revert"))
+        nothing = "overlay_setup: E207 nothing is applied at %s; `apply` or `add-native` first\n"
+        self.assertEqual(self.tool("verify-native"), (1, "", nothing % self.state))
+        self.assertEqual(self.tool("update"), (1, "", nothing % self.state))
+
+    def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
+        self.assertOk(self.tool(*self.add, "--no-build"))
+        shutil.rmtree(self.state)
+        rc, out, err = call("gc-stale", "--root", self.proj)
+        self.assertEqual((rc, out, err), (1, "", (
+            "overlay_setup: E209 state directory %s is registered with an overlay applied, but "
+            "its journal is gone (deleted by a build's clean step, or by hand): the install may "
+            "still be patched and its backups are lost; restore the patched files from version "
+            "control or a reinstall, then delete %s\n"
+            "overlay_setup: 1 state directory refused or failed; see above\n"
+            % (self.state, overlay_setup.registry_record(self.state)))))
 
 
 def unified_diff(path: str, old: str, new: str) -> str:
