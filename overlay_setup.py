@@ -5133,7 +5133,8 @@ def resolve_format(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    state_help = "state directory (default: $OVERLAY_STATE, else ./.overlay)"
+    state_help = ("state directory (default: $OVERLAY_STATE, else the current directory's own "
+                  "under $XDG_STATE_HOME/overlay_setup/)")
     parser = Parser(
         prog="overlay_setup.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Reversible, crash-safe in-place patches of native sources and Python "

@@ -4912,6 +4912,12 @@ class FirstUseMessageTest(OverlayTestCase):
         self.assertEqual(self.tool("verify-native"), (1, "", nothing % self.state))
         self.assertEqual(self.tool("update"), (1, "", nothing % self.state))
 
+    def test_the_help_of_state_gives_the_default_the_tool_uses(self) -> None:
+        rc, out, err = call("status", "--help")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("state directory (default: $OVERLAY_STATE, else the current directory's "
+                      "own under $XDG_STATE_HOME/overlay_setup/)", " ".join(out.split()))
+
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
         shutil.rmtree(self.state)
