@@ -3979,7 +3979,7 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
                   artifacts: List[str], caches: List[str], build: Optional[dict],
                   protected: Callable[[], List[Tuple[str, str]]], command: str,
                   python_update=None,
-                  modes: Optional[Dict[str, int]] = None) -> dict:
+                  modes: Optional[Dict[str, int]] = None, in_trial: bool = False) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
@@ -3992,7 +3992,9 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
                                            protected, command, modes or {})
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
-                shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
+                # A trial reverts before the user could run `status`.
+                shown[4:] = ["and %d more%s" % (len(shown) - 4,
+                                                "" if in_trial else " (`status` lists them)")]
             if shown:
                 print("backed up %d build product(s) the build may rewrite: %s"
                       % (len(entry["protected"]), ", ".join(shown)))
@@ -4236,7 +4238,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
         entry = finish_native(state, manifest, natives, artifacts, caches,
                               build if natives else None, protected, "apply", python_update,
-                              modes)
+                              modes, getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))

@@ -4918,6 +4918,26 @@ class FirstUseMessageTest(OverlayTestCase):
         self.assertIn("state directory (default: $OVERLAY_STATE, else the current directory's "
                       "own under $XDG_STATE_HOME/overlay_setup/)", " ".join(out.split()))
 
+    def test_a_trial_does_not_send_the_user_to_status_for_what_it_reverts(self) -> None:
+        objects = ["f%d.o" % number for number in range(1, 7)]
+        write_tree(self.tmp, dict(
+            {"many/k.h": "#define K 4\n", "many/Makefile": (
+                "libk.so: %s\n\t$(CC) -shared -o $@ $^\n%%.o: %%.c k.h\n"
+                "\t$(CC) -fPIC -c -o $@ $<\n" % " ".join(objects))},
+            **{"many/" + name[:-2] + ".c": '#include "k.h"\nint %s(void) { return K; }\n'
+               % name[:-2] for name in objects}))
+        many = os.path.join(self.tmp, "many")
+        quiet(["make"], many).check_returncode()
+        patch = os.path.join(self.tmp, "k.diff")
+        write_text_file(patch, "--- a/k.h\n+++ b/k.h\n@@ -1 +1 @@\n-#define K 4\n+#define K 5\n")
+        done = run_tool(["--state", self.state, "trial", patch, "--root", many, "--artifact",
+                         os.path.join(many, "libk.so"), "--build-cmd", "make", "--build-cwd",
+                         many, "--", "true"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("backed up 6 build product(s) the build may rewrite: %s, and 2 more\n"
+                      % ", ".join("%s/%s (predicted by make -n -W)" % (many, name)
+                                  for name in objects[:4]), done.stderr)
+
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
         shutil.rmtree(self.state)
