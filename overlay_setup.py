@@ -4109,8 +4109,10 @@ def where_the_diff_fits(relative: str, root: str, strip: int) -> str:
 def already_applied(args: argparse.Namespace, name: str, target: str, file_patch: FilePatch,
                     current: bytes) -> None:
     """A patch whose hunks do not apply because it is applied already, as
-    an entry of this state directory: say so (E103) instead of E302."""
+    an entry of this state directory: say so (E103) instead of E302; a file
+    that another applied overlay of this user holds is named (E120)."""
     state = open_state(args)
+    check_claims(state, [target], [], [])
     if not state.exists():
         return
     for entry in state.load()["entries"]:

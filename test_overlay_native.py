@@ -4938,6 +4938,19 @@ class FirstUseMessageTest(OverlayTestCase):
                       % ", ".join("%s/%s (predicted by make -n -W)" % (many, name)
                                   for name in objects[:4]), done.stderr)
 
+    def test_a_patch_another_overlay_applied_is_named_as_its_not_a_hunk_mismatch(self) -> None:
+        patch = os.path.join(self.tmp, "b.diff")
+        write_text_file(patch, unified_diff("b.c", LIB_SOURCES["b.c"], read_text(self.patched)))
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        other = os.path.join(self.tmp, "other-state")
+        source = os.path.join(self.proj, "b.c")
+        self.assertEqual(call("--state", other, "apply", patch, "--root", self.proj, "--no-build"),
+                         (1, "", "overlay_setup: E120 --source %s is already held by the overlay "
+                                 "at %s (entry 1, %s); nothing was changed: revert that one first "
+                                 "(`overlay_setup.py --state %s revert`), or add this change to "
+                                 "it with --state %s\n"
+                                 % (source, self.state, source, self.state, self.state)))
+
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
         shutil.rmtree(self.state)
