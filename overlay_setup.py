@@ -4793,6 +4793,9 @@ def cmd_trial(args: argparse.Namespace) -> int:
         raise UsageError("E100", "trial runs the patch; see its plan with `apply --dry-run`")
     if args.repeat < 1:
         raise UsageError("E109", "--repeat must be 1 or more")
+    if shutil.which(command[0]) is None:  # refused before the install is touched
+        raise UsageError("E102", "cannot run %s: no such command on PATH, or not an executable "
+                         "file; pass the command to measure as it runs from here" % command[0])
     if args.owner_pid is None:
         args.owner_pid = os.getpid()  # a trial killed outright is gone: gc-stale reverts it
     owner = make_owner(args.owner_pid)

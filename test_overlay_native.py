@@ -4951,6 +4951,18 @@ class FirstUseMessageTest(OverlayTestCase):
                                  "it with --state %s\n"
                                  % (source, self.state, source, self.state, self.state)))
 
+    def test_a_trial_of_a_command_that_does_not_exist_is_refused_before_anything(self) -> None:
+        patch = os.path.join(self.tmp, "b.diff")
+        write_text_file(patch, unified_diff("b.c", LIB_SOURCES["b.c"], read_text(self.patched)))
+        before = tree_state(self.proj)
+        self.assertEqual(call("--state", self.state, "trial", patch, "--root", self.proj,
+                              "--no-build", "--", "no-such-benchmark", "--fast"),
+                         (2, "", "overlay_setup: E102 cannot run no-such-benchmark: no such "
+                                 "command on PATH, or not an executable file; pass the command "
+                                 "to measure as it runs from here\n"))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
         shutil.rmtree(self.state)
