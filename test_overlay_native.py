@@ -346,8 +346,8 @@ class CProjectTest(OverlayTestCase):
             % self.state))
         self.assertOk(self.tool("init"))
         self.assertEqual(self.tool("verify-native"), (
-            1, "", "overlay_setup: E405 no built artifact to verify; pass --artifact to add-native "
-            "or apply\n"))
+            1, "", "overlay_setup: E207 nothing is applied at %s; `apply` or `add-native` first\n"
+            % self.state))
 
     def test_artifact_created_by_the_build_is_removed_by_revert(self) -> None:
         before = tree_state(self.proj)
@@ -4962,6 +4962,13 @@ class FirstUseMessageTest(OverlayTestCase):
                                  "to measure as it runs from here\n"))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
+
+    def test_verify_native_of_an_entry_without_an_artifact_asks_for_one(self) -> None:
+        rc, out, err = self.tool(*self.add[:5], "--no-build")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E405 no built artifact to verify; pass --artifact to add-native "
+            "or apply\n"))
 
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
