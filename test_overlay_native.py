@@ -4475,6 +4475,14 @@ class OverlayDocsTest(unittest.TestCase):
     def test_overlay_examples_run_as_written(self):
         test_check_contract.RepositoryTest.run_shown(self, "docs/overlay_setup.md")
 
+    def test_every_uncoded_failure_line_is_one_the_docs_name(self):
+        docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
+        messages = docs[docs.index("## Messages and codes"):docs.index("| Code | Status |")]
+        uncoded = re.findall(r'print\("(overlay_setup: [a-z][^%`"]*)', read_text(TOOL))
+        self.assertEqual(len(uncoded), 3, uncoded)
+        for line in uncoded:
+            self.assertIn(line.strip(), messages)
+
     def test_build_command_or_no_build_shows_as_required(self):
         commands = test_check_contract.subcommands(overlay_setup.build_parser())
         for name in ("add-native", "apply"):
