@@ -4435,8 +4435,9 @@ def parity_backend(repo, run, backend, args, stream):
 # The trace tier: the build script run with compiler shims in place
 #
 # `trace` runs a build script as CI would, on a temporary copy of the
-# repository (the files git lists, or every file but .git outside a git work
-# tree, copied once per command and again for each run from that snapshot),
+# repository (the files git lists, submodules' among them, with a .git
+# cloned from the checkout's HEAD; or every file but .git outside a git work
+# tree; copied once per command and again for each run from that snapshot),
 # with a fresh, read-only shim in place of every compiler: first on PATH, in $NVCC,
 # $HIPCC, $CC and $CXX, and in the fake toolkit that CUDA_HOME, CUDA_PATH,
 # HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
@@ -4948,8 +4949,9 @@ class TraceSession:
 
 def repository_files(root):
     """Repository-relative paths of what a checkout holds: the files git
-    lists (tracked, or untracked and not ignored); outside a git work tree,
-    every file but those in .git."""
+    lists (tracked, or untracked and not ignored), with those of each
+    submodule checked out (a listed directory with a .git of its own);
+    outside a git work tree, every file but those in .git."""
     import subprocess
     try:
         listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
@@ -4958,7 +4960,15 @@ def repository_files(root):
     except OSError:
         listed = None
     if listed is not None and listed.returncode == 0:
-        return sorted(set(os.fsdecode(p) for p in listed.stdout.split(b"\0") if p))
+        paths = set()
+        for rel in (os.fsdecode(p).rstrip("/") for p in listed.stdout.split(b"\0") if p):
+            path = os.path.join(root, rel)
+            if os.path.isdir(path) and not os.path.islink(path) and os.path.lexists(
+                    os.path.join(path, ".git")):
+                paths.update(os.path.join(rel, p) for p in repository_files(path))
+            else:
+                paths.add(rel)
+        return sorted(paths)
     paths = []
     for top, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != ".git"]
@@ -4990,6 +5000,44 @@ def copy_repository(root, copy):
             os.symlink(link, target)
         elif os.path.isfile(source):
             shutil.copy2(source, target)
+    copy_git(root, copy)
+
+
+def copy_git(root, copy):
+    """Give the copy a .git of its own where root is the top of a git work
+    tree, for a script that asks git its version (git describe, git
+    rev-parse): a clone of the branch HEAD is on (its history and tags),
+    made through git's transport (nothing shared with the checkout's
+    objects), with neither the checkout's config (the credentials a
+    checkout step persists there among it) nor a remote leading back to
+    the checkout, and HEAD's tree as its index.  Where git cannot make it,
+    the copy has none."""
+    import shutil
+    import subprocess
+    # No GIT_* variable of the caller's (a hook's GIT_DIR, GIT_INDEX_FILE)
+    # reaches git: each call acts on the repository its arguments name.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args):
+        try:
+            done = subprocess.run(("git",) + args, env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
+        except OSError:
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    top = git("-C", root, "rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(os.fsdecode(top.strip())) != os.path.realpath(root):
+        return
+    dot_git = os.path.join(copy, ".git")
+    if git("clone", "--quiet", "--bare", "--single-branch", "--no-local", "--template=", "--",
+           root, dot_git) is None:
+        shutil.rmtree(dot_git, ignore_errors=True)
+        return
+    where = ("--git-dir=" + dot_git, "--work-tree=" + copy)
+    git(*(where + ("config", "core.bare", "false")))
+    git(*(where + ("config", "--remove-section", "remote.origin")))
+    git(*(where + ("read-tree", "HEAD")))
 
 
 def shim_library():

@@ -3699,6 +3699,36 @@ class TraceLimitsTest(TreeTest):
         self.assertCannotTell(report, "its last command (rm k.cudafe1.cpp) may need the files "
                               "that nvcc -keep leaves, which a shim does not write")
 
+    def test_a_script_asking_git_its_version_and_using_a_submodule_passes(self):
+        library = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, library)
+        write_tree(library, {"lib.h": "#define SUBVER 7\n"})
+        git_in(library, "init", "-q")
+        git_in(library, "add", "-A")
+        git_in(library, "commit", "-q", "-m", "lib")
+        self.backend('ver=$(git describe --always --dirty)\n'
+                     'grep -q SUBVER ../../../third_party/lib/lib.h\n'
+                     'if grep -rq SECRET "$(git rev-parse --git-dir)"; then exit 3; fi\n'
+                     '[ -z "$(git remote)" ] || exit 4\n'
+                     'nvcc -arch=sm_80 -shared -DVERSION="$ver" -I../../../third_party/lib '
+                     '-o "$1/libk.so" k.cu\n')
+        git_in(self.root, "init", "-q")
+        git_in(self.root, "config", "http.https://github.com/.extraheader",
+               "AUTHORIZATION: basic SECRET")
+        git_in(self.root, "-c", "protocol.file.allow=always", "submodule", "add", library,
+               "third_party/lib")
+        git_in(self.root, "add", "-A")
+        git_in(self.root, "commit", "-q", "-m", "k")
+        git_in(self.root, "tag", "-a", "v1.0", "-m", "v1.0")
+        version = subprocess.run(["git", "-C", self.root, "describe", "--always", "--dirty"],
+                                 stdout=subprocess.PIPE, universal_newlines=True,
+                                 check=True).stdout.strip()
+        self.assertEqual(version, "v1.0")
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+        self.assertEqual([r["defines"] for r in report["results"][0]["runs"]],
+                         [["-DVERSION=v1.0"]] * 2)
+
     def test_the_shims_leave_the_files_the_real_compilers_leave(self):
         # Each call run by the real compiler and by its shim, in a directory
         # of its own: the same files are left (their contents differ).
