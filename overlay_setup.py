@@ -2954,13 +2954,7 @@ def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> None:
                 pass
     entry[key] = "backups/%d/%s.json" % (entry["id"], "prebuild-scan" if key == "scan"
                                          else "build-scan-%d" % entry["builds"])
-    path = state.state_path(entry[key])
-    mutation_point()
-    write_point(path)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(before, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    durable_write(state.state_path(entry[key]), json.dumps(before).encode())
 
 
 def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
@@ -2977,13 +2971,7 @@ def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
     if not directories:
         return
     entry["jit"] = {"directories": directories, "scan": "backups/%d/jit-scan.json" % entry["id"]}
-    path = state.state_path(entry["jit"]["scan"])
-    mutation_point()
-    write_point(path)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(found, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    durable_write(state.state_path(entry["jit"]["scan"]), json.dumps(found).encode())
 
 
 def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) -> None:
