@@ -5407,15 +5407,17 @@ INSPECTING_TOOLS = ("nm", "strip", "objdump", "readelf", "objcopy", "ldd", "file
                     "cuobjdump", "nvdisasm")
 VERSION_PROBES = ("--version", "-dumpversion", "-dumpfullversion", "-V")
 SHIM_LIMIT_LINES = 3  # the last command lines of a failed run that may show a shim's limit
-# Compiler flags that leave intermediate files, which a shim does not write.
-KEEPING_FLAGS = ("-keep", "--keep", "-save-temps", "--save-temps")
+# Compiler flags (alone, or with =VALUE or ,VALUE) that leave files
+# besides the output, which a shim does not write: intermediate files, split
+# debug information, a linker map.
+KEEPING_FLAGS = ("-keep", "--keep", "-save-temps", "--save-temps", "-gsplit-dwarf", "-Wl,-Map")
 
 
 def shim_limit(trace, facts):
     """Why a run that failed may have failed for the shims and not for the
     script (it runs CMake; its last commands run or inspect what a shim
     wrote, or ask a compiler its version; it ends in a command after a
-    compiler call that leaves intermediate files), or None."""
+    compiler call that leaves files a shim does not write), or None."""
     made = {posixpath.basename(o) for call in facts.calls for o in call.outputs}
     parsed = [w for w in (xtrace_words(line) for line in trace.commands) if w]
     for words in parsed:
@@ -5434,11 +5436,13 @@ def shim_limit(trace, facts):
             return "it asks %s its version, which a shim answers" % trace.show(words[0])
     if parsed and not is_compiler_name(parsed[-1][0]):
         for call in trace.calls:
-            kept = [w for w in call.words[1:] if w in KEEPING_FLAGS or w.startswith("-save-temps=")]
+            kept = [w for w in call.words[1:] if any(w == f or w.startswith((f + "=", f + ","))
+                                                     for f in KEEPING_FLAGS)]
             if kept:
                 return ("its last command (%s) may need the files that %s %s leaves, which a shim "
                         "does not write" % (trace.show(" ".join(parsed[-1])),
-                                            posixpath.basename(call.words[0]), kept[0]))
+                                            posixpath.basename(call.words[0]),
+                                            trace.show(kept[0])))
     return None
 
 

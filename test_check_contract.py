@@ -3699,6 +3699,16 @@ class TraceLimitsTest(TreeTest):
         self.assertCannotTell(report, "its last command (rm k.cudafe1.cpp) may need the files "
                               "that nvcc -keep leaves, which a shim does not write")
 
+    def test_a_script_reading_the_linker_map_cannot_be_told(self):
+        self.backend('nvcc -arch=sm_80 -c -Xcompiler -fPIC -o k.o k.cu\n'
+                     'cc -shared -Wl,-Map="$TMPDIR/k.map" -o "$1/libk.so" k.o\n'
+                     'test -s "$TMPDIR/k.map"\n')
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "its last command (test -s $TMPDIR/k.map) may need "
+                              "the files that cc -Wl,-Map=$TMPDIR/k.map leaves, which a shim does "
+                              "not write")
+
     def test_a_script_asking_git_its_version_and_using_a_submodule_passes(self):
         library = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, library)
