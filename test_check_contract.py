@@ -3238,7 +3238,7 @@ def survivors(marker, wait=10):
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open("/proc/%s/cmdline" % entry, "rb") as handle:
-                    if marker.encode() in handle.read() and running(int(entry)):
+                    if marker.encode() in handle.read() and not ends(int(entry), 0):
                         found.append(int(entry))
             except OSError:
                 pass
