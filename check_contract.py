@@ -5689,7 +5689,8 @@ def cmd_init(args):
     repo = repository(args)
     target = os.path.abspath(args.dir)
     if not os.path.isdir(target):
-        raise UsageError("init %s: no such directory" % args.dir)
+        raise UsageError("init %s: no such directory; give the directory of the backend's "
+                         "sources, %s/<platform>/<name>" % (args.dir, repo.backends_dir))
     backends_abs = os.path.abspath(repo.backends_path)
     parent = os.path.dirname(os.path.dirname(target))
     if parent != backends_abs:

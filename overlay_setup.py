@@ -3695,7 +3695,7 @@ def protect_flags(paths: List[str]) -> str:
     return " ".join("--protect %s" % shell_quote(path) for path in paths)
 
 
-def report_inexact(inexact: List[Tuple[str, str]]) -> None:
+def report_inexact(state: State, inexact: List[Tuple[str, str]]) -> None:
     """E506 for what the build rewrote or deleted with no backup, E510 for
     what changed after the build and was left as it is."""
     rewritten = [path for path, why in inexact if why == "rewritten"]
@@ -3713,8 +3713,8 @@ def report_inexact(inexact: List[Tuple[str, str]]) -> None:
     if kept:
         print("overlay_setup: E510 kept %s: changed after the overlay's build (not what the "
               "build left, nor the original), so it is not the overlay's to restore or remove; "
-              "run `overlay_setup.py revert --force` to restore or remove it all the same"
-              % ", ".join(kept), file=sys.stderr)
+              "run `%s revert --force` to restore or remove it all the same"
+              % (", ".join(kept), tool_at(state)), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -3915,7 +3915,8 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
-def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[str, str]],
+def print_plan(state: State, changes: List[Tuple[str, Optional[bytes]]],
+               modules: List[Tuple[str, str]],
                artifacts: List[str], caches: List[str], build: Optional[dict],
                protected: List[Tuple[str, str]], no_build: bool, make_plan: bool) -> None:
     """What add-native or apply would do, for --dry-run (`make_plan`: the
@@ -3950,7 +3951,7 @@ def print_plan(changes: List[Tuple[str, Optional[bytes]]], modules: List[Tuple[s
         print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
     elif no_build and changes:
         print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
-              "then `overlay_setup.py verify-native`)" % "build")
+              "then `%s verify-native`)" % ("build", tool_at(state)))
     elif changes:
         sources = changes_paths(changes)
         candidates = build_candidates(sources)
@@ -3966,7 +3967,7 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
                   artifacts: List[str], caches: List[str], build: Optional[dict],
                   protected: Callable[[], List[Tuple[str, str]]], command: str,
                   python_update=None,
-                  modes: Optional[Dict[str, int]] = None) -> dict:
+                  modes: Optional[Dict[str, int]] = None, in_trial: bool = False) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
@@ -3979,7 +3980,9 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
                                            protected, command, modes or {})
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
-                shown[4:] = ["and %d more (`status` lists them)" % (len(shown) - 4)]
+                # A trial reverts before the user could run `status`.
+                shown[4:] = ["and %d more%s" % (len(shown) - 4,
+                                                "" if in_trial else " (`status` lists them)")]
             if shown:
                 print("backed up %d build product(s) the build may rewrite: %s"
                       % (len(entry["protected"]), ", ".join(shown)))
@@ -4029,7 +4032,7 @@ def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Opt
         for tree in build_trees(build):
             if scan_tree(tree, [state.root])[1]:
                 raise scan_limit_reached(tree)
-    print_plan(changes, modules, artifacts, caches, build, protected, args.no_build,
+    print_plan(state, changes, modules, artifacts, caches, build, protected, args.no_build,
                changes and not args.no_protect and asks_make(build))
     return 0
 
@@ -4094,8 +4097,10 @@ def where_the_diff_fits(relative: str, root: str, strip: int) -> str:
 def already_applied(args: argparse.Namespace, name: str, target: str, file_patch: FilePatch,
                     current: bytes) -> None:
     """A patch whose hunks do not apply because it is applied already, as
-    an entry of this state directory: say so (E103) instead of E302."""
+    an entry of this state directory: say so (E103) instead of E302; a file
+    that another applied overlay of this user holds is named (E120)."""
     state = open_state(args)
+    check_claims(state, [target], [], [])
     if not state.exists():
         return
     for entry in state.load()["entries"]:
@@ -4223,7 +4228,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
         entry = finish_native(state, manifest, natives, artifacts, caches,
                               build if natives else None, protected, "apply", python_update,
-                              modes)
+                              modes, getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
@@ -4499,8 +4504,14 @@ def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> st
 def require_overlay(args: argparse.Namespace, state: State, command: str) -> None:
     """An overlay command run where there is none: E208 names the exact
     commands for this user's applied overlays, E207 says there are none."""
-    if state.exists() or state.orphaned_backups():
+    if state.orphaned_backups():
         return
+    if state.exists():
+        if anything_applied(state.load()):
+            return
+        # A state directory stays after its revert: its overlay is gone all the same.
+        raise OverlayError("E207", "nothing is applied at %s; `apply` or `add-native` first"
+                           % state.root)
     if os.path.isfile(registry_record(state.root)):
         raise vanished_state(state)
     others = others_applied(args, state)
@@ -4566,7 +4577,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
         print(line)
     print("reverted %s" % state.root)
     if inexact:
-        report_inexact(inexact)
+        report_inexact(state, inexact)
         return NOT_EXACT
     return 0
 
@@ -4591,7 +4602,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
         if done:
             print("reverted %s" % root)
         if inexact:
-            report_inexact(inexact)
+            report_inexact(state, inexact)
             not_exact = True
     if failures:
         print("overlay_setup: %d state director%s not reverted; see above"
@@ -4627,8 +4638,8 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             registered.append(directory)
         else:
             failures += 1
-            print("overlay_setup: %s" % vanished_state(State(directory)).message,
-                  file=sys.stderr)
+            vanished = vanished_state(State(directory))
+            print("overlay_setup: %s %s" % (vanished.code, vanished.message), file=sys.stderr)
     for directory in sorted(set(find_state_dirs(root) + registered)):
         state = State(directory)
         try:
@@ -4658,7 +4669,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 unregister(state)
                 print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
-                    report_inexact(inexact)
+                    report_inexact(state, inexact)
                     not_exact = True
             finally:
                 state.unlock()
@@ -4782,6 +4793,9 @@ def cmd_trial(args: argparse.Namespace) -> int:
         raise UsageError("E100", "trial runs the patch; see its plan with `apply --dry-run`")
     if args.repeat < 1:
         raise UsageError("E109", "--repeat must be 1 or more")
+    if shutil.which(command[0]) is None:  # refused before the install is touched
+        raise UsageError("E102", "cannot run %s: no such command on PATH, or not an executable "
+                         "file; pass the command to measure as it runs from here" % command[0])
     if args.owner_pid is None:
         args.owner_pid = os.getpid()  # a trial killed outright is gone: gc-stale reverts it
     owner = make_owner(args.owner_pid)
@@ -5114,7 +5128,8 @@ def resolve_format(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    state_help = "state directory (default: $OVERLAY_STATE, else ./.overlay)"
+    state_help = ("state directory (default: $OVERLAY_STATE, else the current directory's own "
+                  "under $XDG_STATE_HOME/overlay_setup/)")
     parser = Parser(
         prog="overlay_setup.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Reversible, crash-safe in-place patches of native sources and Python "

@@ -1855,6 +1855,13 @@ class CommandLineTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.root, "init", "--force", target])
         self.assertEqual(rc, 0, out + err)
 
+    def test_init_of_a_missing_directory_says_which_to_give(self):
+        self.tree(demo_files())
+        self.assertEqual(run_main(["--repo-root", self.root, "init", "backends/cpu/nope"]),
+                         (2, "", "check_contract.py: error: init backends/cpu/nope: no such "
+                                 "directory; give the directory of the backend's sources, "
+                                 "backends/<platform>/<name>\n"))
+
     def test_init_refuses_a_directory_outside_the_backends(self):
         self.tree(demo_files(**{"elsewhere/x.c": ""}))
         rc, out, err = run_main(["--repo-root", self.root, "init", self.path("elsewhere")])
@@ -3238,7 +3245,7 @@ def survivors(marker, wait=10):
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open("/proc/%s/cmdline" % entry, "rb") as handle:
-                    if marker.encode() in handle.read() and running(int(entry)):
+                    if marker.encode() in handle.read() and not ends(int(entry), 0):
                         found.append(int(entry))
             except OSError:
                 pass
@@ -4744,6 +4751,25 @@ class RepositoryTest(unittest.TestCase):
 
     def test_check_contract_reference_commands_run_as_written(self):
         self.run_shown("docs/check_contract.md")
+
+    def test_the_readme_counts_the_lines_dry_run_prints(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            shown, total = map(int, re.search(r"Below, (\d+) of the (\d+)\s+lines `--dry-run` "
+                                              r"prints", f.read()).groups())
+        script = shown_shell("README.md", "## Walkthrough")[0]
+        start = script.index("python3 overlay_setup.py apply")
+        end = script.index("--dry-run\n", start) + len("--dry-run\n")
+        promised = re.match(r"(?:#   .*\n)*", script[end:]).group(0)
+        self.assertEqual(promised.count("\n"), shown)
+        with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
+            copy_of_repository(clone)
+            proc = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", "trap 'rm -rf \"$demo\"' EXIT\n"
+                 "{ %s} >/dev/null\n%s" % (script[:start], script[start:end])], cwd=clone,
+                env=terminal_env(XDG_STATE_HOME=home), stdout=subprocess.PIPE,
+                universal_newlines=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stdout)
+        self.assertEqual(len(proc.stdout.splitlines()), total, proc.stdout)
 
     def test_every_shell_block_of_the_readme_is_the_walkthrough(self):
         # The tests above run every ```sh block: none may sit outside what they run.

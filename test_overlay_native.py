@@ -1303,8 +1303,9 @@ class OwnedFilesTest(OverlayTestCase):
                                         self.state)))
         self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
                               "(not what the build left, nor the original), so it is not the "
-                              "overlay's to restore or remove; run `overlay_setup.py revert "
-                              "--force` to restore or remove it all the same\n" % library)
+                              "overlay's to restore or remove; run `overlay_setup.py --state %s "
+                              "revert --force` to restore or remove it all the same\n"
+                         % (library, self.state))
         self.assertEqual(read_text(library), "version 2 of the package\n")
         self.assertEqual(read_text(os.path.join(self.pkg, "k.c")),
                          "double k(void) { return 1.0; }\n")
@@ -2740,7 +2741,8 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("  back up    %s/b.o (build product, predicted from ninja's graph)\n"
                       "  back up    %s/.ninja_log (build product" % (cache, cache), out)
         self.assertIn("  build      none (--no-build: a later build, such as a JIT at import, "
-                      "rebuilds; then `overlay_setup.py verify-native`)\n", out)
+                      "rebuilds; then `overlay_setup.py --state %s verify-native`)\n"
+                      % self.state, out)
         self.assertEqual((tree_state(proj), tree_state(extensions)), before)
         rc, out, err = self.tool(*args)
         self.assertEqual((rc, err), (0, ""))
@@ -4880,6 +4882,98 @@ def process_state(pid: int) -> str:
     except OSError:
         return "gone"
     return text[text.rfind(")") + 2:].split()[0]
+
+
+class FirstUseMessageTest(OverlayTestCase):
+    """The commands a message tells a new user to run work as written from
+    where they are, and every failure line carries its code."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, TRIAL_PROJECT)
+        quiet(["make"], self.proj).check_returncode()
+        self.patched = os.path.join(self.tmp, "b_fast.c")
+        write_text_file(self.patched, LIB_SOURCES["b.c"].replace("K;", "7;"))
+        self.add = ["add-native", "--source", os.path.join(self.proj, "b.c"), "--patched",
+                    self.patched, "--artifact", os.path.join(self.proj, "libk.so")]
+
+    def test_the_dry_run_of_a_later_build_names_the_state_for_verify_native(self) -> None:
+        rc, out, err = self.tool(*self.add, "--no-build", "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("  build      none (--no-build: a later build, such as a JIT at import, "
+                      "rebuilds; then `overlay_setup.py --state %s verify-native`)\n"
+                      % self.state, out)
+
+    def test_verify_native_and_update_after_a_revert_say_nothing_is_applied(self) -> None:
+        self.assertOk(self.tool(*self.add, "--build-cmd", "make", "--build-cwd", self.proj))
+        self.assertOk(self.tool("revert"))
+        nothing = "overlay_setup: E207 nothing is applied at %s; `apply` or `add-native` first\n"
+        self.assertEqual(self.tool("verify-native"), (1, "", nothing % self.state))
+        self.assertEqual(self.tool("update"), (1, "", nothing % self.state))
+
+    def test_the_help_of_state_gives_the_default_the_tool_uses(self) -> None:
+        rc, out, err = call("status", "--help")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("state directory (default: $OVERLAY_STATE, else the current directory's "
+                      "own under $XDG_STATE_HOME/overlay_setup/)", " ".join(out.split()))
+
+    def test_a_trial_does_not_send_the_user_to_status_for_what_it_reverts(self) -> None:
+        objects = ["f%d.o" % number for number in range(1, 7)]
+        write_tree(self.tmp, dict(
+            {"many/k.h": "#define K 4\n", "many/Makefile": (
+                "libk.so: %s\n\t$(CC) -shared -o $@ $^\n%%.o: %%.c k.h\n"
+                "\t$(CC) -fPIC -c -o $@ $<\n" % " ".join(objects))},
+            **{"many/" + name[:-2] + ".c": '#include "k.h"\nint %s(void) { return K; }\n'
+               % name[:-2] for name in objects}))
+        many = os.path.join(self.tmp, "many")
+        quiet(["make"], many).check_returncode()
+        patch = os.path.join(self.tmp, "k.diff")
+        write_text_file(patch, "--- a/k.h\n+++ b/k.h\n@@ -1 +1 @@\n-#define K 4\n+#define K 5\n")
+        done = run_tool(["--state", self.state, "trial", patch, "--root", many, "--artifact",
+                         os.path.join(many, "libk.so"), "--build-cmd", "make", "--build-cwd",
+                         many, "--", "true"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("backed up 6 build product(s) the build may rewrite: %s, and 2 more\n"
+                      % ", ".join("%s/%s (predicted by make -n -W)" % (many, name)
+                                  for name in objects[:4]), done.stderr)
+
+    def test_a_patch_another_overlay_applied_is_named_as_its_not_a_hunk_mismatch(self) -> None:
+        patch = os.path.join(self.tmp, "b.diff")
+        write_text_file(patch, unified_diff("b.c", LIB_SOURCES["b.c"], read_text(self.patched)))
+        self.assertOk(self.tool("apply", patch, "--root", self.proj, "--no-build"))
+        other = os.path.join(self.tmp, "other-state")
+        source = os.path.join(self.proj, "b.c")
+        self.assertEqual(call("--state", other, "apply", patch, "--root", self.proj, "--no-build"),
+                         (1, "", "overlay_setup: E120 --source %s is already held by the overlay "
+                                 "at %s (entry 1, %s); nothing was changed: revert that one first "
+                                 "(`overlay_setup.py --state %s revert`), or add this change to "
+                                 "it with --state %s\n"
+                                 % (source, self.state, source, self.state, self.state)))
+
+    def test_a_trial_of_a_command_that_does_not_exist_is_refused_before_anything(self) -> None:
+        patch = os.path.join(self.tmp, "b.diff")
+        write_text_file(patch, unified_diff("b.c", LIB_SOURCES["b.c"], read_text(self.patched)))
+        before = tree_state(self.proj)
+        self.assertEqual(call("--state", self.state, "trial", patch, "--root", self.proj,
+                              "--no-build", "--", "no-such-benchmark", "--fast"),
+                         (2, "", "overlay_setup: E102 cannot run no-such-benchmark: no such "
+                                 "command on PATH, or not an executable file; pass the command "
+                                 "to measure as it runs from here\n"))
+        self.assertEqual(tree_state(self.proj), before)
+        self.assertFalse(os.path.exists(self.state))
+
+    def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
+        self.assertOk(self.tool(*self.add, "--no-build"))
+        shutil.rmtree(self.state)
+        rc, out, err = call("gc-stale", "--root", self.proj)
+        self.assertEqual((rc, out, err), (1, "", (
+            "overlay_setup: E209 state directory %s is registered with an overlay applied, but "
+            "its journal is gone (deleted by a build's clean step, or by hand): the install may "
+            "still be patched and its backups are lost; restore the patched files from version "
+            "control or a reinstall, then delete %s\n"
+            "overlay_setup: 1 state directory refused or failed; see above\n"
+            % (self.state, overlay_setup.registry_record(self.state)))))
 
 
 def unified_diff(path: str, old: str, new: str) -> str:
