@@ -4435,13 +4435,15 @@ def parity_backend(repo, run, backend, args, stream):
 # The trace tier: the build script run with compiler shims in place
 #
 # `trace` runs a build script as CI would, on a temporary copy of the
-# repository (the files git lists, or every file but .git outside a git work
-# tree, copied once per command and again for each run from that snapshot),
+# repository (the files git lists, submodules' among them, with a .git
+# cloned from the checkout's HEAD; or every file but .git outside a git work
+# tree; copied once per command and again for each run from that snapshot),
 # with a fresh, read-only shim in place of every compiler: first on PATH, in $NVCC,
 # $HIPCC, $CC and $CXX, and in the fake toolkit that CUDA_HOME, CUDA_PATH,
 # HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
-# arguments, creates the file its -o names (never /dev/null), answers
-# --version-style probes and does nothing else: no toolchain is needed and
+# arguments, creates the files the real compiler would (the one its -o
+# names, never /dev/null; the objects and depfiles named after its inputs),
+# answers --version-style probes and does nothing else: no toolchain is needed and
 # nothing is compiled.  The script itself does run: what it does besides
 # calling compilers (mkdir, make, cp) happens, inside the copy and the
 # temporary directory.  It runs from a launcher (TRACE_LAUNCHER) with an empty
@@ -4474,8 +4476,9 @@ UNSHARE_OPTIONS = ("--user", "--map-root-user", "--mount", "--pid", "--fork", "-
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
-# arguments, creates the file -o names (a shared object nm and strip read,
-# an executable that does nothing, or an empty object file) and answers
+# arguments, creates the files the real compiler would (a shared object nm
+# and strip read, an executable that does nothing, an empty object file,
+# a depfile with one rule) and answers
 # version probes; it compiles nothing and runs nothing.
 name=${0##*/} via= word=${0##*/}
 case $name in
@@ -4485,15 +4488,28 @@ ccache|sccache)
     shift ;;
 esac
 printf '%%s\0' "$via" "$PWD" "$word" "$@" > %(log)s/"$(date +%%s%%N).$$"
-out= next= probe= stdin= made=program
+out= next= probe= stdin= made=program suffix=.o dep= depfile=
 for arg in "$@"; do
-    if [ -n "$next" ]; then out=$arg next=; continue; fi
+    case $next in
+    o) out=$arg next=; continue ;;
+    MF) depfile=$arg next=; continue ;;
+    skip) next=; continue ;;
+    esac
     case $arg in
     -shared|--shared) [ "$made" = object ] || made=library ;;
-    -c|--compile|-S|-E|-M|-MM|-dc|--device-c|-ptx|--ptx|-cubin|--cubin|-fatbin|--fatbin|--genco\
-    |--cuda-device-only)
-        made=object ;;
-    -o|--output-file) next=1 ;;
+    -c|--compile|-dc|--device-c|--genco|--cuda-device-only) made=object ;;
+    -S) made=object suffix=.s ;;
+    -E) made=object suffix= ;;
+    -M|-MM) made=object suffix= dep=main ;;
+    -ptx|--ptx) made=object suffix=.ptx ;;
+    -cubin|--cubin) made=object suffix=.cubin ;;
+    -fatbin|--fatbin) made=object suffix=.fatbin ;;
+    -MD|-MMD|--generate-dependencies-with-compile|--generate-nonsystem-dependencies-with-compile)
+        dep=side ;;
+    -MF|--dependency-output) next=MF ;;
+    -MF*) depfile=${arg#-MF} ;;
+    -MT|-MQ|-include|-imacros|-x) next=skip ;;
+    -o|--output-file) next=o ;;
     --output-file=*) out=${arg#*=} ;;
     -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
     -o*) case $name in nvcc*) ;; *) out=${arg#-o} ;; esac ;;  # nvcc: -odir, -optf
@@ -4517,14 +4533,54 @@ case $probe in
 --list-gpu-arch) for n in 75 80 86 87 89 90 100 120; do echo "compute_$n"; done ;;
 --list-gpu-code) for n in 75 80 86 87 89 90 100 120; do echo "sm_$n"; done ;;
 esac
+[ -n "$probe" ] && exit 0
+make_file() {  # the file $1, of the kind $made
+    case $made in
+    library) cat %(library)s > "$1" && chmod +x "$1" ;;
+    program) printf '#!/bin/sh\nexit 0\n' > "$1" && chmod +x "$1" ;;
+    *) : > "$1" ;;
+    esac
+}
+depend() {  # the depfile $1: the rule for $2 made from $3
+    printf '%%s: %%s\n' "$2" "$3" > "$1"
+}
+# What the real compiler names after its inputs where -o does not name it:
+# the object (.o, .s, .ptx, .cubin, .fatbin) of each input compiled, a.out
+# for a link, and the depfile of -MD or -MMD (-MF's, else the output's name
+# with .d for its suffix, else the input's, as gcc and nvcc name it).
+link=
 case $out in
-''|-|/dev/null) ;;
-*)  case $made in
-    library) cat %(library)s > "$out" && chmod +x "$out" || exit 1 ;;
-    program) printf '#!/bin/sh\nexit 0\n' > "$out" && chmod +x "$out" || exit 1 ;;
-    *) : > "$out" || exit 1 ;;
-    esac ;;
+/dev/null|-) out= suffix= dep= ;;
+'') [ "$made" = object ] || link=a.out ;;
 esac
+inputs=0 next=
+for arg in "$@"; do
+    case $next in
+    skip) next=; continue ;;
+    esac
+    case $arg in
+    -o|--output-file|-MF|--dependency-output|-MT|-MQ|-include|-imacros|-x) next=skip; continue ;;
+    -*) continue ;;
+    %(inputs)s) ;;
+    *) continue ;;
+    esac
+    inputs=$((inputs + 1))
+    stem=${arg##*/} && stem=${stem%%.*}
+    if [ -z "$out" ] && [ "$made" = object ] && [ -n "$suffix" ]; then make_file "$stem$suffix" || exit 1; fi
+    [ -n "$dep" ] || continue
+    target=${out:-$stem${suffix:-.o}}
+    if [ -n "$depfile" ]; then depend "$depfile" "$target" "$arg" || exit 1
+    elif [ "$dep" = main ]; then continue
+    elif [ -n "$out" ]; then
+        base=${out##*/}
+        case $base in *.*) depend "${out%%.*}.d" "$target" "$arg" ;; *) depend "$out.d" "$target" "$arg" ;; esac || exit 1
+    elif [ "$made" = object ]; then depend "$stem.d" "$target" "$arg" || exit 1
+    else depend "a-$stem.d" "$stem.o" "$arg" || exit 1
+    fi
+done
+if [ -n "$out" ]; then make_file "$out" || exit 1
+elif [ -n "$link" ] && [ "$inputs" -gt 0 ]; then make_file a.out || exit 1
+fi
 exit 0
 """
 
@@ -4714,7 +4770,8 @@ class Shims:
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
             handle.write(TRACE_SHIM % {"log": shell_quote(log), "nvcc_version": shell_quote(
-                nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so"))})
+                nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
+                "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
         for name in sorted(shim_names()):
             os.symlink(".shim", os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
@@ -4892,8 +4949,9 @@ class TraceSession:
 
 def repository_files(root):
     """Repository-relative paths of what a checkout holds: the files git
-    lists (tracked, or untracked and not ignored); outside a git work tree,
-    every file but those in .git."""
+    lists (tracked, or untracked and not ignored), with those of each
+    submodule checked out (a listed directory with a .git of its own);
+    outside a git work tree, every file but those in .git."""
     import subprocess
     try:
         listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
@@ -4902,7 +4960,15 @@ def repository_files(root):
     except OSError:
         listed = None
     if listed is not None and listed.returncode == 0:
-        return sorted(set(os.fsdecode(p) for p in listed.stdout.split(b"\0") if p))
+        paths = set()
+        for rel in (os.fsdecode(p).rstrip("/") for p in listed.stdout.split(b"\0") if p):
+            path = os.path.join(root, rel)
+            if os.path.isdir(path) and not os.path.islink(path) and os.path.lexists(
+                    os.path.join(path, ".git")):
+                paths.update(os.path.join(rel, p) for p in repository_files(path))
+            else:
+                paths.add(rel)
+        return sorted(paths)
     paths = []
     for top, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != ".git"]
@@ -4934,6 +5000,44 @@ def copy_repository(root, copy):
             os.symlink(link, target)
         elif os.path.isfile(source):
             shutil.copy2(source, target)
+    copy_git(root, copy)
+
+
+def copy_git(root, copy):
+    """Give the copy a .git of its own where root is the top of a git work
+    tree, for a script that asks git its version (git describe, git
+    rev-parse): a clone of the branch HEAD is on (its history and tags),
+    made through git's transport (nothing shared with the checkout's
+    objects), with neither the checkout's config (the credentials a
+    checkout step persists there among it) nor a remote leading back to
+    the checkout, and HEAD's tree as its index.  Where git cannot make it,
+    the copy has none."""
+    import shutil
+    import subprocess
+    # No GIT_* variable of the caller's (a hook's GIT_DIR, GIT_INDEX_FILE)
+    # reaches git: each call acts on the repository its arguments name.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args):
+        try:
+            done = subprocess.run(("git",) + args, env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
+        except OSError:
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    top = git("-C", root, "rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(os.fsdecode(top.strip())) != os.path.realpath(root):
+        return
+    dot_git = os.path.join(copy, ".git")
+    if git("clone", "--quiet", "--bare", "--single-branch", "--no-local", "--template=", "--",
+           root, dot_git) is None:
+        shutil.rmtree(dot_git, ignore_errors=True)
+        return
+    where = ("--git-dir=" + dot_git, "--work-tree=" + copy)
+    git(*(where + ("config", "core.bare", "false")))
+    git(*(where + ("config", "--remove-section", "remote.origin")))
+    git(*(where + ("read-tree", "HEAD")))
 
 
 def shim_library():
@@ -5303,12 +5407,17 @@ INSPECTING_TOOLS = ("nm", "strip", "objdump", "readelf", "objcopy", "ldd", "file
                     "cuobjdump", "nvdisasm")
 VERSION_PROBES = ("--version", "-dumpversion", "-dumpfullversion", "-V")
 SHIM_LIMIT_LINES = 3  # the last command lines of a failed run that may show a shim's limit
+# Compiler flags (alone, or with =VALUE or ,VALUE) that leave files
+# besides the output, which a shim does not write: intermediate files, split
+# debug information, a linker map.
+KEEPING_FLAGS = ("-keep", "--keep", "-save-temps", "--save-temps", "-gsplit-dwarf", "-Wl,-Map")
 
 
 def shim_limit(trace, facts):
     """Why a run that failed may have failed for the shims and not for the
     script (it runs CMake; its last commands run or inspect what a shim
-    wrote, or ask a compiler its version), or None."""
+    wrote, or ask a compiler its version; it ends in a command after a
+    compiler call that leaves files a shim does not write), or None."""
     made = {posixpath.basename(o) for call in facts.calls for o in call.outputs}
     parsed = [w for w in (xtrace_words(line) for line in trace.commands) if w]
     for words in parsed:
@@ -5325,6 +5434,15 @@ def shim_limit(trace, facts):
                 first, trace.show(inspected[0]))
         if is_compiler_name(words[0]) and any(w in VERSION_PROBES for w in words[1:]):
             return "it asks %s its version, which a shim answers" % trace.show(words[0])
+    if parsed and not is_compiler_name(parsed[-1][0]):
+        for call in trace.calls:
+            kept = [w for w in call.words[1:] if any(w == f or w.startswith((f + "=", f + ","))
+                                                     for f in KEEPING_FLAGS)]
+            if kept:
+                return ("its last command (%s) may need the files that %s %s leaves, which a shim "
+                        "does not write" % (trace.show(" ".join(parsed[-1])),
+                                            posixpath.basename(call.words[0]),
+                                            trace.show(kept[0])))
     return None
 
 
@@ -5987,7 +6105,8 @@ def add_trace_parser(sub, common, formatter):
         help="run build scripts with compiler shims and check what they build",
         description="Run each backend's build script as CI would (<script> <output-dir>, then "
         "<script> <output-dir> <arch>) on a temporary copy of the repository, with every "
-        "compiler replaced by a shim that records its arguments and creates the file -o names; "
+        "compiler replaced by a shim that records its arguments and creates the files the "
+        "compiler would (-o's, or named after its inputs; -MD's depfiles); "
         "report the compiler calls, where the library lands, its targets and -D flags, and "
         "check the manifest against them with the codes of the contract check. No toolchain "
         "is needed. The script itself runs (with bash, in an environment holding only PATH, "

@@ -3245,7 +3245,7 @@ def survivors(marker, wait=10):
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open("/proc/%s/cmdline" % entry, "rb") as handle:
-                    if marker.encode() in handle.read() and running(int(entry)):
+                    if marker.encode() in handle.read() and not ends(int(entry), 0):
                         found.append(int(entry))
             except OSError:
                 pass
@@ -3693,6 +3693,92 @@ class TraceLimitsTest(TreeTest):
         rc, report, err = self.trace()
         self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
 
+    def test_a_script_removing_the_depfiles_passes(self):
+        self.backend('nvcc -MD -c -arch=sm_80 -Xcompiler -fPIC k.cu -o "$1/k.o"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" "$1/k.o"\nrm "$1"/*.d "$1/k.o"\n')
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+
+    def test_a_script_removing_what_nvcc_keep_leaves_cannot_be_told(self):
+        self.backend('nvcc -keep -arch=sm_80 -shared -o "$1/libk.so" k.cu\nrm k.cudafe1.cpp\n')
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "its last command (rm k.cudafe1.cpp) may need the files "
+                              "that nvcc -keep leaves, which a shim does not write")
+
+    def test_a_script_reading_the_linker_map_cannot_be_told(self):
+        self.backend('nvcc -arch=sm_80 -c -Xcompiler -fPIC -o k.o k.cu\n'
+                     'cc -shared -Wl,-Map="$TMPDIR/k.map" -o "$1/libk.so" k.o\n'
+                     'test -s "$TMPDIR/k.map"\n')
+        rc, report, err = self.trace()
+        self.assertEqual(rc, 0, err)
+        self.assertCannotTell(report, "its last command (test -s $TMPDIR/k.map) may need "
+                              "the files that cc -Wl,-Map=$TMPDIR/k.map leaves, which a shim does "
+                              "not write")
+
+    def test_a_script_asking_git_its_version_and_using_a_submodule_passes(self):
+        library = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, library)
+        write_tree(library, {"lib.h": "#define SUBVER 7\n"})
+        git_in(library, "init", "-q")
+        git_in(library, "add", "-A")
+        git_in(library, "commit", "-q", "-m", "lib")
+        self.backend('ver=$(git describe --always --dirty)\n'
+                     'grep -q SUBVER ../../../third_party/lib/lib.h\n'
+                     'if grep -rq SECRET "$(git rev-parse --git-dir)"; then exit 3; fi\n'
+                     '[ -z "$(git remote)" ] || exit 4\n'
+                     'nvcc -arch=sm_80 -shared -DVERSION="$ver" -I../../../third_party/lib '
+                     '-o "$1/libk.so" k.cu\n')
+        git_in(self.root, "init", "-q")
+        git_in(self.root, "config", "http.https://github.com/.extraheader",
+               "AUTHORIZATION: basic SECRET")
+        git_in(self.root, "-c", "protocol.file.allow=always", "submodule", "add", library,
+               "third_party/lib")
+        git_in(self.root, "add", "-A")
+        git_in(self.root, "commit", "-q", "-m", "k")
+        git_in(self.root, "tag", "-a", "v1.0", "-m", "v1.0")
+        version = subprocess.run(["git", "-C", self.root, "describe", "--always", "--dirty"],
+                                 stdout=subprocess.PIPE, universal_newlines=True,
+                                 check=True).stdout.strip()
+        self.assertEqual(version, "v1.0")
+        rc, report, err = self.trace()
+        self.assertEqual((rc, report["results"][0]["issues"]), (0, []), err)
+        self.assertEqual([r["defines"] for r in report["results"][0]["runs"]],
+                         [["-DVERSION=v1.0"]] * 2)
+
+    def test_the_shims_leave_the_files_the_real_compilers_leave(self):
+        # Each call run by the real compiler and by its shim, in a directory
+        # of its own: the same files are left (their contents differ).
+        calls = [["gcc", "-MD", "-c", "s/m.c"], ["gcc", "-MMD", "-c", "s/m.c", "-o", "x.o"],
+                 ["gcc", "-c", "s/m.c", "sub/a.c"], ["gcc", "-S", "s/m.c"],
+                 ["gcc", "-MD", "s/m.c", "-o", "prog"], ["gcc", "-MD", "s/m.c", "sub/a.c"],
+                 ["gcc", "-MD", "-MF", "deps", "-c", "s/m.c", "-o", "out/y"],
+                 ["gcc", "-MD", "-shared", "-fPIC", "sub/a.c", "-o", "libk.so"],
+                 ["gcc", "-M", "s/m.c"], ["gcc", "-E", "s/m.c", "-o", "/dev/null"]]
+        if shutil.which("nvcc") is not None:
+            calls += [["nvcc", "-MD", "-c", "s/k.cu"], ["nvcc", "-ptx", "s/k.cu"],
+                      ["nvcc", "-MMD", "-fatbin", "-arch=sm_80", "s/k.cu", "-o", "out/k.fb"]]
+        sources = {"s/m.c": "int main(void) { return 0; }\n", "sub/a.c": "int f(void);\n",
+                   "s/k.cu": "__global__ void k() {}\n"}
+        with tempfile.TemporaryDirectory() as top:
+            os.mkdir(os.path.join(top, "calls"))
+            shims = check_contract.Shims(os.path.join(top, "toolkit"), os.path.join(top, "calls"),
+                                         os.devnull, "")
+            try:
+                for index, words in enumerate(calls):
+                    left = []
+                    for compiler in (shutil.which(words[0]), os.path.join(shims.toolkit, "bin",
+                                                                          words[0])):
+                        where = os.path.join(top, "%d-%d" % (index, len(left)))
+                        write_tree(where, dict(sources, **{"out/.keep": ""}))
+                        subprocess.run([compiler] + words[1:], cwd=where, check=True,
+                                       stdout=subprocess.DEVNULL)
+                        left.append(sorted(os.path.relpath(os.path.join(d, n), where)
+                                           for d, _, names in os.walk(where) for n in names))
+                    self.assertEqual(left[1], left[0], words)
+            finally:
+                shims.close()
+
 
 class TraceAgreesWithRealBuildTest(unittest.TestCase):
     def test_trace_agrees_with_a_real_cc_build_of_the_cpu_backend(self):
@@ -3775,6 +3861,15 @@ class InitTraceTest(TreeTest):
                          "/usr/local/cuda/bin/nvcc by its path, which the trace cannot intercept "
                          "(X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to "
                          "read the script without running it\n")
+
+    def test_init_writes_the_manifest_of_a_script_removing_the_objects_it_compiled(self):
+        self.backend(Executable('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+                                'nvcc -MMD -c -arch=sm_80 -Xcompiler -fPIC k.cu\n'
+                                'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.o\nrm k.o k.d\n'))
+        rc, out, err = self.init()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(self.manifest()["build"], {"script": "build.sh", "output": "libk.so",
+                                                    "architectures": [80], "default_arch": 80})
 
     def test_init_never_writes_a_manifest_its_check_rejects(self):
         self.backend(Executable('#!/usr/bin/env bash\nmkdir -p "$1"\n'
