@@ -31,6 +31,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKER = os.path.join(HERE, "check_contract.py")
 SCHEMA_PATH = os.path.join(HERE, "backends", "backend.schema.json")
 
+# The tests that send SIGINT expect what a terminal gives: a run started in the
+# background by a non-interactive shell (nohup CMD &) inherits SIGINT ignored,
+# and so would every tool these tests start.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 class Executable(str):
     """File content to be written with mode 0755."""

@@ -29,6 +29,12 @@ sys.path.insert(0, HERE)
 import overlay_setup  # noqa: E402
 import test_check_contract  # noqa: E402  (its readers of the docs' shell blocks)
 
+# The tests that send SIGINT expect what a terminal gives: a run started in the
+# background by a non-interactive shell (nohup CMD &) inherits SIGINT ignored,
+# and so would every tool these tests start.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 KERNELS = {
     "kernels.h": "double kernel_a(void);\ndouble kernel_b(void);\ndouble kernel_c(void);\n"
                  "double run_b(void);\n",
