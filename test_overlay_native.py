@@ -948,12 +948,13 @@ class CProjectTest(OverlayTestCase):
             self.assertEqual(tree_state(self.proj), before)
 
 
-class DefaultStateTest(OverlayTestCase):
-    """The first natural use: run from the install directory with no --state,
-    every command finds the overlay; the state lives under $XDG_STATE_HOME."""
+class MadePackageTest(OverlayTestCase):
+    """A package `pkg` whose one kernel k.c make builds into libk.so, and two
+    patched versions of k.c beside it, named by PATCHED."""
 
     MAKEFILE = ("libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
                 "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
+    PATCHED = ("k_new.c", "k_newer.c")
 
     def setUp(self) -> None:
         super().setUp()
@@ -961,9 +962,17 @@ class DefaultStateTest(OverlayTestCase):
         write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
                               "Makefile": self.MAKEFILE})
         subprocess.run(["make", "-s", "-C", self.pkg], check=True)
-        write_tree(self.tmp, {"k_new.c": "double k(void) { return 2.0; }\n",
-                              "k_newer.c": "double k(void) { return 3.0; }\n"})
+        write_tree(self.tmp, {self.PATCHED[0]: "double k(void) { return 2.0; }\n",
+                              self.PATCHED[1]: "double k(void) { return 3.0; }\n"})
         self.before = tree_state(self.pkg)
+
+
+class DefaultStateTest(MadePackageTest):
+    """The first natural use: run from the install directory with no --state,
+    every command finds the overlay; the state lives under $XDG_STATE_HOME."""
+
+    def setUp(self) -> None:
+        super().setUp()
         os.chdir(self.pkg)
 
     def add(self, *extra: str) -> tuple:
@@ -1182,23 +1191,12 @@ class CrashIsACrashTest(OverlayTestCase):
         self.assertEqual(tree_state(self.pkg), self.before)
 
 
-class OwnedFilesTest(OverlayTestCase):
+class OwnedFilesTest(MadePackageTest):
     """Revert restores or deletes a file only while it is exactly what the
     tool recorded after the build; a build product is deleted only if the
     tool's own build created it."""
 
-    MAKEFILE = ("libk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
-                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ k.c\n")
-
-    def setUp(self) -> None:
-        super().setUp()
-        self.pkg = os.path.join(self.tmp, "pkg")
-        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
-                              "Makefile": self.MAKEFILE})
-        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
-        write_tree(self.tmp, {"fast.c": "double k(void) { return 2.0; }\n",
-                              "faster.c": "double k(void) { return 3.0; }\n"})
-        self.before = tree_state(self.pkg)
+    PATCHED = ("fast.c", "faster.c")
 
     def add(self, *extra: str, cwd_build: bool = True) -> tuple:
         return self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched",
