@@ -186,6 +186,15 @@ class OverlayTestCase(unittest.TestCase):
         self.assertEqual(result[0], 0, result)
         return result
 
+    def built_project(self, files: dict) -> str:
+        """`files` written to tmp/proj and built by make a while ago
+        (age_tree): the project a test patches."""
+        proj = os.path.join(self.tmp, "proj")
+        write_tree(proj, files)
+        quiet(["make"], proj).check_returncode()
+        age_tree(proj)
+        return proj
+
     def kill_during_build(self, args: list) -> None:
         """Run the tool and SIGKILL it once its build command runs (a process
         of the build's group other than the shell that waits to start it)."""
@@ -2910,10 +2919,7 @@ class ProtectTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, MAKE_PROJECT)
-        quiet(["make"], self.proj).check_returncode()
-        age_tree(self.proj)
+        self.proj = self.built_project(MAKE_PROJECT)
         self.patched = os.path.join(self.tmp, "b_fast.c")
         write_text_file(self.patched, LIB_SOURCES["b.c"].replace("K", "7"))
 
@@ -4511,10 +4517,7 @@ class TrialTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, TRIAL_PROJECT)
-        quiet(["make"], self.proj).check_returncode()
-        age_tree(self.proj)
+        self.proj = self.built_project(TRIAL_PROJECT)
         self.lib = os.path.join(self.proj, "libk.so")
         self.diff = os.path.join(self.tmp, "seven.diff")
         write_text_file(self.diff, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n"
@@ -4710,10 +4713,7 @@ class ApplyMessageTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, TRIAL_PROJECT)
-        quiet(["make"], self.proj).check_returncode()
-        age_tree(self.proj)
+        self.proj = self.built_project(TRIAL_PROJECT)
         self.before = tree_state(self.proj)
         on_python_path(self, self.proj)
 
