@@ -774,8 +774,12 @@ SESSION_WRAPPERS = ("sudo", "su", "setsid", "runuser")  # each starts a session 
 def default_owner() -> int:
     """The leader of this session, looking through the wrappers that start
     a session of their own; the parent process when there is no usable one
-    (no leader left, or the system's init, which never goes away)."""
+    (no leader left, or the system's init, which never goes away).  A
+    program that leads its session and imports this module is the owner of
+    what it applies, as it is of the commands it starts."""
     pid = os.getpid()
+    if __name__ != "__main__" and os.getsid(0) == pid:
+        return pid
     for _ in range(8):
         try:
             leader = os.getsid(pid)

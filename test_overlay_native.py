@@ -1135,13 +1135,14 @@ class CrashIsACrashTest(OverlayTestCase):
         env = dict(os.environ)
         env.pop("OVERLAY_STATE", None)
         tool = subprocess.Popen([sys.executable, TOOL, "--state", self.state] + list(args),
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not os.path.exists(self.marker) and tool.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         tool.kill()
-        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
+        output = tool.communicate()[0].decode(errors="replace")
+        self.assertEqual(tool.returncode, -9, "the build finished before the kill:\n" + output)
         os.unlink(self.marker)
         return tool
 
@@ -3162,6 +3163,26 @@ class GcStaleTest(OverlayTestCase):
         agent.wait()
         self.assertOk(call("gc-stale", "--root", self.tmp))
         self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_a_program_leading_its_session_owns_what_it_applies_in_process_and_by_command(
+            self) -> None:
+        # An optimizer started with setsid imports the tool for one step and
+        # runs it as a command for the next: both are the same owner.
+        program = ("import subprocess, sys\nsys.path.insert(0, sys.argv[1])\n"
+                   "import overlay_setup\n"
+                   "rc = overlay_setup.main(sys.argv[3:5] + ['add-python', 'm', sys.argv[5]])\n"
+                   "update = subprocess.run([sys.executable, sys.argv[2]] + sys.argv[3:5] + "
+                   "['add-python', 'n', sys.argv[5]], stderr=subprocess.PIPE, "
+                   "universal_newlines=True)\n"
+                   "print(rc, update.returncode, update.stderr.strip())\n")
+        module = os.path.join(self.tmp, "m.py")
+        write_tree(self.tmp, {"m.py": "X = 1\n"})
+        result = subprocess.run([sys.executable, "-c", program, os.path.dirname(TOOL), TOOL,
+                                 "--state", self.state, module], start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                universal_newlines=True, timeout=120)
+        self.assertEqual(result.stdout.splitlines()[-1], "0 0 ", result.stdout)
+        self.assertOk(call("--state", self.state, "revert"))
 
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
         killed = run_tool(["--state", self.state, "add-native", "--source",
