@@ -2810,21 +2810,109 @@ def track_parents(entry: dict, paths: List[str]) -> None:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
 
 
-def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
-    return [path for path, _ in changes]
+class NativePlan:
+    """What add-native or apply will do to the install, worked out before
+    anything changes: the sources to patch (`changes`: each with its patched
+    content, None to delete it; `modes`: a new mode for some), the artifacts
+    and build products to back up, the caches to set aside, the build to run.
+    --dry-run checks and prints it; the real run journals and carries out
+    this same plan."""
+
+    def __init__(self, state: State, args: argparse.Namespace,
+                 changes: List[Tuple[str, Optional[bytes]]], artifacts: List[str],
+                 caches: List[str], build: Optional[dict], modes: Optional[Dict[str, int]] = None,
+                 modules: Optional[List[Tuple[str, str]]] = None):
+        self.state = state
+        self.changes = changes
+        self.sources = [path for path, _ in changes]
+        self.modes = modes or {}
+        self.modules = modules or []  # (name, origin) of the Python part
+        self.artifacts, self.caches = artifacts, caches
+        self.build = build if changes else None  # a patch of .py files alone builds nothing
+        self.no_build = args.no_build
+        self.protect, self.no_protect = args.protect, args.no_protect
+        # make -n -W evaluates the Makefile's $(shell ...) (only recipes are
+        # not run): make is asked only once the entry is journaled, and never
+        # by --dry-run.
+        self.asks_make = bool(changes) and not self.no_protect and asks_make(self.build)
+        # Worked out now, so that the budget is refused before anything changes.
+        self.protected = self.build_products(ask_make=False) if changes else []
+
+    def build_products(self, ask_make: bool = True) -> List[Tuple[str, str]]:
+        """[(path, why)] of the existing build products to back up."""
+        return protected_paths(self.state, self.sources, self.artifacts, self.caches, self.build,
+                               self.protect, self.no_protect, ask_make)
+
+    def products(self) -> List[Tuple[str, str]]:
+        """The build products to back up, asked for once the entry is
+        journaled (what make's plan writes is then the entry's to undo)."""
+        return self.build_products() if self.asks_make else self.protected
+
+    def check_claims(self) -> None:
+        check_claims(self.state, self.sources, self.artifacts, self.caches)
+
+    def check(self, manifest: dict) -> None:
+        """Refuse what the journal or the paths rule out, before anything changes."""
+        validate_native_plan(self.state, manifest, self.sources, self.artifacts, self.caches,
+                             self.build and self.build["cwd"])
+
+    def dry_run(self) -> int:
+        """Check the plan as the real run would and print it; change nothing."""
+        state = self.state
+        self.check_claims()
+        self.check(state.load() if state.exists() else empty_manifest())
+        for tree in build_trees(self.build):
+            if scan_tree(tree, [state.root])[1]:
+                raise scan_limit_reached(tree)
+        print("plan (--dry-run: nothing was changed):")
+        for path, patched in self.changes:
+            print("  %-10s %s" % ("delete" if patched is None else
+                                  "patch" if os.path.lexists(path) else "create", path))
+        for name, origin in self.modules:
+            print("  %-10s module %s from %s (Python overlay)" % ("overlay", name, origin))
+        for path in self.sources:
+            if os.path.lexists(path):
+                print("  %-10s %s (source)" % ("back up", path))
+        for path in self.artifacts:
+            cache = next((cache for cache in self.caches if is_within(path, cache)), None)
+            if cache is not None:
+                print("  %-10s %s (artifact in the cache %s: compared with its set-aside copy)"
+                      % ("compare", path, cache))
+                continue
+            print("  %-10s %s (artifact%s)" % ("back up", path,
+                                               "" if os.path.lexists(path) else ", absent now"))
+        for path, why in self.protected:
+            print("  %-10s %s (build product, %s)" % ("back up", path, why))
+        if self.asks_make:
+            print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
+                  "evaluates the Makefile's $(shell ...) to answer; a real run asks once its "
+                  "journal is written)" % "back up")
+        for path in self.caches:
+            print("  %-10s %s (cache%s)" % ("set aside", path,
+                                            "" if os.path.lexists(path) else ", absent now"))
+        if self.build is not None:
+            print("  %-10s %s (in %s)" % ("build", self.build["cmd"], self.build["cwd"]))
+        elif self.no_build and self.changes:
+            print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
+                  "then `%s verify-native`)" % ("build", tool_at(state)))
+        elif self.changes:
+            candidates = build_candidates(self.sources)
+            print("  %-10s none given; found near %s (suggestions, never run by themselves):"
+                  % ("build", self.sources[0] if len(self.sources) == 1 else "the sources"))
+            for option, why in candidates:
+                print("    %s  (%s)" % (option, why))
+            if not candidates:
+                print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
+        return 0
 
 
-def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
-                       artifacts: List[str], caches: List[str], build: Optional[dict],
-                       protected: Callable[[], List[Tuple[str, str]]], command: str,
-                       modes: Dict[str, int]) -> dict:
+def begin_native_entry(state: State, manifest: dict, plan: NativePlan, command: str) -> dict:
     """Steps 1-3: make the backups and the journal entry durable, then set the
-    caches aside and swap the sources.  `changes` maps each source to its
-    patched content (None: delete it), `modes` some of them to a new mode.  A crash before the entry is journaled
+    caches aside and swap the sources.  A crash before the entry is journaled
     leaves only unreferenced backups; the install is untouched until then.
-    `protected` gives the build products to back up besides: it may ask make
-    for its plan, which runs the Makefile's $(shell ...), so it is called once
-    the entry is journaled (what that writes is then the entry's to undo)."""
+    The build products to back up besides are asked of the plan once the
+    entry is journaled (NativePlan.products)."""
+    changes, artifacts, caches, build = plan.changes, plan.artifacts, plan.caches, plan.build
     entry_id = manifest["next_id"]
     directory = "backups/%d" % entry_id
     entry = {"id": entry_id, "command": command, "state": "applying",
@@ -2862,7 +2950,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
                                                         "" if same_fs or not present else ".tar")})
     entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
     entry["dirs"] = {}
-    track_parents(entry, changes_paths(changes) + artifacts + caches)
+    track_parents(entry, plan.sources + artifacts + caches)
     for tree in build_trees(build):
         if os.path.isdir(tree):
             entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
@@ -2897,7 +2985,7 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     manifest["entries"].append(entry)
     state.save(manifest)
     try:
-        products = protected()
+        products = plan.products()
     except OverlayError:  # over the budget: undo what asking make did, and the entry
         revert_entry(state, manifest, entry, keep_untracked=False)
         raise
@@ -2924,7 +3012,8 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         if patched is None:
             remove_file(source)
         else:
-            put_file(source, {"mode": modes.get(source, record.get("mode", 0o644))}, data=patched)
+            put_file(source, {"mode": plan.modes.get(source, record.get("mode", 0o644))},
+                     data=patched)
     if build is None:
         entry["state"] = "applied"
         state.save(manifest)
@@ -3919,69 +4008,17 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
-def print_plan(state: State, changes: List[Tuple[str, Optional[bytes]]],
-               modules: List[Tuple[str, str]],
-               artifacts: List[str], caches: List[str], build: Optional[dict],
-               protected: List[Tuple[str, str]], no_build: bool, make_plan: bool) -> None:
-    """What add-native or apply would do, for --dry-run (`make_plan`: the
-    build products of a make build, which --dry-run cannot tell)."""
-    print("plan (--dry-run: nothing was changed):")
-    for path, patched in changes:
-        print("  %-10s %s" % ("delete" if patched is None else
-                              "patch" if os.path.lexists(path) else "create", path))
-    for name, origin in modules:
-        print("  %-10s module %s from %s (Python overlay)" % ("overlay", name, origin))
-    for path, _ in changes:
-        if os.path.lexists(path):
-            print("  %-10s %s (source)" % ("back up", path))
-    for path in artifacts:
-        cache = next((cache for cache in caches if is_within(path, cache)), None)
-        if cache is not None:
-            print("  %-10s %s (artifact in the cache %s: compared with its set-aside copy)"
-                  % ("compare", path, cache))
-            continue
-        print("  %-10s %s (artifact%s)" % ("back up", path,
-                                           "" if os.path.lexists(path) else ", absent now"))
-    for path, why in protected:
-        print("  %-10s %s (build product, %s)" % ("back up", path, why))
-    if make_plan:
-        print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
-              "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
-              "is written)" % "back up")
-    for path in caches:
-        print("  %-10s %s (cache%s)" % ("set aside", path,
-                                        "" if os.path.lexists(path) else ", absent now"))
-    if build is not None:
-        print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
-    elif no_build and changes:
-        print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
-              "then `%s verify-native`)" % ("build", tool_at(state)))
-    elif changes:
-        sources = changes_paths(changes)
-        candidates = build_candidates(sources)
-        print("  %-10s none given; found near %s (suggestions, never run by themselves):"
-              % ("build", sources[0] if len(sources) == 1 else "the sources"))
-        for option, why in candidates:
-            print("    %s  (%s)" % (option, why))
-        if not candidates:
-            print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
-
-
-def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
-                  artifacts: List[str], caches: List[str], build: Optional[dict],
-                  protected: Callable[[], List[Tuple[str, str]]], command: str,
-                  python_update=None,
-                  modes: Optional[Dict[str, int]] = None, in_trial: bool = False) -> dict:
+def finish_native(state: State, manifest: dict, plan: NativePlan, command: str,
+                  python_update=None, in_trial: bool = False) -> dict:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
     modules_before = set(manifest["python"]["modules"])
     try:
-        if changes:
+        if plan.changes:
             with claims_locked():
-                check_claims(state, changes_paths(changes), artifacts, caches)
-                entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                           protected, command, modes or {})
+                plan.check_claims()
+                entry = begin_native_entry(state, manifest, plan, command)
             shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
                 # A trial reverts before the user could run `status`.
@@ -3995,7 +4032,7 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
     except OSError as exc:
         rollback(state, entry_id, modules_before, exc)
     print("state: %s" % state.root, flush=True)
-    if entry is not None and build is not None:
+    if entry is not None and plan.build is not None:
         run_entry_build(state, manifest, entry)
     return entry
 
@@ -4022,40 +4059,6 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
                        "run the command again" % (written(exc), exc.strerror))
 
 
-def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
-            modules: List[Tuple[str, str]], artifacts: List[str], caches: List[str],
-            build: Optional[dict]) -> int:
-    """Check and print the plan of add-native or apply; change nothing."""
-    manifest = state.load() if state.exists() else empty_manifest()
-    sources = changes_paths(changes)
-    check_claims(state, sources, artifacts, caches)
-    validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
-    protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
-                                args.no_protect, ask_make=False) if changes else []
-    if changes and build is not None:
-        for tree in build_trees(build):
-            if scan_tree(tree, [state.root])[1]:
-                raise scan_limit_reached(tree)
-    print_plan(state, changes, modules, artifacts, caches, build, protected, args.no_build,
-               changes and not args.no_protect and asks_make(build))
-    return 0
-
-
-def protection(state: State, sources: List[str], artifacts: List[str], caches: List[str],
-               build: Optional[dict],
-               args: argparse.Namespace) -> Callable[[], List[Tuple[str, str]]]:
-    """The build products to back up, as begin_native_entry asks for them:
-    worked out now (so that the budget is refused before anything changes),
-    or for a make build once the entry is journaled (asks_make)."""
-    def plan() -> List[Tuple[str, str]]:
-        return protected_paths(state, sources, artifacts, caches, build, args.protect,
-                               args.no_protect)
-    if asks_make(build) and not args.no_protect:
-        return plan
-    found = plan()
-    return lambda: found
-
-
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
     require_build_choice(args)
@@ -4066,15 +4069,13 @@ def cmd_add_native(args: argparse.Namespace) -> int:
                            "(or use `apply` with a patch that creates it)" % source)
     state = open_state(args)
     check_state_outside_build(state, build)
+    plan = NativePlan(state, args, [(source, patched)], artifacts, caches, build)
     if args.dry_run:
-        return dry_run(state, args, [(source, patched)], [], artifacts, caches, build)
-    protected = protection(state, [source], artifacts, caches, build, args)
+        return plan.dry_run()
     with Locked(state, "add-native") as manifest:
         claim_owner(state, manifest, args.owner_pid)
-        validate_native_plan(state, manifest, [source], artifacts, caches,
-                             build and build["cwd"])
-        entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
-                              protected, "add-native")
+        plan.check(manifest)
+        entry = finish_native(state, manifest, plan, "add-native")
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
@@ -4209,19 +4210,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
     modules = [(module, file["content"], os.path.dirname(file["path"]) if file["package"] else None,
                 file["path"]) for module, file in zip(names, python_files)]
     check_state_outside_build(state, build if natives else None)
+    plan = NativePlan(state, args, natives, artifacts, caches, build, modes,
+                      [(module, origin) for module, _, _, origin in modules])
     if args.dry_run:
-        return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
-                       artifacts, caches, build if natives else None)
-    protected = protection(state, [path for path, _ in natives], artifacts, caches,
-                           build if natives else None, args)
+        return plan.dry_run()
     with Locked(state, "apply") as manifest:
         claim_owner(state, manifest, args.owner_pid)
         for module, _content, _package, _origin in modules:
             if module in manifest["python"]["modules"]:
                 raise OverlayError("E103", "module %s is already overlaid; run `%s revert` "
                                    "first" % (module, tool_at(state)))
-        validate_native_plan(state, manifest, [path for path, _ in natives], artifacts, caches,
-                             build and build["cwd"])
+        plan.check(manifest)
 
         def python_update() -> None:
             for module, content, package_dir, origin in modules:
@@ -4230,9 +4229,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 state.save(manifest)
                 write_python_overlay(state, manifest)
 
-        entry = finish_native(state, manifest, natives, artifacts, caches,
-                              build if natives else None, protected, "apply", python_update,
-                              modes, getattr(args, "in_trial", False))
+        entry = finish_native(state, manifest, plan, "apply", python_update,
+                              getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
