@@ -1214,7 +1214,7 @@ def interrupted(manifest: dict) -> Optional[str]:
     if manifest.get("reverting"):
         return "reverting"
     for entry in manifest["entries"]:
-        if entry["state"] == "applying":
+        if entry["state"] == NativeEntry.APPLYING:
             return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
                                     else "applying", entry["id"])
     return None
@@ -2906,120 +2906,6 @@ class NativePlan:
         return 0
 
 
-def begin_native_entry(state: State, manifest: dict, plan: NativePlan, command: str) -> dict:
-    """Steps 1-3: make the backups and the journal entry durable, then set the
-    caches aside and swap the sources.  A crash before the entry is journaled
-    leaves only unreferenced backups; the install is untouched until then.
-    The build products to back up besides are asked of the plan once the
-    entry is journaled (NativePlan.products)."""
-    changes, artifacts, caches, build = plan.changes, plan.artifacts, plan.caches, plan.build
-    entry_id = manifest["next_id"]
-    directory = "backups/%d" % entry_id
-    entry = {"id": entry_id, "command": command, "state": "applying",
-             "sources": [], "artifacts": [], "caches": [], "build": build,
-             "scan": None, "untracked": None, "protected": []}
-    for number, (source, patched) in enumerate(changes):
-        record = record_file(source, "source")
-        record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
-        if record["present"]:
-            record["backup"] = "%s/s%d" % (directory, number)
-        entry["sources"].append(record)
-    for number, artifact in enumerate(artifacts):
-        record = record_file(artifact, "artifact")
-        cache = next((cache for cache in caches if is_within(artifact, cache)), None)
-        if cache is not None:
-            # Set aside with its cache and put back with it (a JIT's build
-            # directory): the rebuilt one is compared with the copy there.
-            record = {"path": artifact, "role": "artifact", "present": False, "backup": None,
-                      "in_cache": cache}
-        elif record["present"]:
-            record["backup"] = "%s/a%d" % (directory, number)
-        entry["artifacts"].append(record)
-    backup_mount = mount_of(state.root)
-    for number, cache in enumerate(caches):
-        present = os.path.isdir(cache)
-        same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
-        # What the cache holds is read for a tar snapshot only: a revert killed after
-        # the snapshot's extraction finds the cache back by it, whereas a renamed
-        # cache that is back has left no backup (rebuilt_since_apply).
-        entry["caches"].append({"path": cache, "present": present,
-                                "digest": None if same_fs else tree_digest(cache),
-                                "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
-                                "method": "rename" if same_fs or not present else "tar",
-                                "backup": "%s/c%d%s" % (directory, number,
-                                                        "" if same_fs or not present else ".tar")})
-    entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
-    entry["dirs"] = {}
-    track_parents(entry, plan.sources + artifacts + caches)
-    for tree in build_trees(build):
-        if os.path.isdir(tree):
-            entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
-
-    backup_dir = os.path.join(state.root, directory)
-    remove_path(backup_dir)
-    makedirs_durable(backup_dir)
-    if build is not None:
-        try:
-            write_prebuild_scan(state, entry)
-        except OverlayError:
-            remove_path(backup_dir)
-            raise
-    for record in entry_files(entry):
-        record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
-        if record["present"] and record["links"] > 1 and record["role"] == "source":
-            # The patched file replaces the name; the original inode, shared
-            # with its other names, becomes the backup and comes back.
-            mutation_point()
-            os.link(record["path"], state.state_path(record["backup"]), follow_symlinks=False)
-            record["sha256"] = file_sha256(record["path"])
-            record["identity"] = file_identity(record["path"])
-        elif record["present"]:
-            record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
-            record["identity"] = file_identity(record["path"])
-    for cache in entry["caches"]:
-        if cache["present"] and cache["method"] == "tar":
-            snapshot_cache(cache["path"], state.state_path(cache["backup"]))
-    write_jit_scan(state, entry, jit_directories(artifacts, build))
-    fsync_dir(backup_dir)
-    manifest["next_id"] = entry_id + 1
-    manifest["entries"].append(entry)
-    state.save(manifest)
-    try:
-        products = plan.products()
-    except OverlayError:  # over the budget: undo what asking make did, and the entry
-        revert_entry(state, manifest, entry, keep_untracked=False)
-        raise
-    if products:
-        track_parents(entry, [path for path, _ in products])
-        for number, (path, why) in enumerate(products):
-            record = record_file(path, "build product")
-            record["why"] = why
-            record["backup"] = "%s/p%d" % (directory, number)
-            record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
-            record["identity"] = file_identity(path)
-            entry["protected"].append(record)
-        fsync_dir(backup_dir)
-        state.save(manifest)
-
-    for cache in entry["caches"]:
-        if not cache["present"]:
-            continue
-        if cache["method"] == "rename":
-            durable_rename(cache["path"], state.state_path(cache["backup"]))
-        else:
-            remove_path(cache["path"])
-    for (source, patched), record in zip(changes, entry["sources"]):
-        if patched is None:
-            remove_file(source)
-        else:
-            put_file(source, {"mode": plan.modes.get(source, record.get("mode", 0o644))},
-                     data=patched)
-    if build is None:
-        entry["state"] = "applied"
-        state.save(manifest)
-    return entry
-
-
 def scan_limit_reached(tree: str) -> OverlayError:
     """A scan that stops at its limit is no record of what was there: the
     files beyond it would count as made by the build, and revert would delete
@@ -3265,96 +3151,265 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
         for record in entry["sources"])
 
 
-def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
-    """Steps 4-5: build, record status, artifact hashes and untracked products."""
-    build = entry["build"]
-    ours = still_ours(manifest) + [record for record in entry.get("protected") or []
-                                   if "seen" not in record]
-    mutation_point()
-    print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
+class NativeEntry:
+    """One native entry of the journal (`record`, a JSON object in it) and
+    the steps of its life, each journaled durably before the install
+    changes: apply (back up, journal, set the caches aside, swap the
+    sources in), build, update (swap a new patch in and build again),
+    rollback.  Its state in the journal says how far it got."""
 
-    def started(pid: int) -> None:  # so that a revert after a crash can stop it
-        build["process"] = {"pid": pid, "start_time": process_start_time(pid),
-                            "host": host_name(), "since": time.strftime(
-                                "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    APPLYING = "applying"  # journaled, being applied or built: a crash here is rolled back
+    APPLIED = "applied"  # swapped in without a build (--no-build)
+    BUILT = "built"  # its build exited 0 and changed the artifacts
+    BUILD_FAILED = "build-failed"  # its build failed or timed out; the patch stays applied
+    BUILT_NOTHING = "build-changed-nothing"  # its build exited 0 but changed no artifact
+
+    def __init__(self, state: State, journal: dict, record: dict):
+        self.state, self.journal, self.record = state, journal, record
+
+    def enter(self, name: str) -> None:
+        """Move to the state `name`, journaled before what it names happens."""
+        self.record["state"] = name
+        self.state.save(self.journal)
+
+    @classmethod
+    def apply(cls, state: State, manifest: dict, plan: NativePlan, command: str) -> "NativeEntry":
+        """Make the backups and the journal entry durable, then set the caches
+        aside and swap the sources.  A crash before the entry is journaled
+        leaves only unreferenced backups; the install is untouched until then.
+        The build products to back up besides are asked of the plan once the
+        entry is journaled (NativePlan.products)."""
+        changes, artifacts, caches, build = plan.changes, plan.artifacts, plan.caches, plan.build
+        entry_id = manifest["next_id"]
+        directory = "backups/%d" % entry_id
+        entry = {"id": entry_id, "command": command, "state": cls.APPLYING,
+                 "sources": [], "artifacts": [], "caches": [], "build": build,
+                 "scan": None, "untracked": None, "protected": []}
+        for number, (source, patched) in enumerate(changes):
+            record = record_file(source, "source")
+            record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
+            if record["present"]:
+                record["backup"] = "%s/s%d" % (directory, number)
+            entry["sources"].append(record)
+        for number, artifact in enumerate(artifacts):
+            record = record_file(artifact, "artifact")
+            cache = next((cache for cache in caches if is_within(artifact, cache)), None)
+            if cache is not None:
+                # Set aside with its cache and put back with it (a JIT's build
+                # directory): the rebuilt one is compared with the copy there.
+                record = {"path": artifact, "role": "artifact", "present": False, "backup": None,
+                          "in_cache": cache}
+            elif record["present"]:
+                record["backup"] = "%s/a%d" % (directory, number)
+            entry["artifacts"].append(record)
+        backup_mount = mount_of(state.root)
+        for number, cache in enumerate(caches):
+            present = os.path.isdir(cache)
+            same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
+            # What the cache holds is read for a tar snapshot only: a revert killed after
+            # the snapshot's extraction finds the cache back by it, whereas a renamed
+            # cache that is back has left no backup (rebuilt_since_apply).
+            entry["caches"].append({"path": cache, "present": present,
+                                    "digest": None if same_fs else tree_digest(cache),
+                                    "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
+                                    "method": "rename" if same_fs or not present else "tar",
+                                    "backup": "%s/c%d%s" % (directory, number,
+                                                            "" if same_fs or not present else ".tar")})
+        entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
+        entry["dirs"] = {}
+        track_parents(entry, plan.sources + artifacts + caches)
+        for tree in build_trees(build):
+            if os.path.isdir(tree):
+                entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
+
+        backup_dir = os.path.join(state.root, directory)
+        remove_path(backup_dir)
+        makedirs_durable(backup_dir)
+        if build is not None:
+            try:
+                write_prebuild_scan(state, entry)
+            except OverlayError:
+                remove_path(backup_dir)
+                raise
+        for record in entry_files(entry):
+            record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
+            if record["present"] and record["links"] > 1 and record["role"] == "source":
+                # The patched file replaces the name; the original inode, shared
+                # with its other names, becomes the backup and comes back.
+                mutation_point()
+                os.link(record["path"], state.state_path(record["backup"]), follow_symlinks=False)
+                record["sha256"] = file_sha256(record["path"])
+                record["identity"] = file_identity(record["path"])
+            elif record["present"]:
+                record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
+                record["identity"] = file_identity(record["path"])
+        for cache in entry["caches"]:
+            if cache["present"] and cache["method"] == "tar":
+                snapshot_cache(cache["path"], state.state_path(cache["backup"]))
+        write_jit_scan(state, entry, jit_directories(artifacts, build))
+        fsync_dir(backup_dir)
+        manifest["next_id"] = entry_id + 1
+        manifest["entries"].append(entry)
         state.save(manifest)
+        try:
+            products = plan.products()
+        except OverlayError:  # over the budget: undo what asking make did, and the entry
+            cls(state, manifest, entry).rollback()
+            raise
+        if products:
+            track_parents(entry, [path for path, _ in products])
+            for number, (path, why) in enumerate(products):
+                record = record_file(path, "build product")
+                record["why"] = why
+                record["backup"] = "%s/p%d" % (directory, number)
+                record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
+                record["identity"] = file_identity(path)
+                entry["protected"].append(record)
+            fsync_dir(backup_dir)
+            state.save(manifest)
 
-    try:
-        status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
-    except OSError:
-        if state_vanished(state):  # while the build started
+        for cache in entry["caches"]:
+            if not cache["present"]:
+                continue
+            if cache["method"] == "rename":
+                durable_rename(cache["path"], state.state_path(cache["backup"]))
+            else:
+                remove_path(cache["path"])
+        for (source, patched), record in zip(changes, entry["sources"]):
+            if patched is None:
+                remove_file(source)
+            else:
+                put_file(source, {"mode": plan.modes.get(source, record.get("mode", 0o644))},
+                         data=patched)
+        applied = cls(state, manifest, entry)
+        if build is None:
+            applied.enter(cls.APPLIED)
+        return applied
+
+
+    def build(self) -> int:
+        """Build, then record its status, the artifacts' hashes and what the
+        build made; the entry is then BUILT, BUILD_FAILED or BUILT_NOTHING."""
+        state, manifest, entry = self.state, self.journal, self.record
+        build = entry["build"]
+        ours = still_ours(manifest) + [record for record in entry.get("protected") or []
+                                       if "seen" not in record]
+        mutation_point()
+        print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
+
+        def started(pid: int) -> None:  # so that a revert after a crash can stop it
+            build["process"] = {"pid": pid, "start_time": process_start_time(pid),
+                                "host": host_name(), "since": time.strftime(
+                                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            state.save(manifest)
+
+        try:
+            status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
+        except OSError:
+            if state_vanished(state):  # while the build started
+                raise build_deleted_state(state, entry)
+            raise
+        if state_vanished(state):
             raise build_deleted_state(state, entry)
-        raise
-    if state_vanished(state):
-        raise build_deleted_state(state, entry)
-    build.pop("process", None)
-    build["rc"], build["seconds"] = status, round(seconds, 3)
-    for record in entry["artifacts"]:
-        identity = content_identity(record["path"])
-        unchanged = record["present"] and os.path.isfile(record["path"]) and \
-            file_identity(record["path"]) == record["identity"]
-        record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
-        # settle_after_build keeps this hash rather than read the same bytes again
-        record["after_build_identity"], record["after_build_sha256"] = \
-            identity, record["built_sha256"]
-    settle_after_build(manifest)
-    entry["untracked"] = untracked_products(state, entry)
-    entry.pop("earlier_untracked", None)
-    # What the build left, to be restored or removed at revert only while it
-    # still is exactly that; what earlier builds of the entry left keeps its
-    # record (a file edited between two builds is no longer theirs).
-    for record in ours + [product for product in entry["untracked"]
-                          if product["kind"] != "d" and "seen" not in product]:
-        record["seen"] = seen(record["path"])
-    entry["links_seen"] = changed_links(state, entry)
-    entry["state"] = "built" if status == 0 else "build-failed"
-    noop = status == 0 and entry["artifacts"] and all(
-        record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
-    if noop:
-        entry["state"] = "build-changed-nothing"
-    state.save(manifest)
-    created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
-    if created:
-        print("warning: the build created files that no --artifact or --invalidate-cache covers "
-              "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
-    rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
-    deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
-    if deleted:
-        print("warning: the build deleted files that nothing backed up, so revert cannot give "
-              "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
-              file=sys.stderr)
-    compiled = [path for path in rewritten if compiled_output(path)]
-    for paths, fate in ((compiled, "it removes them, the next build makes them again"),
-                        ([path for path in rewritten if path not in compiled],
-                         "it leaves them as the build wrote them")):
-        if paths:
-            print("warning: the build rewrote files that nothing backed up, so revert cannot "
-                  "give them back byte-exact (%s): %s; next time pass %s"
-                  % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
-    here = tool_at(state)
-    if status is None:
-        raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
-                           "patch stays applied: run `%s update --timeout SECONDS` to build again "
-                           "with more time, or `%s revert`" % (seconds, here, here))
-    if status != 0:
-        raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
-                           "stays applied for inspection: fix the patch or the source, then run "
-                           "`%s update`, or run `%s revert`" % (status, seconds, here, here))
-    if noop:
-        what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not in "
-                "them; it stays applied for inspection: " % (seconds, ", ".join(
-                    record["path"] for record in entry["artifacts"])))
-        if headers_build_ext_skips(build["cmd"], entry):
-            raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension when "
-                               "one of its sources changed, not for a header it includes: run "
-                               "`%s revert`, then apply again with --build-cmd %s"
-                               % (here, shell_quote(build["cmd"] + " --force")))
-        raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
-                           "build script let pass), fix the patch or the source and run `%s "
-                           "update`; else check --build-cmd, --build-cwd and --invalidate-cache, "
-                           "then run `%s revert`" % (here, here))
-    print("build finished in %.1fs" % seconds)
-    return 0
+        build.pop("process", None)
+        build["rc"], build["seconds"] = status, round(seconds, 3)
+        for record in entry["artifacts"]:
+            identity = content_identity(record["path"])
+            unchanged = record["present"] and os.path.isfile(record["path"]) and \
+                file_identity(record["path"]) == record["identity"]
+            record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
+            # settle_after_build keeps this hash rather than read the same bytes again
+            record["after_build_identity"], record["after_build_sha256"] = \
+                identity, record["built_sha256"]
+        settle_after_build(manifest)
+        entry["untracked"] = untracked_products(state, entry)
+        entry.pop("earlier_untracked", None)
+        # What the build left, to be restored or removed at revert only while it
+        # still is exactly that; what earlier builds of the entry left keeps its
+        # record (a file edited between two builds is no longer theirs).
+        for record in ours + [product for product in entry["untracked"]
+                              if product["kind"] != "d" and "seen" not in product]:
+            record["seen"] = seen(record["path"])
+        entry["links_seen"] = changed_links(state, entry)
+        noop = status == 0 and entry["artifacts"] and all(
+            record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
+        self.enter(self.BUILT_NOTHING if noop else self.BUILT if status == 0 else self.BUILD_FAILED)
+        created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
+        if created:
+            print("warning: the build created files that no --artifact or --invalidate-cache covers "
+                  "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
+        rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
+        deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
+        if deleted:
+            print("warning: the build deleted files that nothing backed up, so revert cannot give "
+                  "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
+                  file=sys.stderr)
+        compiled = [path for path in rewritten if compiled_output(path)]
+        for paths, fate in ((compiled, "it removes them, the next build makes them again"),
+                            ([path for path in rewritten if path not in compiled],
+                             "it leaves them as the build wrote them")):
+            if paths:
+                print("warning: the build rewrote files that nothing backed up, so revert cannot "
+                      "give them back byte-exact (%s): %s; next time pass %s"
+                      % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
+        here = tool_at(state)
+        if status is None:
+            raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
+                               "patch stays applied: run `%s update --timeout SECONDS` to build again "
+                               "with more time, or `%s revert`" % (seconds, here, here))
+        if status != 0:
+            raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
+                               "stays applied for inspection: fix the patch or the source, then run "
+                               "`%s update`, or run `%s revert`" % (status, seconds, here, here))
+        if noop:
+            what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not in "
+                    "them; it stays applied for inspection: " % (seconds, ", ".join(
+                        record["path"] for record in entry["artifacts"])))
+            if headers_build_ext_skips(build["cmd"], entry):
+                raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension when "
+                                   "one of its sources changed, not for a header it includes: run "
+                                   "`%s revert`, then apply again with --build-cmd %s"
+                                   % (here, shell_quote(build["cmd"] + " --force")))
+            raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
+                               "build script let pass), fix the patch or the source and run `%s "
+                               "update`; else check --build-cmd, --build-cwd and --invalidate-cache, "
+                               "then run `%s revert`" % (here, here))
+        print("build finished in %.1fs" % seconds)
+        return 0
+
+    def update(self, contents: Dict[str, bytes], timeout: Optional[float]) -> None:
+        """Swap the new patched `contents` in and build again.  This build is
+        compared with the tree just before it: what was made or written since
+        the last build (results, notes, another entry's products) is not this
+        entry's."""
+        state, entry = self.state, self.record
+        for record in entry["sources"]:
+            if record["path"] not in contents:
+                continue
+            # Journaled before the write; until it lands, the old patched
+            # content is as much ours as the new one.
+            record["previous_patched_sha256"] = record.get("patched_sha256")
+            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
+        if entry["build"] is not None:
+            entry["earlier_untracked"] = untracked_products(state, entry)
+            entry["builds"] = entry.get("builds", 1) + 1
+            write_prebuild_scan(state, entry, "build_scan")
+            entry["untracked"] = None
+            entry.pop("links_seen", None)
+            if timeout is not None:
+                entry["build"]["timeout"] = timeout
+        self.enter(self.APPLYING if entry["build"] is not None else entry["state"])
+        for record in entry["sources"]:
+            path = record["path"]
+            if path in contents and file_sha256(path) != record["patched_sha256"]:
+                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
+        print("state: %s" % state.root, flush=True)
+        if entry["build"] is not None:
+            self.build()
+
+    def rollback(self) -> None:
+        """Undo the entry and drop it from the journal (it may be half applied)."""
+        revert_entry(self.state, self.journal, self.record, keep_untracked=False)
 
 
 # ---------------------------------------------------------------- revert
@@ -3406,7 +3461,7 @@ def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
     build of this state that was interrupted (an apply or update killed in
     it) they hold what that build wrote, which no hash records: ours."""
     changed = []
-    if any(entry["state"] == "applying" for entry in entries):
+    if any(entry["state"] == NativeEntry.APPLYING for entry in entries):
         return changed
     for entry in entries:
         for record in entry["artifacts"]:
@@ -4009,7 +4064,7 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
 
 
 def finish_native(state: State, manifest: dict, plan: NativePlan, command: str,
-                  python_update=None, in_trial: bool = False) -> dict:
+                  python_update=None, in_trial: bool = False) -> Optional[NativeEntry]:
     """Apply natives (and the Python part), rolling back if anything fails before the build."""
     entry = None
     entry_id = manifest["next_id"]
@@ -4018,22 +4073,22 @@ def finish_native(state: State, manifest: dict, plan: NativePlan, command: str,
         if plan.changes:
             with claims_locked():
                 plan.check_claims()
-                entry = begin_native_entry(state, manifest, plan, command)
-            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
+                entry = NativeEntry.apply(state, manifest, plan, command)
+            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]]
             if len(shown) > 5:  # a patched common header can reach hundreds of objects
                 # A trial reverts before the user could run `status`.
                 shown[4:] = ["and %d more%s" % (len(shown) - 4,
                                                 "" if in_trial else " (`status` lists them)")]
             if shown:
                 print("backed up %d build product(s) the build may rewrite: %s"
-                      % (len(entry["protected"]), ", ".join(shown)))
+                      % (len(entry.record["protected"]), ", ".join(shown)))
         if python_update is not None:
             python_update()
     except OSError as exc:
         rollback(state, entry_id, modules_before, exc)
     print("state: %s" % state.root, flush=True)
     if entry is not None and plan.build is not None:
-        run_entry_build(state, manifest, entry)
+        entry.build()
     return entry
 
 
@@ -4049,7 +4104,7 @@ def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> 
             state.save(manifest)
         for entry in list(manifest["entries"]):
             if entry["id"] == entry_id:
-                revert_entry(state, manifest, entry, keep_untracked=False)
+                NativeEntry(state, manifest, entry).rollback()
     except (OSError, OverlayError) as second:
         raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                            "run `%s revert` once the cause is fixed"
@@ -4079,10 +4134,10 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
-              % (entry["id"], source, here))
+              % (entry.record["id"], source, here))
     else:
         print("entry %d applied: %s; run `%s verify-native`, measure, then `%s revert`"
-              % (entry["id"], source, here, here))
+              % (entry.record["id"], source, here, here))
     return 0
 
 
@@ -4233,7 +4288,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                               getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
-        parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
+        parts.append("entry %d: %d native file(s)" % (entry.record["id"], len(natives)))
     if modules:
         parts.append("%d Python module(s) overlaid (%s)" % (
             len(modules), ", ".join(module for module, _, _, _ in modules)))
@@ -4296,33 +4351,7 @@ def cmd_update(args: argparse.Namespace) -> int:
                                % ("" if args.entry is None else " %d" % args.entry, state.root))
         entry = natives[-1]
         contents = updated_contents(state, entry, args)
-        for record in entry["sources"]:
-            if record["path"] not in contents:
-                continue
-            # Journaled before the write; until it lands, the old patched
-            # content is as much ours as the new one.
-            record["previous_patched_sha256"] = record.get("patched_sha256")
-            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
-        if entry["build"] is not None:
-            # This build is compared with the tree just before it: what was
-            # made or written since the last build (results, notes, another
-            # entry's products) is not this entry's.
-            entry["earlier_untracked"] = untracked_products(state, entry)
-            entry["builds"] = entry.get("builds", 1) + 1
-            write_prebuild_scan(state, entry, "build_scan")
-            entry["state"] = "applying"
-            entry["untracked"] = None
-            entry.pop("links_seen", None)
-            if args.timeout is not None:
-                entry["build"]["timeout"] = args.timeout
-        state.save(manifest)
-        for record in entry["sources"]:
-            path = record["path"]
-            if path in contents and file_sha256(path) != record["patched_sha256"]:
-                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
-        print("state: %s" % state.root, flush=True)
-        if entry["build"] is not None:
-            run_entry_build(state, manifest, entry)
+        NativeEntry(state, manifest, entry).update(contents, args.timeout)
     print("entry %d updated: %s; the originals stay backed up for `%s revert`"
           % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
     return 0
@@ -4339,10 +4368,10 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     seen = set()
     for entry in reversed(manifest["entries"]):
         # --no-build: the build runs later (a JIT at import), or has not yet
-        later = entry["build"] is None and entry["state"] == "applied"
-        if entry["state"] != "built" and not later:
+        later = entry["build"] is None and entry["state"] == NativeEntry.APPLIED
+        if entry["state"] != NativeEntry.BUILT and not later:
             here = tool_at(state)
-            if entry["state"] in ("build-failed", "build-changed-nothing"):
+            if entry["state"] in (NativeEntry.BUILD_FAILED, NativeEntry.BUILT_NOTHING):
                 problems.append("entry %d is %s, not built: fix the patch or the source, then run "
                                 "`%s update`, or run `%s revert`"
                                 % (entry["id"], entry["state"], here, here))
@@ -4441,13 +4470,13 @@ def build_running(entry: dict) -> Optional[dict]:
 def entry_in_words(entry: dict, tool_running: bool) -> str:
     build = entry["build"] or {}
     took = "after %.1fs" % build["seconds"] if build.get("seconds") is not None else ""
-    if entry["state"] == "applied":
+    if entry["state"] == NativeEntry.APPLIED:
         return "applied, without a build"
-    if entry["state"] == "built":
+    if entry["state"] == NativeEntry.BUILT:
         return "built (the build exited 0 %s)" % took
-    if entry["state"] == "build-changed-nothing":
+    if entry["state"] == NativeEntry.BUILT_NOTHING:
         return "applied, but its build changed no artifact (exited 0 %s)" % took
-    if entry["state"] == "build-failed":
+    if entry["state"] == NativeEntry.BUILD_FAILED:
         if build.get("rc") is None:
             return "applied, but its build timed out %s and was killed" % took
         return "applied, but its build failed with status %s %s" % (build["rc"], took)
@@ -4472,11 +4501,11 @@ def next_step(state: State, manifest: dict, tool_running: bool) -> str:
         return "nothing applied; nothing to do"
     if manifest.get("reverting"):
         return "a revert stopped halfway: `%s revert` finishes it" % here
-    if "applying" in states:
+    if NativeEntry.APPLYING in states:
         return ("`%s revert` (it stops a build left running and restores everything)" % here)
-    if states & {"build-failed", "build-changed-nothing"}:
+    if states & {NativeEntry.BUILD_FAILED, NativeEntry.BUILT_NOTHING}:
         return "fix the patch or the source, then `%s update`, or `%s revert`" % (here, here)
-    if "built" in states:
+    if NativeEntry.BUILT in states:
         return "`%s verify-native`, measure, then `%s revert`" % (here, here)
     if manifest["entries"]:
         return "build, measure, then `%s revert`" % here
