@@ -2899,6 +2899,58 @@ class NativePlan:
                 print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
         return 0
 
+    def run(self, manifest: dict, command: str, python_update=None,
+            in_trial: bool = False) -> Optional["NativeEntry"]:
+        """Carry the plan out (with the Python part), rolling back if anything
+        fails before the build."""
+        state = self.state
+        entry = None
+        entry_id = manifest["next_id"]
+        modules_before = set(manifest["python"]["modules"])
+        try:
+            if self.changes:
+                with claims_locked():
+                    self.check_claims()
+                    entry = NativeEntry.apply(state, manifest, self, command)
+                shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]]
+                if len(shown) > 5:  # a patched common header can reach hundreds of objects
+                    # A trial reverts before the user could run `status`.
+                    shown[4:] = ["and %d more%s" % (len(shown) - 4,
+                                                    "" if in_trial else " (`status` lists them)")]
+                if shown:
+                    print("backed up %d build product(s) the build may rewrite: %s"
+                          % (len(entry.record["protected"]), ", ".join(shown)))
+            if python_update is not None:
+                python_update()
+        except OSError as exc:
+            self.rollback(entry_id, modules_before, exc)
+        print("state: %s" % state.root, flush=True)
+        if entry is not None and self.build is not None:
+            entry.build()
+        return entry
+
+    def rollback(self, entry_id: int, modules_before: set, exc: OSError) -> None:
+        """Undo what this command did (the journal on disk says how far it got)."""
+        state = self.state
+        try:
+            manifest = state.load()
+            modules = manifest["python"]["modules"]
+            if set(modules) - modules_before:
+                for name in set(modules) - modules_before:
+                    del modules[name]
+                write_python_overlay(state, manifest)
+                state.save(manifest)
+            for entry in list(manifest["entries"]):
+                if entry["id"] == entry_id:
+                    NativeEntry(state, manifest, entry).revert()
+        except (OSError, OverlayError) as second:
+            raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
+                               "run `%s revert` once the cause is fixed"
+                               % (written(exc), exc.strerror, getattr(second, "strerror", second),
+                                  tool_at(state)))
+        raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause "
+                           "and run the command again" % (written(exc), exc.strerror))
+
 
 def scan_limit_reached(tree: str) -> OverlayError:
     """A scan that stops at its limit is no record of what was there: the
@@ -3150,7 +3202,7 @@ class NativeEntry:
     the steps of its life, each journaled durably before the install
     changes: apply (back up, journal, set the caches aside, swap the
     sources in), build, update (swap a new patch in and build again),
-    rollback.  Its state in the journal says how far it got."""
+    revert.  Its state in the journal says how far it got."""
 
     APPLYING = "applying"  # journaled, being applied or built: a crash here is rolled back
     APPLIED = "applied"  # swapped in without a build (--no-build)
@@ -3248,7 +3300,7 @@ class NativeEntry:
         try:
             products = plan.products()
         except OverlayError:  # over the budget: undo what asking make did, and the entry
-            cls(state, manifest, entry).rollback()
+            cls(state, manifest, entry).revert()
             raise
         if products:
             track_parents(entry, [path for path, _ in products])
@@ -3401,9 +3453,11 @@ class NativeEntry:
         if entry["build"] is not None:
             self.build()
 
-    def rollback(self) -> None:
-        """Undo the entry and drop it from the journal (it may be half applied)."""
-        revert_entry(self.state, self.journal, self.record, keep_untracked=False)
+    def revert(self, keep_untracked: bool = False,
+               force: bool = False) -> List[Tuple[str, str]]:
+        """Give back what the entry changed and drop it from the journal (it
+        may be half applied); revert_entry says how."""
+        return revert_entry(self.state, self.journal, self.record, keep_untracked, force)
 
 
 # ---------------------------------------------------------------- revert
@@ -3820,7 +3874,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                for record in entry_files(entry)
                                if not any(is_within(record["path"], tree) for tree in trees)}))
     for entry in reversed(list(manifest["entries"])):
-        inexact += revert_entry(state, manifest, entry, keep_untracked, force)
+        inexact += NativeEntry(state, manifest, entry).revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
     if checked:
@@ -4057,57 +4111,6 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
-def finish_native(state: State, manifest: dict, plan: NativePlan, command: str,
-                  python_update=None, in_trial: bool = False) -> Optional[NativeEntry]:
-    """Apply natives (and the Python part), rolling back if anything fails before the build."""
-    entry = None
-    entry_id = manifest["next_id"]
-    modules_before = set(manifest["python"]["modules"])
-    try:
-        if plan.changes:
-            with claims_locked():
-                plan.check_claims()
-                entry = NativeEntry.apply(state, manifest, plan, command)
-            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]]
-            if len(shown) > 5:  # a patched common header can reach hundreds of objects
-                # A trial reverts before the user could run `status`.
-                shown[4:] = ["and %d more%s" % (len(shown) - 4,
-                                                "" if in_trial else " (`status` lists them)")]
-            if shown:
-                print("backed up %d build product(s) the build may rewrite: %s"
-                      % (len(entry.record["protected"]), ", ".join(shown)))
-        if python_update is not None:
-            python_update()
-    except OSError as exc:
-        rollback(state, entry_id, modules_before, exc)
-    print("state: %s" % state.root, flush=True)
-    if entry is not None and plan.build is not None:
-        entry.build()
-    return entry
-
-
-def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> None:
-    """Undo what this command did (the journal on disk says how far it got)."""
-    try:
-        manifest = state.load()
-        modules = manifest["python"]["modules"]
-        if set(modules) - modules_before:
-            for name in set(modules) - modules_before:
-                del modules[name]
-            write_python_overlay(state, manifest)
-            state.save(manifest)
-        for entry in list(manifest["entries"]):
-            if entry["id"] == entry_id:
-                NativeEntry(state, manifest, entry).rollback()
-    except (OSError, OverlayError) as second:
-        raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
-                           "run `%s revert` once the cause is fixed"
-                           % (written(exc), exc.strerror, getattr(second, "strerror", second),
-                              tool_at(state)))
-    raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), exc.strerror))
-
-
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
     require_build_choice(args)
@@ -4124,7 +4127,7 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     with Locked(state, "add-native") as manifest:
         claim_owner(state, manifest, args.owner_pid)
         plan.check(manifest)
-        entry = finish_native(state, manifest, plan, "add-native")
+        entry = plan.run(manifest, "add-native")
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
@@ -4278,8 +4281,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 state.save(manifest)
                 write_python_overlay(state, manifest)
 
-        entry = finish_native(state, manifest, plan, "apply", python_update,
-                              getattr(args, "in_trial", False))
+        entry = plan.run(manifest, "apply", python_update, getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry.record["id"], len(natives)))
