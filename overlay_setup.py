@@ -2486,28 +2486,25 @@ def snapshot_cache(cache: str, archive: str) -> None:
     write_point(archive)
     tmp = temp_beside(archive)
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for directory, dirs, files in os.walk(cache):
-            dirs.sort()
-            for name in [""] + sorted(dirs + files) if directory == cache else sorted(dirs + files):
-                path = os.path.join(directory, name) if name else directory
-                arcname = os.path.relpath(path, cache)
-                info = tar.gettarinfo(path, arcname)
-                # gettarinfo refuses only sockets; a fifo or device would be
-                # archived, and then refused at revert (checked_members).
-                if info is None or not (info.isreg() or info.isdir() or info.issym()
-                                        or info.islnk()):
-                    raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
-                                       "directory nor a symlink; clear it before the overlay"
-                                       % (cache, path))
-                info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
-                if not info.issym():
-                    info.pax_headers.update((XATTR_KEY + name, value)
-                                            for name, value in read_xattrs(path).items())
-                if info.isreg():
-                    with open(path, "rb") as handle:
-                        tar.addfile(info, handle)
-                else:
-                    tar.addfile(info)
+        for path in [cache] + [path for path, _ in walk_tree(cache, [])]:
+            arcname = os.path.relpath(path, cache)
+            info = tar.gettarinfo(path, arcname)
+            # gettarinfo refuses only sockets; a fifo or device would be
+            # archived, and then refused at revert (checked_members).
+            if info is None or not (info.isreg() or info.isdir() or info.issym()
+                                    or info.islnk()):
+                raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
+                                   "directory nor a symlink; clear it before the overlay"
+                                   % (cache, path))
+            info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
+            if not info.issym():
+                info.pax_headers.update((XATTR_KEY + name, value)
+                                        for name, value in read_xattrs(path).items())
+            if info.isreg():
+                with open(path, "rb") as handle:
+                    tar.addfile(info, handle)
+            else:
+                tar.addfile(info)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, archive)
