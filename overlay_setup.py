@@ -2996,6 +2996,9 @@ def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
     durable_write(state.state_path(entry["jit"]["scan"]), json.dumps(found).encode())
 
 
+# ---------------------------------------------------------------- running a build
+
+
 def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) -> None:
     """SIGTERM the build, then SIGKILL what is still there after 2 s.  The
     build is its process group and every process of its session: ninja runs
@@ -3192,6 +3195,9 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
         r"(^|\s)(--force|-f)(\s|$)", command) and all(
         os.path.splitext(record["path"])[1] in (".h", ".hpp", ".cuh")
         for record in entry["sources"])
+
+
+# ---------------------------------------------------------------- a native entry's life
 
 
 class NativeEntry:
