@@ -533,8 +533,11 @@ class CProjectTest(OverlayTestCase):
     def test_another_owner_is_refused(self) -> None:
         self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
                                 "--patched", self.patched, "--no-build"))
+        other = subprocess.Popen(["sleep", "60"])  # an owner that is surely not the default one
+        self.addCleanup(other.wait)
+        self.addCleanup(other.kill)
         rc, out, err = self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
-                                 self.patched, "--no-build", "--owner-pid", str(os.getpid()))
+                                 self.patched, "--no-build", "--owner-pid", str(other.pid))
         self.assertEqual(rc, 1)
         owner = overlay_setup.default_owner()
         self.assertEqual(err, "overlay_setup: E205 this overlay belongs to pid %d on %s (live); "
