@@ -1507,6 +1507,34 @@ class PreExistingFileTest(MadePackageTest):
         del after["table.txt"], before["table.txt"]
         self.assertEqual(after, before)  # fits.txt, of the limit's size, is back
 
+    def test_a_deleted_file_made_again_after_the_build_is_kept(self) -> None:
+        stale = os.path.join(self.pkg, "stale.txt")
+        self.link_step_runs("rm -f stale.txt", {"stale.txt": "old\n"})
+        self.assertOk(self.add())
+        write_text_file(stale, "mine\n")
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (3, self.reverted()[1]))
+        self.assertTrue(err.startswith("overlay_setup: E510 kept %s: changed after the "
+                                       "overlay's build" % stale), err)
+        self.assertEqual(read_text(stale), "mine\n")
+
+    def test_the_files_nearest_the_build_directory_are_copied_first(self) -> None:
+        self.addCleanup(setattr, overlay_setup, "ORIGINAL_COUNT", overlay_setup.ORIGINAL_COUNT)
+        overlay_setup.ORIGINAL_COUNT = 3  # Makefile, __init__.py, _version.py
+        deep = os.path.join(self.pkg, "gen", "config.h")
+        before = self.link_step_runs("echo 2 > gen/config.h; echo \"version = '2'\" > _version.py",
+                                     {"gen/config.h": "1\n"})
+        rc, out, err = self.add()
+        self.assertEqual(rc, 0, err)
+        self.assertIn("the build rewrote or deleted %s; revert puts back" % self.version, out)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (3, "overlay_setup: E506 not byte-exact: the build rewrote "
+                                        "{0} with no backup; the next build makes it again (to "
+                                        "keep it next time, pass --protect {0})\n".format(deep)))
+        after = tree_state(self.pkg)
+        del after["gen/config.h"], before["gen/config.h"]
+        self.assertEqual(after, before)
+
     def test_an_update_keeps_the_copy_of_the_original_not_the_first_builds_rewrite(
             self) -> None:
         before = self.link_step_runs("echo '# built' >> _version.py")
