@@ -1468,12 +1468,19 @@ class PreExistingFileTest(MadePackageTest):
         self.assertEqual(tree_state(self.pkg), before)
 
     def test_a_run_killed_while_its_build_rewrote_a_version_file_gets_it_back(self) -> None:
+        for signal_name, status in (("KILL", -9), ("TERM", 143)):
+            with self.subTest(signal_name):
+                self.killed_while_its_build_rewrote_a_version_file(signal_name, status)
+
+    def killed_while_its_build_rewrote_a_version_file(self, signal_name: str,
+                                                       status: int) -> None:
         before = self.link_step_runs("printf 'version = ' > _version.py")  # half written
         killed = run_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.pkg, "k.c"), "--patched",
                            os.path.join(self.tmp, "fast.c"), "--build-cmd",
-                           "make && kill -9 $PPID", "--build-cwd", self.pkg], own=True)
-        self.assertEqual(killed.returncode, -9, killed.stderr)
+                           "make && kill -%s $PPID" % signal_name, "--build-cwd", self.pkg],
+                          own=True)
+        self.assertEqual(killed.returncode, status, killed.stderr)
         self.assertEqual(read_text(self.version), "version = ")
         aside = os.path.join(self.state, "leftovers", "1")
         rc, out, err = call("gc-stale", "--root", self.tmp)
