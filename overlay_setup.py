@@ -182,6 +182,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
+JOURNAL_NAME = "journal.json"  # in the state directory
+OLD_JOURNAL_NAME = "manifest.json"  # version 1.0's name for it, still read
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
 # Build descriptions a patch may tune (flags, architectures), patched in place
 # like a source; build.ninja is not among them: the build system writes it.
@@ -847,17 +849,24 @@ class State:
 
     def __init__(self, root: str):
         self.root = root
-        self.manifest_path = os.path.join(root, "manifest.json")
         self.lock_path = os.path.join(root, "lock")
         self.backups = os.path.join(root, "backups")
         self.site = os.path.join(root, "site")
         self.python = os.path.join(root, "python")
         self.lock_fd: Optional[int] = None
 
+    @property
+    def journal_path(self) -> str:
+        """The journal's file: journal.json, or in a state directory that
+        version 1.0 wrote, manifest.json until the next write replaces it."""
+        path = os.path.join(self.root, JOURNAL_NAME)
+        old = os.path.join(self.root, OLD_JOURNAL_NAME)
+        return old if not os.path.lexists(path) and os.path.lexists(old) else path
+
     # -- existence and safety
 
     def exists(self) -> bool:
-        return os.path.isfile(self.manifest_path)
+        return os.path.isfile(self.journal_path)
 
     def orphaned_backups(self) -> bool:
         """Backups with no journal: it was deleted while something was applied."""
@@ -896,7 +905,7 @@ class State:
             names = set(os.listdir(self.root))
         except FileNotFoundError:
             return
-        if "manifest.json" in names or self.exists():
+        if JOURNAL_NAME in names or OLD_JOURNAL_NAME in names or self.exists():
             self.read_journal()
             return
         if self.orphaned_backups():
@@ -998,51 +1007,55 @@ class State:
         """The journal as written, None when there is none; E202 when it is
         unreadable or another program's."""
         try:
-            with open(self.manifest_path, encoding="utf-8") as handle:
-                manifest = json.load(handle)
+            with open(self.journal_path, encoding="utf-8") as handle:
+                journal = json.load(handle)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise OverlayError("E202", "journal %s is unreadable (%s); inspect it, or move the "
                                "state directory away if nothing is applied"
-                               % (self.manifest_path, exc))
-        if not isinstance(manifest, dict) or manifest.get("tool") != TOOL_NAME:
+                               % (self.journal_path, exc))
+        if not isinstance(journal, dict) or journal.get("tool") != TOOL_NAME:
             raise OverlayError("E202", "journal %s is not an overlay_setup journal; pass another "
-                               "--state" % self.manifest_path)
-        return manifest
+                               "--state" % self.journal_path)
+        return journal
 
     def load(self) -> dict:
-        manifest = self.read_journal()
-        if manifest is None:
+        journal = self.read_journal()
+        if journal is None:
             if self.orphaned_backups():
                 raise OverlayError("E202", "journal %s is missing, but %s holds the backups of "
                                    "entries that may still be applied; restore the journal, or "
                                    "put the files back from there by hand"
-                                   % (self.manifest_path, os.path.join(self.root, "backups")))
-            return empty_manifest()
-        version = manifest.get("format")
+                                   % (self.journal_path, os.path.join(self.root, "backups")))
+            return empty_journal()
+        version = journal.get("format")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise OverlayError("E201", "journal %s has format %r, newer than this tool understands "
                                "(%d); use the overlay_setup.py that wrote it"
-                               % (self.manifest_path, version, FORMAT_VERSION))
+                               % (self.journal_path, version, FORMAT_VERSION))
         try:
-            self.validate(manifest)
+            self.validate(journal)
         except (KeyError, TypeError, AttributeError) as exc:
             raise OverlayError("E202", "journal %s lacks or mistypes a field (%s); inspect it"
-                               % (self.manifest_path, exc))
-        return manifest
+                               % (self.journal_path, exc))
+        return journal
 
-    def check_fields(self, manifest: dict) -> None:
-        problem = journal_field_problem(manifest)
+    def check_fields(self, journal: dict) -> None:
+        problem = journal_field_problem(journal)
         if problem:
             raise OverlayError("E202", "journal %s has a missing or mistyped %s; it was edited or "
                                "damaged, and nothing was changed: restore it, or move the state "
                                "directory away if nothing is applied"
-                               % (self.manifest_path, problem))
+                               % (self.journal_path, problem))
 
-    def save(self, manifest: dict) -> None:
-        durable_write(self.manifest_path,
-                      (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    def save(self, journal: dict) -> None:
+        read_from = self.journal_path
+        path = os.path.join(self.root, JOURNAL_NAME)
+        durable_write(path, (json.dumps(journal, indent=1, sort_keys=True) + "\n").encode())
+        if read_from != path:  # version 1.0's journal, which this one replaces
+            os.unlink(read_from)
+            fsync_dir(self.root)
 
     def state_path(self, relative: str) -> str:
         """A path recorded relative to the state directory, checked to stay inside it."""
@@ -1050,28 +1063,28 @@ class State:
                 or os.path.normpath(relative) != relative or relative.split("/")[0] == ".."):
             raise OverlayError("E203", "journal %s names backup %r outside the state directory; "
                                "the journal was tampered with, nothing was changed"
-                               % (self.manifest_path, relative))
+                               % (self.journal_path, relative))
         full = os.path.join(self.root, relative)
         real_root = os.path.realpath(self.root)
         if not is_within(os.path.realpath(os.path.dirname(full)), real_root):
             raise OverlayError("E203", "journal %s names backup %r that resolves outside the state "
-                               "directory; nothing was changed" % (self.manifest_path, relative))
+                               "directory; nothing was changed" % (self.journal_path, relative))
         return full
 
-    def validate(self, manifest: dict) -> None:
+    def validate(self, journal: dict) -> None:
         """Check every field and path of a journal read back from disk before
         anything acts on it."""
-        self.check_fields(manifest)
+        self.check_fields(journal)
         def target(path: object, what: str) -> None:
             if (not isinstance(path, str) or not os.path.isabs(path)
                     or os.path.normpath(path) != path or path == "/"):
                 raise OverlayError("E203", "journal %s names %s %r that is not an absolute, "
                                    "normalised path; the journal was tampered with, nothing was "
-                                   "changed" % (self.manifest_path, what, path))
-        entries = manifest.get("entries")
+                                   "changed" % (self.journal_path, what, path))
+        entries = journal.get("entries")
         if not isinstance(entries, list):
             raise OverlayError("E202", "journal %s has no entry list; inspect it"
-                               % self.manifest_path)
+                               % self.journal_path)
         for entry in entries:
             for root in entry["roots"]:
                 target(root, "install root")
@@ -1079,7 +1092,7 @@ class State:
                 if not any(is_within(path, root) for root in entry["roots"]):
                     raise OverlayError("E203", "journal %s names %s outside the install roots "
                                        "its entry %s recorded (%s); the journal was altered, "
-                                       "nothing was changed" % (self.manifest_path, path,
+                                       "nothing was changed" % (self.journal_path, path,
                                                                 entry["id"],
                                                                 ", ".join(entry["roots"])))
             for record in entry_files(entry):
@@ -1093,7 +1106,7 @@ class State:
                         for value in xattrs.values())):
                     raise OverlayError("E202", "journal %s has mistyped extended attributes for "
                                        "%s; it was edited or damaged, and nothing was changed"
-                                       % (self.manifest_path, record["path"]))
+                                       % (self.journal_path, record["path"]))
             for cache in entry.get("caches", []):
                 target(cache.get("path"), "cache")
                 inside_roots(cache["path"])
@@ -1111,7 +1124,7 @@ class State:
                     if not any(is_within(product["path"], tree) for tree in build_trees(build)):
                         raise OverlayError("E203", "journal %s names build product %r outside "
                                            "the build directory %s; nothing was changed"
-                                           % (self.manifest_path, product["path"], build["cwd"]))
+                                           % (self.journal_path, product["path"], build["cwd"]))
             for key in ("scan", "build_scan"):
                 if entry.get(key) is not None:
                     self.state_path(entry[key])
@@ -1120,14 +1133,14 @@ class State:
                 if not (isinstance(jit, dict) and isinstance(jit.get("directories"), list)
                         and isinstance(jit.get("scan"), str)):
                     raise OverlayError("E202", "journal %s has a damaged JIT record in entry %s; "
-                                       "nothing was changed" % (self.manifest_path, entry["id"]))
+                                       "nothing was changed" % (self.journal_path, entry["id"]))
                 for directory in jit["directories"]:
                     target(directory, "JIT build directory")
                     inside_roots(directory)
                 self.state_path(jit["scan"])
             for directory in entry.get("dirs", {}):
                 target(directory, "directory")
-        for name, module in manifest.get("python", {}).get("modules", {}).items():
+        for name, module in journal.get("python", {}).get("modules", {}).items():
             if module.get("file") is not None:
                 self.state_path(module["file"])
 
@@ -1149,7 +1162,7 @@ JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
 }
 
 
-def journal_field_problem(manifest: dict) -> Optional[str]:
+def journal_field_problem(journal: dict) -> Optional[str]:
     """The first missing or mistyped field of a journal, or None."""
     def bad(record: object, kind: str, where: str) -> Optional[str]:
         if not isinstance(record, dict):
@@ -1166,15 +1179,15 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
                     isinstance(value, bool) and types is not bool):
                 return "%s.%s" % (where, key)
         return None
-    if type(manifest.get("next_id")) is not int:
+    if type(journal.get("next_id")) is not int:
         return "next_id"
-    python = manifest.get("python")
+    python = journal.get("python")
     if not (isinstance(python, dict) and isinstance(python.get("modules"), dict)
             and isinstance(python.get("rebinds"), dict)):
         return "python"
-    problems = [bad(manifest["owner"], "owner", "owner")] if manifest.get("owner") is not None \
+    problems = [bad(journal["owner"], "owner", "owner")] if journal.get("owner") is not None \
         else []
-    for number, entry in enumerate(manifest.get("entries") or []):
+    for number, entry in enumerate(journal.get("entries") or []):
         where = "entries[%d]" % number
         problems.append(bad(entry, "entry", where))
         if problems[-1]:
@@ -1206,14 +1219,14 @@ def entry_files(entry: dict) -> List[dict]:
     return entry.get("sources", []) + entry.get("artifacts", []) + (entry.get("protected") or [])
 
 
-def empty_manifest() -> dict:
+def empty_journal() -> dict:
     return {"tool": TOOL_NAME, "format": FORMAT_VERSION, "owner": None, "next_id": 1,
             "entries": [], "python": {"modules": {}, "rebinds": {}}}
 
 
-def anything_applied(manifest: dict) -> bool:
-    python = manifest.get("python", {})
-    return bool(manifest["entries"] or python.get("modules") or python.get("rebinds"))
+def anything_applied(journal: dict) -> bool:
+    python = journal.get("python", {})
+    return bool(journal["entries"] or python.get("modules") or python.get("rebinds"))
 
 
 def tool_at(state: State) -> str:
@@ -1222,25 +1235,25 @@ def tool_at(state: State) -> str:
     return "overlay_setup.py --state %s" % shell_quote(state.root)
 
 
-def interrupted(manifest: dict) -> Optional[str]:
+def interrupted(journal: dict) -> Optional[str]:
     """What a run of this tool was doing when it stopped halfway: an entry
     being applied, built or updated, or a revert begun.  Found with the lock
     free, nobody is doing it any more: the entry is stale whoever the owner
     is, as a hot journal nobody holds is rolled back."""
-    if manifest.get("reverting"):
+    if journal.get("reverting"):
         return "reverting"
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         if entry["state"] == NativeEntry.APPLYING:
             return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
                                     else "applying", entry["id"])
     return None
 
 
-def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
+def claim_owner(state: State, journal: dict, owner_pid: Optional[int]) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
     owner = make_owner(owner_pid if owner_pid is not None else default_owner())
-    current = manifest.get("owner")
-    if anything_applied(manifest) and current and (
+    current = journal.get("owner")
+    if anything_applied(journal) and current and (
             current.get("pid"), current.get("start_time"), current.get("host")) != (
             owner["pid"], owner["start_time"], owner["host"]):
         liveness = owner_liveness(current)
@@ -1254,7 +1267,7 @@ def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
                     % (tool_at(state), current["host"]))
         raise OverlayError("E205", "this overlay belongs to %s; %s" % (describe_owner(current),
                                                                        hint))
-    manifest["owner"] = owner
+    journal["owner"] = owner
 
 
 # ---------------------------------------------------------------- where state directories live
@@ -1318,8 +1331,8 @@ def holds_something(state: "State") -> bool:
     if state.orphaned_backups():
         return True
     try:
-        manifest = state.read_journal()
-        return manifest is not None and anything_applied(manifest)
+        journal = state.read_journal()
+        return journal is not None and anything_applied(journal)
     except (OverlayError, KeyError, TypeError, AttributeError):
         return True
 
@@ -1378,14 +1391,14 @@ def applied_states(skip: Optional[str] = None) -> List[Tuple["State", Optional[d
             if not (state.exists() or state.orphaned_backups()):
                 found.append((state, None))  # vanished: named all the same
                 continue
-            manifest = state.load()
+            journal = state.load()
         except OverlayError:  # damaged: named all the same, the commands on it say why
             found.append((state, None))
             continue
         except OSError:
             continue
-        if anything_applied(manifest):
-            found.append((state, manifest))
+        if anything_applied(journal):
+            found.append((state, journal))
     return found
 
 
@@ -1494,10 +1507,10 @@ _chain()
 '''
 
 
-def write_python_overlay(state: State, manifest: dict) -> None:
+def write_python_overlay(state: State, journal: dict) -> None:
     """Regenerate the site directory from the journal's Python section."""
     makedirs_durable(state.site)
-    python = manifest["python"]
+    python = journal["python"]
     modules = {}
     for name, module in python["modules"].items():
         modules[name] = {"file": module["file"] and os.path.join(state.root, module["file"]),
@@ -1516,10 +1529,10 @@ def check_module_name(name: str, what: str) -> None:
         raise UsageError("E105", "%s %r is not a dotted module name (e.g. pkg.mod)" % (what, name))
 
 
-def stage_python_module(state: State, manifest: dict, name: str, content: Optional[bytes],
+def stage_python_module(state: State, journal: dict, name: str, content: Optional[bytes],
                         package_dir: Optional[str], origin: str) -> None:
     """Store a module's overlay content in the state directory and record it."""
-    if name in manifest["python"]["modules"]:
+    if name in journal["python"]["modules"]:
         raise OverlayError("E103", "module %s is already overlaid; run `%s revert` first"
                            % (name, tool_at(state)))
     relative = None
@@ -1527,7 +1540,7 @@ def stage_python_module(state: State, manifest: dict, name: str, content: Option
         makedirs_durable(state.python)
         relative = "python/%s.py" % name
         durable_write(os.path.join(state.root, relative), content, 0o644)
-    manifest["python"]["modules"][name] = {"file": relative, "package_dir": package_dir,
+    journal["python"]["modules"][name] = {"file": relative, "package_dir": package_dir,
                                            "origin": origin}
 
 
@@ -2672,8 +2685,8 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
     wanted = [("--source", path) for path in sources] + [
         ("--artifact", path) for path in artifacts] + [
         ("--invalidate-cache", path) for path in caches]
-    for other, manifest in applied_states(skip=state.root):
-        for entry in (manifest or {}).get("entries", []):
+    for other, journal in applied_states(skip=state.root):
+        for entry in (journal or {}).get("entries", []):
             held = [record["path"] for record in entry["sources"] + entry["artifacts"]] + [
                 cache["path"] for cache in entry["caches"]]
             for option, path in wanted:
@@ -2738,9 +2751,9 @@ def linked_from_outside(cache: str) -> Optional[Tuple[str, int, int]]:
     return None
 
 
-def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
+def validate_native_plan(state: State, journal: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
-    overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
+    overlaid = {record["path"] for entry in journal["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
         if source in overlaid:
@@ -2858,16 +2871,16 @@ class NativePlan:
     def check_claims(self) -> None:
         check_claims(self.state, self.sources, self.artifacts, self.caches)
 
-    def check(self, manifest: dict) -> None:
+    def check(self, journal: dict) -> None:
         """Refuse what the journal or the paths rule out, before anything changes."""
-        validate_native_plan(self.state, manifest, self.sources, self.artifacts, self.caches,
+        validate_native_plan(self.state, journal, self.sources, self.artifacts, self.caches,
                              self.build and self.build["cwd"])
 
     def dry_run(self) -> int:
         """Check the plan as the real run would and print it; change nothing."""
         state = self.state
         self.check_claims()
-        self.check(state.load() if state.exists() else empty_manifest())
+        self.check(state.load() if state.exists() else empty_journal())
         for tree in build_trees(self.build):
             if scan_tree(tree, [state.root])[1]:
                 raise scan_limit_reached(tree)
@@ -2917,19 +2930,19 @@ class NativePlan:
                 print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
         return 0
 
-    def run(self, manifest: dict, command: str, python_update=None,
+    def run(self, journal: dict, command: str, python_update=None,
             in_trial: bool = False) -> Optional["NativeEntry"]:
         """Carry the plan out (with the Python part), rolling back if anything
         fails before the build."""
         state = self.state
         entry = None
-        entry_id = manifest["next_id"]
-        modules_before = set(manifest["python"]["modules"])
+        entry_id = journal["next_id"]
+        modules_before = set(journal["python"]["modules"])
         try:
             if self.changes:
                 with claims_locked():
                     self.check_claims()
-                    entry = NativeEntry.apply(state, manifest, self, command)
+                    entry = NativeEntry.apply(state, journal, self, command)
                 shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]
                          if r["role"] != ORIGINAL]
                 count = len(shown)
@@ -2953,16 +2966,16 @@ class NativePlan:
         """Undo what this command did (the journal on disk says how far it got)."""
         state = self.state
         try:
-            manifest = state.load()
-            modules = manifest["python"]["modules"]
+            journal = state.load()
+            modules = journal["python"]["modules"]
             if set(modules) - modules_before:
                 for name in set(modules) - modules_before:
                     del modules[name]
-                write_python_overlay(state, manifest)
-                state.save(manifest)
-            for entry in list(manifest["entries"]):
+                write_python_overlay(state, journal)
+                state.save(journal)
+            for entry in list(journal["entries"]):
                 if entry["id"] == entry_id:
-                    NativeEntry(state, manifest, entry).revert()
+                    NativeEntry(state, journal, entry).revert()
         except (OSError, OverlayError) as second:
             raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                                "run `%s revert` once the cause is fixed"
@@ -3003,7 +3016,7 @@ def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> Dict[st
     return before
 
 
-def back_up_originals(state: State, manifest: dict, entry: dict, scanned: Dict[str, list]) -> None:
+def back_up_originals(state: State, journal: dict, entry: dict, scanned: Dict[str, list]) -> None:
     """Copy the small pre-existing files of the build directory (`scanned`)
     into the entry's backups, before its build, so that revert gives back a
     version file the build rewrites or a file it deletes.  Nearest the build
@@ -3015,7 +3028,7 @@ def back_up_originals(state: State, manifest: dict, entry: dict, scanned: Dict[s
     what an entry of the state records already: an update's build must not
     take the rewrite of an earlier build for the original."""
     entry["protected"] = entry.get("protected") or []  # None in a journal of version 1.0
-    recorded = {record["path"] for one in manifest["entries"] + [entry]
+    recorded = {record["path"] for one in journal["entries"] + [entry]
                 for record in entry_files(one) + (one.get("untracked") or [])
                 + (one.get("earlier_untracked") or [])}
     total = count = 0
@@ -3285,14 +3298,14 @@ class NativeEntry:
         self.state.save(self.journal)
 
     @classmethod
-    def apply(cls, state: State, manifest: dict, plan: NativePlan, command: str) -> "NativeEntry":
+    def apply(cls, state: State, journal: dict, plan: NativePlan, command: str) -> "NativeEntry":
         """Make the backups and the journal entry durable, then set the caches
         aside and swap the sources.  A crash before the entry is journaled
         leaves only unreferenced backups; the install is untouched until then.
         The build products to back up besides are asked of the plan once the
         entry is journaled (NativePlan.products)."""
         changes, artifacts, caches, build = plan.changes, plan.artifacts, plan.caches, plan.build
-        entry_id = manifest["next_id"]
+        entry_id = journal["next_id"]
         directory = "backups/%d" % entry_id
         entry = {"id": entry_id, "command": command, "state": cls.APPLYING,
                  "sources": [], "artifacts": [], "caches": [], "build": build,
@@ -3357,19 +3370,19 @@ class NativeEntry:
                 record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
                 record["identity"] = file_identity(record["path"])
         # Before make is asked for its plan: its $(shell ...) may write one of them.
-        back_up_originals(state, manifest, entry, scanned)
+        back_up_originals(state, journal, entry, scanned)
         for cache in entry["caches"]:
             if cache["present"] and cache["method"] == "tar":
                 snapshot_cache(cache["path"], state.state_path(cache["backup"]))
         write_jit_scan(state, entry, jit_directories(artifacts, build))
         fsync_dir(backup_dir)
-        manifest["next_id"] = entry_id + 1
-        manifest["entries"].append(entry)
-        state.save(manifest)
+        journal["next_id"] = entry_id + 1
+        journal["entries"].append(entry)
+        state.save(journal)
         try:
             products = plan.products()
         except OverlayError:  # over the budget: undo what asking make did, and the entry
-            cls(state, manifest, entry).revert()
+            cls(state, journal, entry).revert()
             raise
         if products:
             track_parents(entry, [path for path, _ in products])
@@ -3385,7 +3398,7 @@ class NativeEntry:
                 record["identity"] = file_identity(path)
                 entry["protected"].append(record)
             fsync_dir(backup_dir)
-            state.save(manifest)
+            state.save(journal)
 
         for cache in entry["caches"]:
             if not cache["present"]:
@@ -3400,7 +3413,7 @@ class NativeEntry:
             else:
                 put_file(source, {"mode": plan.modes.get(source, record.get("mode", 0o644))},
                          data=patched)
-        applied = cls(state, manifest, entry)
+        applied = cls(state, journal, entry)
         if build is None:
             applied.enter(cls.APPLIED)
         return applied
@@ -3409,10 +3422,10 @@ class NativeEntry:
     def build(self) -> int:
         """Build, then record its status, the artifacts' hashes and what the
         build made; the entry is then BUILT, BUILD_FAILED or BUILT_NOTHING."""
-        state, manifest, entry = self.state, self.journal, self.record
+        state, journal, entry = self.state, self.journal, self.record
         build = entry["build"]
         fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
-        ours = still_ours(manifest) + fresh
+        ours = still_ours(journal) + fresh
         mutation_point()
         print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
@@ -3420,7 +3433,7 @@ class NativeEntry:
             build["process"] = {"pid": pid, "start_time": process_start_time(pid),
                                 "host": host_name(), "since": time.strftime(
                                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            state.save(manifest)
+            state.save(journal)
 
         try:
             status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
@@ -3440,7 +3453,7 @@ class NativeEntry:
             # settle_after_build keeps this hash rather than read the same bytes again
             record["after_build_identity"], record["after_build_sha256"] = \
                 identity, record["built_sha256"]
-        settle_after_build(manifest)
+        settle_after_build(journal)
         entry["untracked"] = untracked_products(state, entry)
         entry.pop("earlier_untracked", None)
         # The copies of pre-existing files this build left alone are dropped
@@ -3581,11 +3594,11 @@ def tree_digest(path: str) -> Optional[str]:
         "utf-8", "surrogateescape")).hexdigest()
 
 
-def settle_after_build(manifest: dict) -> None:
+def settle_after_build(journal: dict) -> None:
     """Record what every artifact and cache of the state's built entries
     holds after one of its builds or reverts (a later entry's build may
     rewrite an earlier entry's; reverting it puts the earlier build's back)."""
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         if entry["build"] is None:
             continue
         for record in entry["artifacts"]:
@@ -3767,11 +3780,11 @@ def inexact_products(products: List[dict]) -> List[Tuple[str, str]]:
             for product in products if not product["created"] and product["kind"] != "d"]
 
 
-def still_ours(manifest: dict) -> List[dict]:
+def still_ours(journal: dict) -> List[dict]:
     """The build products of the state's entries that are still what its
     builds and reverts left: what the next build or revert leaves there is
     ours too (one changed since, by hand or an upgrade, stays someone's)."""
-    return [record for entry in manifest["entries"]
+    return [record for entry in journal["entries"]
             for record in (entry.get("protected") or []) + (entry.get("untracked") or [])
             if record.get("kind") != "d" and "seen" in record and unchanged_since_build(record)]
 
@@ -3783,7 +3796,7 @@ def unchanged_since_build(record: dict) -> bool:
     return "seen" not in record or seen(record["path"]) == record["seen"]
 
 
-def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool,
+def revert_entry(state: State, journal: dict, entry: dict, keep_untracked: bool,
                  force: bool = False) -> List[Tuple[str, str]]:
     """Restore one entry (idempotent: safe to run again after a crash); returns
     the files that are not back byte-exact, as (path, why): rewritten or
@@ -3793,7 +3806,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     found = untracked_products(state, entry)
     products = [] if keep_untracked else found
     mine = {id(record) for record in entry_files(entry) + found}
-    ours = [record for record in still_ours(manifest) if id(record) not in mine]
+    ours = [record for record in still_ours(journal) if id(record) not in mine]
     kept = []
     if not force and entry.get("untracked") is not None:  # the entry's last build completed
         # Only what is still exactly what the build left is the build's:
@@ -3872,17 +3885,17 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
             os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
-    manifest["entries"].remove(entry)
-    if len(manifest["entries"]) > 0:
-        settle_after_build(manifest)
+    journal["entries"].remove(entry)
+    if len(journal["entries"]) > 0:
+        settle_after_build(journal)
     else:
-        manifest["next_id"] = 1  # numbers start again once nothing is applied
-    state.save(manifest)
+        journal["next_id"] = 1  # numbers start again once nothing is applied
+    state.save(journal)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
     if ours:  # after the backups went: a file restored as a link to one had its ctime set
         for record in ours:
             record["seen"] = seen(record["path"])
-        state.save(manifest)
+        state.save(journal)
     return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
 
 
@@ -3917,7 +3930,7 @@ def remove_jit_leftovers(state: State, entry: dict) -> None:
               "no build product" % (entry["id"], ", ".join(kept)), file=sys.stderr)
 
 
-def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
+def remove_orphaned_backups(state: State, journal: dict) -> List[str]:
     """Remove the backup folders no journal entry names: a revert killed
     between its journal write and their removal leaves them (as does a run
     killed before its entry was journaled, when nothing was changed yet)."""
@@ -3925,23 +3938,23 @@ def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
         names = os.listdir(state.backups)
     except FileNotFoundError:
         return []
-    named = {str(entry["id"]) for entry in manifest["entries"]}
+    named = {str(entry["id"]) for entry in journal["entries"]}
     orphans = sorted((name for name in names if name not in named), key=lambda n: (len(n), n))
     for name in orphans:
         remove_path(os.path.join(state.backups, name))
-    if not manifest["entries"]:
+    if not journal["entries"]:
         remove_path(state.backups)
     return orphans
 
 
-def revert_all(state: State, manifest: dict, force: bool,
+def revert_all(state: State, journal: dict, force: bool,
                keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Switch the Python overlay off and restore every native entry in reverse
     order; returns what was done and the files not back byte-exact."""
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         check_entry_restorable(state, entry)
     if not force:
-        for entry in manifest["entries"]:
+        for entry in journal["entries"]:
             changed = source_drift(entry)
             if changed:  # --force on the older of two overlays would bring the newer back later
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
@@ -3949,7 +3962,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "if another overlay patched it since, revert that one first; "
                                    "else run `%s revert --force` to restore the original "
                                    "anyway" % (changed[0], tool_at(state)))
-        changed = rebuilt_since_apply(state, manifest["entries"])
+        changed = rebuilt_since_apply(state, journal["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
@@ -3960,38 +3973,38 @@ def revert_all(state: State, manifest: dict, force: bool,
     done: List[str] = []
     inexact: List[str] = []
     # A revert killed halfway is a crash whoever the owner is (interrupted()).
-    manifest["reverting"] = True
-    state.save(manifest)
-    python = manifest["python"]
+    journal["reverting"] = True
+    state.save(journal)
+    python = journal["python"]
     if python["modules"] or python["rebinds"]:
         done.append("Python overlay switched off (%d module(s), %d rebind(s))"
                     % (len(python["modules"]), len(python["rebinds"])))
         # The served configuration goes first: a crash in between leaves the
         # journal still listing the modules, so the next revert finishes it.
-        manifest["python"] = {"modules": {}, "rebinds": {}}
-        write_python_overlay(state, manifest)
-        state.save(manifest)
+        journal["python"] = {"modules": {}, "rebinds": {}}
+        write_python_overlay(state, journal)
+        state.save(journal)
     remove_path(state.python)
     # What revert gives back is what lies in these directories (and each
     # file named): a build's write elsewhere, an install step's copy into a
     # prefix, is not seen, and is said not to be.
-    trees = {path for entry in manifest["entries"]
+    trees = {path for entry in journal["entries"]
              for path in build_trees(entry["build"]) + [cache["path"] for cache in entry["caches"]]}
     checked = sorted([tree for tree in trees if not any(tree != other and is_within(tree, other)
                                                         for other in trees)]
-                     + sorted({record["path"] for entry in manifest["entries"]
+                     + sorted({record["path"] for entry in journal["entries"]
                                for record in entry_files(entry)
                                if not any(is_within(record["path"], tree) for tree in trees)}))
-    for entry in reversed(list(manifest["entries"])):
-        inexact += NativeEntry(state, manifest, entry).revert(keep_untracked, force)
+    for entry in reversed(list(journal["entries"])):
+        inexact += NativeEntry(state, journal, entry).revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
     if checked:
         done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
                     "are not, unless named with --artifact"
                     % (", ".join(checked), "it" if len(checked) == 1 else "them"))
-    del manifest["reverting"]
-    state.save(manifest)
+    del journal["reverting"]
+    state.save(journal)
     remove_path(state.backups)
     return done, inexact
 
@@ -4067,7 +4080,7 @@ def open_state(args: argparse.Namespace) -> State:
 
 
 class Locked:
-    """`with Locked(state, 'cmd') as manifest:` creates, locks and loads the state."""
+    """`with Locked(state, 'cmd') as journal:` creates, locks and loads the state."""
 
     def __init__(self, state: State, command: str, create: bool = True):
         self.state = state
@@ -4085,13 +4098,13 @@ class Locked:
             raise
         try:
             if self.create and not self.state.exists():
-                self.state.save(empty_manifest())
-            manifest = self.state.load()
-            if not anything_applied(manifest):  # a revert killed after its last entry
-                manifest.pop("reverting", None)
+                self.state.save(empty_journal())
+            journal = self.state.load()
+            if not anything_applied(journal):  # a revert killed after its last entry
+                journal.pop("reverting", None)
             if self.create:  # after the journal exists, before the install changes
                 register(self.state)
-            return manifest
+            return journal
         except OSError as exc:
             self.state.unlock()
             if self.create:
@@ -4125,11 +4138,11 @@ def unwritable_state(state: State, exc: OSError) -> OverlayError:
 
 def cmd_init(args: argparse.Namespace) -> int:
     state = open_state(args)
-    with Locked(state, "init") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        state.save(manifest)
-        write_python_overlay(state, manifest)
-    print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(manifest["owner"])))
+    with Locked(state, "init") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        state.save(journal)
+        write_python_overlay(state, journal)
+    print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(journal["owner"])))
     return 0
 
 
@@ -4137,12 +4150,12 @@ def cmd_add_python(args: argparse.Namespace) -> int:
     check_module_name(args.module, "MODULE")
     state = open_state(args)
     content = read_input(args.file, "", "; pass a readable Python file")
-    with Locked(state, "add-python") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        stage_python_module(state, manifest, args.module, content, None,
+    with Locked(state, "add-python") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        stage_python_module(state, journal, args.module, content, None,
                             os.path.abspath(args.file))
-        state.save(manifest)
-        write_python_overlay(state, manifest)
+        state.save(journal)
+        write_python_overlay(state, journal)
     print("module %s now served from %s to processes started with `%s env`"
           % (args.module, os.path.abspath(args.file), tool_at(state)))
     print("state: %s" % state.root)
@@ -4156,14 +4169,14 @@ def cmd_rebind(args: argparse.Namespace) -> int:
             raise UsageError("E105", "%s %r must look like pkg.mod:attr" % (what, spec))
         check_module_name(module, what)
     state = open_state(args)
-    with Locked(state, "rebind") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        if args.target in manifest["python"]["rebinds"]:
+    with Locked(state, "rebind") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        if args.target in journal["python"]["rebinds"]:
             raise OverlayError("E103", "%s is already rebound; run `%s revert` first"
                                % (args.target, tool_at(state)))
-        manifest["python"]["rebinds"][args.target] = args.replacement
-        state.save(manifest)
-        write_python_overlay(state, manifest)
+        journal["python"]["rebinds"][args.target] = args.replacement
+        state.save(journal)
+        write_python_overlay(state, journal)
     print("%s is replaced by %s when %s is imported" % (args.target, args.replacement,
                                                        args.target.partition(":")[0]))
     print("state: %s" % state.root)
@@ -4233,10 +4246,10 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     plan = NativePlan(state, args, [(source, patched)], artifacts, caches, build)
     if args.dry_run:
         return plan.dry_run()
-    with Locked(state, "add-native") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        plan.check(manifest)
-        entry = plan.run(manifest, "add-native")
+    with Locked(state, "add-native") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        plan.check(journal)
+        entry = plan.run(journal, "add-native")
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
@@ -4375,22 +4388,22 @@ def cmd_apply(args: argparse.Namespace) -> int:
                       [(module, origin) for module, _, _, origin in modules])
     if args.dry_run:
         return plan.dry_run()
-    with Locked(state, "apply") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
+    with Locked(state, "apply") as journal:
+        claim_owner(state, journal, args.owner_pid)
         for module, _content, _package, _origin in modules:
-            if module in manifest["python"]["modules"]:
+            if module in journal["python"]["modules"]:
                 raise OverlayError("E103", "module %s is already overlaid; run `%s revert` "
                                    "first" % (module, tool_at(state)))
-        plan.check(manifest)
+        plan.check(journal)
 
         def python_update() -> None:
             for module, content, package_dir, origin in modules:
-                stage_python_module(state, manifest, module, content, package_dir, origin)
+                stage_python_module(state, journal, module, content, package_dir, origin)
             if modules:
-                state.save(manifest)
-                write_python_overlay(state, manifest)
+                state.save(journal)
+                write_python_overlay(state, journal)
 
-        entry = plan.run(manifest, "apply", python_update, getattr(args, "in_trial", False))
+        entry = plan.run(journal, "apply", python_update, getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry.record["id"], len(natives)))
@@ -4447,16 +4460,16 @@ def cmd_update(args: argparse.Namespace) -> int:
         raise UsageError("E109", "--timeout must be a positive number of seconds")
     state = open_state(args)
     require_overlay(args, state, "update")
-    with Locked(state, "update", create=False) as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        natives = [entry for entry in manifest["entries"]
+    with Locked(state, "update", create=False) as journal:
+        claim_owner(state, journal, args.owner_pid)
+        natives = [entry for entry in journal["entries"]
                    if args.entry is None or entry["id"] == args.entry]
         if not natives:
             raise OverlayError("E103", "no native entry%s to update at %s; apply one first"
                                % ("" if args.entry is None else " %d" % args.entry, state.root))
         entry = natives[-1]
         contents = updated_contents(state, entry, args)
-        NativeEntry(state, manifest, entry).update(contents, args.timeout)
+        NativeEntry(state, journal, entry).update(contents, args.timeout)
     print("entry %d updated: %s; the originals stay backed up for `%s revert`"
           % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
     return 0
@@ -4465,13 +4478,13 @@ def cmd_update(args: argparse.Namespace) -> int:
 def cmd_verify_native(args: argparse.Namespace) -> int:
     state = open_state(args)
     require_overlay(args, state, "verify-native")
-    manifest = state.load()
+    journal = state.load()
     checked = 0
     problems = []
     # An artifact is judged by the latest entry that rebuilt it: a later build
     # of a shared library legitimately changes what an earlier one produced.
     seen = set()
-    for entry in reversed(manifest["entries"]):
+    for entry in reversed(journal["entries"]):
         # --no-build: the build runs later (a JIT at import), or has not yet
         later = entry["build"] is None and entry["state"] == NativeEntry.APPLIED
         if entry["state"] != NativeEntry.BUILT and not later:
@@ -4521,35 +4534,35 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     state = open_state(args)
-    manifest = state.load() if state.exists() or state.orphaned_backups() else None
+    journal = state.load() if state.exists() or state.orphaned_backups() else None
     others = others_applied(args, state)
     if args.format == "json":
-        print(json.dumps({"state": state.root, "journal": manifest,
-                          "owner": manifest and manifest["owner"] and dict(
-                              manifest["owner"], liveness=owner_liveness(manifest["owner"])),
+        print(json.dumps({"state": state.root, "journal": journal,
+                          "owner": journal and journal["owner"] and dict(
+                              journal["owner"], liveness=owner_liveness(journal["owner"])),
                           "applied_elsewhere": [other.root for other, _ in others]},
                          indent=1, sort_keys=True))
         return 0
-    if manifest is None and os.path.isfile(registry_record(state.root)):
+    if journal is None and os.path.isfile(registry_record(state.root)):
         raise vanished_state(state)
-    if manifest is None:
+    if journal is None:
         print("no overlay at %s" % state.root)
         if others:
             print("applied overlays of this user:")
-            for other, other_manifest in others:
-                print("  %s: %s" % (other.root, summarise(other, other_manifest)))
+            for other, other_journal in others:
+                print("  %s: %s" % (other.root, summarise(other, other_journal)))
             print("next: %s, or `overlay_setup.py revert --all`"
                   % " or ".join("`%s status`" % tool_at(other) for other, _ in others))
         return 0
     print("state: %s" % state.root)
-    print("owner: %s" % describe_owner(manifest["owner"]))
+    print("owner: %s" % describe_owner(journal["owner"]))
     tool_running = state.lock_held()  # read-only: status takes no lock
     print("tool: %s" % (state.holder() if tool_running else "none running"))
-    for name, module in sorted(manifest["python"]["modules"].items()):
+    for name, module in sorted(journal["python"]["modules"].items()):
         print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
-    for target, replacement in sorted(manifest["python"]["rebinds"].items()):
+    for target, replacement in sorted(journal["python"]["rebinds"].items()):
         print("rebind: %s -> %s" % (target, replacement))
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         print("entry %d: %s" % (entry["id"], entry_in_words(entry, tool_running)))
         for record in entry_files(entry):
             print("  %s %s%s" % (record["role"], record["path"],
@@ -4560,7 +4573,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
         for product in entry.get("untracked") or []:
             print("  untracked build product %s" % product["path"])
-    print("next: %s" % next_step(state, manifest, tool_running))
+    print("next: %s" % next_step(state, journal, tool_running))
     return 0
 
 
@@ -4597,14 +4610,14 @@ def entry_in_words(entry: dict, tool_running: bool) -> str:
     return "interrupted before its build"
 
 
-def next_step(state: State, manifest: dict, tool_running: bool) -> str:
+def next_step(state: State, journal: dict, tool_running: bool) -> str:
     here = tool_at(state)
-    states = {entry["state"] for entry in manifest["entries"]}
+    states = {entry["state"] for entry in journal["entries"]}
     if tool_running:
         return "wait for the running command to finish, then `%s status`" % here
-    if not anything_applied(manifest):
+    if not anything_applied(journal):
         return "nothing applied; nothing to do"
-    if manifest.get("reverting"):
+    if journal.get("reverting"):
         return "a revert stopped halfway: `%s revert` finishes it" % here
     if NativeEntry.APPLYING in states:
         return ("`%s revert` (it stops a build left running and restores everything)" % here)
@@ -4612,7 +4625,7 @@ def next_step(state: State, manifest: dict, tool_running: bool) -> str:
         return "fix the patch or the source, then `%s update`, or `%s revert`" % (here, here)
     if NativeEntry.BUILT in states:
         return "`%s verify-native`, measure, then `%s revert`" % (here, here)
-    if manifest["entries"]:
+    if journal["entries"]:
         return "build, measure, then `%s revert`" % here
     return "run with `eval \"$(%s env)\"`, then `%s revert`" % (here, here)
 
@@ -4658,22 +4671,22 @@ def require_overlay(args: argparse.Namespace, state: State, command: str) -> Non
     raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
 
 
-def summarise(state: State, manifest: Optional[dict]) -> str:
-    if manifest is None:
+def summarise(state: State, journal: Optional[dict]) -> str:
+    if journal is None:
         return "its journal %s" % ("cannot be read" if state.exists() else "is gone")
-    python = manifest["python"]
+    python = journal["python"]
     return "%d native entr%s, %d Python module(s), %d rebind(s); owner %s" % (
-        len(manifest["entries"]), "y" if len(manifest["entries"]) == 1 else "ies",
-        len(python["modules"]), len(python["rebinds"]), describe_owner(manifest["owner"]))
+        len(journal["entries"]), "y" if len(journal["entries"]) == 1 else "ies",
+        len(python["modules"]), len(python["rebinds"]), describe_owner(journal["owner"]))
 
 
 def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Revert one state directory under its lock; it leaves the registry once
     nothing is applied.  Returns what was done and the files not back
     byte-exact."""
-    with Locked(state, "revert", create=False) as manifest:
-        if not anything_applied(manifest):
-            orphans = remove_orphaned_backups(state, manifest)
+    with Locked(state, "revert", create=False) as journal:
+        if not anything_applied(journal):
+            orphans = remove_orphaned_backups(state, journal)
             if orphans:
                 print("removed the backups of entr%s %s, left by a revert that was interrupted "
                       "after it had restored them" % ("y" if len(orphans) == 1 else "ies",
@@ -4681,7 +4694,7 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[
             unregister(state)
             return [], []
         try:
-            done, inexact = revert_all(state, manifest, force, keep_untracked)
+            done, inexact = revert_all(state, journal, force, keep_untracked)
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
                                "what is left: fix the cause and run `%s revert` again"
@@ -4752,7 +4765,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
 def find_state_dirs(root: str) -> List[str]:
     found = []
     for directory, dirs, files in os.walk(root):
-        if "manifest.json" in files and "lock" in files:
+        if (JOURNAL_NAME in files or OLD_JOURNAL_NAME in files) and "lock" in files:
             found.append(directory)
             dirs[:] = []
             continue
@@ -4784,24 +4797,24 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 print("live: %s (locked by %s)" % (directory, state.holder()))
                 continue
             try:
-                manifest = state.load()
-                liveness = owner_liveness(manifest["owner"])
-                if not anything_applied(manifest):
+                journal = state.load()
+                liveness = owner_liveness(journal["owner"])
+                if not anything_applied(journal):
                     if not args.dry_run:
-                        remove_orphaned_backups(state, manifest)
+                        remove_orphaned_backups(state, journal)
                         unregister(state)
                     continue
                 # The owner's liveness decides for a completed overlay only.
-                crashed = interrupted(manifest)
+                crashed = interrupted(journal)
                 if liveness != "gone" and crashed is None:
-                    print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
+                    print("live: %s (owner %s)" % (directory, describe_owner(journal["owner"])))
                     continue
-                why = "owner %s%s" % (describe_owner(manifest["owner"]), "" if liveness == "gone"
+                why = "owner %s%s" % (describe_owner(journal["owner"]), "" if liveness == "gone"
                                       else "; the run %s stopped halfway" % crashed)
                 if args.dry_run:
                     print("stale: %s (%s): would revert" % (directory, why))
                     continue
-                _, inexact = revert_all(state, manifest, force=False, keep_untracked=False)
+                _, inexact = revert_all(state, journal, force=False, keep_untracked=False)
                 unregister(state)
                 print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
@@ -4899,20 +4912,20 @@ def run_measured(command: List[str], env: Optional[Dict[str, str]] = None
     return (status if status >= 0 else 128 - status), time.monotonic() - start, b"".join(output)
 
 
-def owned_by(manifest: dict, owner: dict) -> bool:
+def owned_by(journal: dict, owner: dict) -> bool:
     """Whether the state's overlay was applied under `owner` (the trial's)."""
-    recorded = manifest.get("owner") or {}
+    recorded = journal.get("owner") or {}
     return all(recorded.get(key) == owner[key] for key in ("pid", "start_time", "host"))
 
 
-def applied_in_words(manifest: dict) -> str:
+def applied_in_words(journal: dict) -> str:
     """What a state directory holds, each entry with its sources, and whose."""
     parts = ["entry %d (%s)" % (entry["id"], ", ".join(record["path"]
                                                        for record in entry["sources"]))
-             for entry in manifest["entries"]]
-    parts += ["Python module %s" % name for name in sorted(manifest["python"]["modules"])]
-    parts += ["a rebind of %s" % name for name in sorted(manifest["python"]["rebinds"])]
-    return "%s, owner %s" % (", ".join(parts), describe_owner(manifest["owner"]))
+             for entry in journal["entries"]]
+    parts += ["Python module %s" % name for name in sorted(journal["python"]["modules"])]
+    parts += ["a rebind of %s" % name for name in sorted(journal["python"]["rebinds"])]
+    return "%s, owner %s" % (", ".join(parts), describe_owner(journal["owner"]))
 
 
 def cmd_trial(args: argparse.Namespace) -> int:
@@ -4932,11 +4945,11 @@ def cmd_trial(args: argparse.Namespace) -> int:
     owner = make_owner(args.owner_pid)
     args.in_trial = True  # apply leaves out its advice to revert: the trial does that
     state = open_state(args)
-    manifest = state.load() if state.exists() else None
-    if manifest is not None and anything_applied(manifest):
+    journal = state.load() if state.exists() else None
+    if journal is not None and anything_applied(journal):
         raise OverlayError("E103", "a trial needs a state directory with nothing applied, and "
                            "%s holds %s; run `%s revert`, or pass another --state"
-                           % (state.root, applied_in_words(manifest), tool_at(state)))
+                           % (state.root, applied_in_words(journal), tool_at(state)))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
@@ -5072,13 +5085,13 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
     reverted, left_alone, stopped_by = True, None, None
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            manifest = state.load() if state.exists() else None
-            if manifest is not None and anything_applied(manifest) and \
-                    not owned_by(manifest, owner):
+            journal = state.load() if state.exists() else None
+            if journal is not None and anything_applied(journal) and \
+                    not owned_by(journal, owner):
                 left_alone = "the overlay at %s is another's: %s; the trial applied nothing " \
                              "there and left it alone" % (state.root,
-                                                          applied_in_words(manifest))
-            elif manifest is not None:
+                                                          applied_in_words(journal))
+            elif journal is not None:
                 revert_state(state, False, False)
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
