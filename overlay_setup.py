@@ -3312,7 +3312,8 @@ class NativeEntry:
                  "scan": None, "untracked": None, "protected": []}
         for number, (source, patched) in enumerate(changes):
             record = record_file(source, "source")
-            record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
+            record["patched_sha256"] = hashlib.sha256(patched).hexdigest() \
+                if patched is not None else None
             if record["present"]:
                 record["backup"] = "%s/s%d" % (directory, number)
             entry["sources"].append(record)
@@ -3338,8 +3339,9 @@ class NativeEntry:
                                     "digest": None if same_fs else tree_digest(cache),
                                     "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
                                     "method": "rename" if same_fs or not present else "tar",
-                                    "backup": "%s/c%d%s" % (directory, number,
-                                                            "" if same_fs or not present else ".tar")})
+                                    "backup": "%s/c%d%s" % (
+                                        directory, number,
+                                        "" if same_fs or not present else ".tar")})
         entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
         entry["dirs"] = {}
         track_parents(entry, plan.sources + artifacts + caches)
@@ -3436,7 +3438,8 @@ class NativeEntry:
             state.save(journal)
 
         try:
-            status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
+            status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"),
+                                           started)
         except OSError:
             if state_vanished(state):  # while the build started
                 raise build_deleted_state(state, entry)
@@ -3449,7 +3452,8 @@ class NativeEntry:
             identity = content_identity(record["path"])
             unchanged = record["present"] and os.path.isfile(record["path"]) and \
                 file_identity(record["path"]) == record["identity"]
-            record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
+            record["built_sha256"] = record["sha256"] if unchanged else \
+                content_sha256(record["path"])
             # settle_after_build keeps this hash rather than read the same bytes again
             record["after_build_identity"], record["after_build_sha256"] = \
                 identity, record["built_sha256"]
@@ -3488,9 +3492,10 @@ class NativeEntry:
                   % ", ".join(originals))
         created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
         if created:
-            print("warning: the build created files that no --artifact or --invalidate-cache covers "
-                  "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
-        rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
+            print("warning: the build created files that no --artifact or --invalidate-cache "
+                  "covers (revert removes them): %s" % ", ".join(created), file=sys.stderr)
+        rewritten = [path for path, why in inexact_products(entry["untracked"])
+                     if why == "rewritten"]
         deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
         if deleted:
             print("warning: the build deleted files that nothing backed up, so revert cannot give "
@@ -3506,26 +3511,27 @@ class NativeEntry:
                       % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
         here = tool_at(state)
         if status is None:
-            raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
-                               "patch stays applied: run `%s update --timeout SECONDS` to build again "
-                               "with more time, or `%s revert`" % (seconds, here, here))
+            raise OverlayError("E402", "the build command timed out after %.1fs and was killed; "
+                               "the patch stays applied: run `%s update --timeout SECONDS` to "
+                               "build again with more time, or `%s revert`" % (seconds, here, here))
         if status != 0:
-            raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
-                               "stays applied for inspection: fix the patch or the source, then run "
-                               "`%s update`, or run `%s revert`" % (status, seconds, here, here))
+            raise OverlayError("E401", "the build command exited with status %d after %.1fs; the "
+                               "patch stays applied for inspection: fix the patch or the source, "
+                               "then run `%s update`, or run `%s revert`"
+                               % (status, seconds, here, here))
         if noop:
-            what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not in "
-                    "them; it stays applied for inspection: " % (seconds, ", ".join(
+            what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not "
+                    "in them; it stays applied for inspection: " % (seconds, ", ".join(
                         record["path"] for record in entry["artifacts"])))
             if headers_build_ext_skips(build["cmd"], entry):
-                raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension when "
-                                   "one of its sources changed, not for a header it includes: run "
-                                   "`%s revert`, then apply again with --build-cmd %s"
+                raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension "
+                                   "when one of its sources changed, not for a header it "
+                                   "includes: run `%s revert`, then apply again with --build-cmd %s"
                                    % (here, shell_quote(build["cmd"] + " --force")))
             raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
                                "build script let pass), fix the patch or the source and run `%s "
-                               "update`; else check --build-cmd, --build-cwd and --invalidate-cache, "
-                               "then run `%s revert`" % (here, here))
+                               "update`; else check --build-cmd, --build-cwd and "
+                               "--invalidate-cache, then run `%s revert`" % (here, here))
         print("build finished in %.1fs" % seconds)
         return 0
 
