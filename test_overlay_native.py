@@ -3084,6 +3084,22 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
+    def test_the_build_products_the_dry_run_lists_are_those_the_apply_backs_up(self) -> None:
+        # One plan for both: a build that is no plain make call (here a
+        # script running make) gets the object files and libraries found in
+        # the build directory, and --protect its own file.
+        options = ("--build-cmd", "sh -c make", "--protect", self.p("Makefile"))
+        rc, out, err = self.add(*options, "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        listed = [line.split()[2] for line in out.splitlines() if "(build product, " in line]
+        self.assertEqual(sorted(listed), [self.p(name) for name in (
+            "Makefile", "a.d", "a.o", "b.d", "b.o")])
+        self.assertOk(self.add(*options))
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        self.assertEqual([record["path"] for record in journal["entries"][0]["protected"]
+                          if record["role"] == "build product"], listed)
+        self.assertOk(self.tool("revert"))
+
     def test_dry_run_runs_no_command_substitution_of_a_script_build(self) -> None:
         # Only a make, ninja or cmake command is read with the shell's
         # expansions (to ask it for its plan); a script's are the script's.
