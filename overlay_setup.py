@@ -1050,11 +1050,13 @@ class State:
                                % (self.journal_path, problem))
 
     def save(self, journal: dict) -> None:
-        read_from = self.journal_path
         path = os.path.join(self.root, JOURNAL_NAME)
         durable_write(path, (json.dumps(journal, indent=1, sort_keys=True) + "\n").encode())
-        if read_from != path:  # version 1.0's journal, which this one replaces
-            os.unlink(read_from)
+        # Version 1.0's journal, which this one replaces; also one that a run
+        # killed before this removal left beside it, stale, for 1.0 to act on.
+        old = os.path.join(self.root, OLD_JOURNAL_NAME)
+        if os.path.lexists(old):
+            os.unlink(old)
             fsync_dir(self.root)
 
     def state_path(self, relative: str) -> str:

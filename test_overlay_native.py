@@ -3531,6 +3531,22 @@ class GcStaleTest(OverlayTestCase):
             self.assertEqual(sorted(name for name in os.listdir(self.state)
                                     if name.endswith(".json")), ["journal.json"])
 
+    def test_a_version_1_0_journal_left_beside_the_new_one_goes_at_the_next_write(
+            self) -> None:
+        # A run killed between writing journal.json and removing manifest.json
+        # leaves both; the old one would be read by version 1.0 and names
+        # entries and backups that are no longer so.
+        journal, old = (os.path.join(self.state, name) for name in ("journal.json",
+                                                                    "manifest.json"))
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        write_json(old, read_json(journal))
+        rc, out, err = call("--state", self.state, "revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("reverted", out)
+        self.assertEqual(tree_state(self.proj), self.original)
+        self.assertEqual(sorted(name for name in os.listdir(self.state)
+                                if name.endswith(".json")), ["journal.json"])
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "journal.json")
