@@ -3543,6 +3543,7 @@ class NativeEntry:
         the last build (results, notes, another entry's products) is not this
         entry's."""
         state, entry = self.state, self.record
+        stop_leftover_build(entry)  # a killed run's build must not write on beside this one
         for record in entry["sources"]:
             if record["path"] not in contents:
                 continue

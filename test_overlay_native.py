@@ -1190,6 +1190,22 @@ class CrashIsACrashTest(OverlayTestCase):
                               r"\d+\)\n$")
         self.assertEqual(tree_state(self.pkg), self.before)
 
+    def test_update_after_a_killed_apply_stops_its_build_before_building_again(self) -> None:
+        # Two builds in one directory: the killed run's, writing on after the
+        # update recorded what its own build left, makes revert keep its
+        # files as someone's edits.
+        self.start(*self.apply_args(os.path.join(self.tmp, "slow.c")))
+        leftover = read_json(os.path.join(self.state, "journal.json"))["entries"][0]["build"][
+            "process"]["pid"]
+        self.assertTrue(overlay_setup.group_alive(leftover))
+        rc, out, err = self.tool("update", "--patched", os.path.join(self.tmp, "fast.c"))
+        self.assertEqual(rc, 0, out + err)
+        self.assertEqual(err, "stopping the build that entry 1 left running (process group %d)\n"
+                         % leftover)
+        self.assertFalse(overlay_setup.group_alive(leftover))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
     def test_revert_killed_halfway_is_finished_by_gc_stale(self) -> None:
         self.assertOk(self.tool(*self.apply_args(os.path.join(self.tmp, "fast.c"))))
         self.assertOk(self.tool("add-native", "--source", os.path.join(self.pkg, "Makefile"),
