@@ -115,7 +115,8 @@ how to fix it):
         E206 state path is not an overlay state directory, E207 no overlay yet,
         E208 no overlay here but applied ones elsewhere, E209 a registered
         state directory whose journal is gone, E210 the state directory
-        cannot be written
+        cannot be written, E211 update of an entry whose run was killed
+        before its build finished
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
@@ -3543,7 +3544,6 @@ class NativeEntry:
         the last build (results, notes, another entry's products) is not this
         entry's."""
         state, entry = self.state, self.record
-        stop_leftover_build(entry)  # a killed run's build must not write on beside this one
         for record in entry["sources"]:
             if record["path"] not in contents:
                 continue
@@ -4477,6 +4477,16 @@ def cmd_update(args: argparse.Namespace) -> int:
             raise OverlayError("E103", "no native entry%s to update at %s; apply one first"
                                % ("" if args.entry is None else " %d" % args.entry, state.root))
         entry = natives[-1]
+        if entry["build"] is not None and entry["state"] == NativeEntry.APPLYING:
+            # The run is gone (we hold the lock): what appeared since its build
+            # began cannot be told from the user's files, which revert moves
+            # aside and a completed build would count as its own products.
+            raise OverlayError("E211", "entry %d's last run was killed before its build finished, "
+                               "so what appeared in %s since may be your own; a new build would "
+                               "take it for its products: run `%s revert` (it stops the build "
+                               "left running, moves those files aside and restores the rest), "
+                               "then apply again" % (entry["id"], ", ".join(build_trees(
+                                   entry["build"])), tool_at(state)))
         contents = updated_contents(state, entry, args)
         NativeEntry(state, journal, entry).update(contents, args.timeout)
     print("entry %d updated: %s; the originals stay backed up for `%s revert`"
