@@ -189,11 +189,27 @@ class OverlayTestCase(unittest.TestCase):
     def built_project(self, files: dict) -> str:
         """`files` written to tmp/proj and built by make a while ago
         (age_tree): the project a test patches."""
-        proj = os.path.join(self.tmp, "proj")
-        write_tree(proj, files)
-        quiet(["make"], proj).check_returncode()
-        age_tree(proj)
-        return proj
+        return self.built_copy(os.path.join(self.tmp, "proj"), files, ["make"], aged=True)
+
+    def built_copy(self, directory: str, files: dict, build: list, aged: bool = False) -> str:
+        """`directory`: `files` as the command `build` leaves them built there
+        (and aged by age_tree).  The tree is built once for the test class and
+        copied for each test, mtimes kept (copy2), so that its tests do not
+        compile the same sources again."""
+        trees = type(self).__dict__.get("built_trees")
+        if trees is None:
+            trees = type(self).built_trees = {}
+        key = (json.dumps(files, sort_keys=True), tuple(build), aged)
+        if key not in trees:
+            base = tempfile.mkdtemp(prefix="overlay-built-")
+            type(self).addClassCleanup(shutil.rmtree, base, True)
+            trees[key] = os.path.join(base, "tree")
+            write_tree(trees[key], files)
+            quiet(build, trees[key]).check_returncode()
+            if aged:
+                age_tree(trees[key])
+        shutil.copytree(trees[key], directory, symlinks=True)
+        return directory
 
     def kill_during_build(self, args: list) -> None:
         """Run the tool and SIGKILL it once its build command runs (a process
@@ -223,9 +239,7 @@ class CProjectTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, KERNELS)
-        self.make()
+        self.proj = self.built_copy(os.path.join(self.tmp, "proj"), KERNELS, ["make", "-j2"])
         self.lib = os.path.join(self.proj, "libkernels.so")
         self.patched = os.path.join(self.tmp, "kernel_b_fast.c")
         write_tree(self.tmp, {"kernel_b_fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
@@ -967,10 +981,8 @@ class MadePackageTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.pkg = os.path.join(self.tmp, "pkg")
-        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
-                              "Makefile": self.MAKEFILE})
-        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        self.pkg = self.built_copy(os.path.join(self.tmp, "pkg"), {
+            "k.c": "double k(void) { return 1.0; }\n", "Makefile": self.MAKEFILE}, ["make", "-s"])
         write_tree(self.tmp, {self.PATCHED[0]: "double k(void) { return 2.0; }\n",
                               self.PATCHED[1]: "double k(void) { return 3.0; }\n"})
         self.before = tree_state(self.pkg)
@@ -1120,10 +1132,8 @@ class CrashIsACrashTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.pkg = os.path.join(self.tmp, "pkg")
-        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
-                              "Makefile": self.MAKEFILE})
-        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        self.pkg = self.built_copy(os.path.join(self.tmp, "pkg"), {
+            "k.c": "double k(void) { return 1.0; }\n", "Makefile": self.MAKEFILE}, ["make", "-s"])
         write_tree(self.tmp, {"fast.c": "double k(void) { return 2.0; }\n",
                               "slow.c": "/* slow */ double k(void) { return 3.0; }\n"})
         self.marker = os.path.join(self.tmp, "building")
@@ -1616,9 +1626,8 @@ class PatchTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, KERNELS)
-        subprocess.run(["make", "-j2", "-s", "-C", self.proj], check=True)
+        self.proj = self.built_copy(os.path.join(self.tmp, "proj"), KERNELS,
+                                    ["make", "-j2", "-s"])
         self.work = os.path.join(self.tmp, "work")
         shutil.copytree(self.proj, self.work, symlinks=True)
         git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", self.work]
