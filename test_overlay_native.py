@@ -2310,9 +2310,14 @@ def editable_venv(test_class: type, projects: dict) -> str:
     quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
           base).check_returncode()
     python = os.path.join(venv, "bin", "python")
+    # The projects are built by the venv's own setuptools, in one pip run:
+    # pip's build isolation would install setuptools anew for each (seconds).
+    editable = []
     for directory, files in sorted(projects.items()):
         write_tree(os.path.join(base, directory), files)
-        done = quiet([python, "-m", "pip", "install", "-q", "-e", directory], base)
+        editable += ["-e", directory]
+    for args in (["--upgrade", "setuptools>=64"], ["--no-build-isolation"] + editable):
+        done = quiet([python, "-m", "pip", "install", "-q"] + args, base)
         if done.returncode:
             raise unittest.SkipTest("pip cannot install a project editable in a venv here: "
                                     + (done.stdout.strip().splitlines() or ["no output"])[-1])
