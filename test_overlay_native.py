@@ -2786,16 +2786,23 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("no work to do", quiet(["ninja", "-n"], cache).stdout)
 
     def setuptools_python(self) -> str:
-        """The python of a venv that has setuptools, or a skip saying why not."""
-        venv = os.path.join(self.tmp, "venv")
-        quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
-              self.tmp).check_returncode()
-        python = os.path.join(venv, "bin", "python")
-        if quiet([python, "-c", "import setuptools"], self.tmp).returncode != 0:
-            quiet([python, "-m", "ensurepip"], self.tmp)
-            if quiet([python, "-m", "pip", "install", "-q", "setuptools"], self.tmp).returncode:
-                self.skipTest("setuptools is neither importable nor installable in a venv here")
-        return python
+        """The python of a venv that has setuptools, or a skip saying why not.
+        One venv serves the whole class: the tests build in their own trees."""
+        if "setuptools_venv" not in type(self).__dict__:
+            base = tempfile.mkdtemp(prefix="overlay-setuptools-")
+            type(self).addClassCleanup(shutil.rmtree, base, True)
+            venv = os.path.join(base, "venv")
+            quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
+                  base).check_returncode()
+            python = os.path.join(venv, "bin", "python")
+            if quiet([python, "-c", "import setuptools"], base).returncode != 0:
+                quiet([python, "-m", "ensurepip"], base)
+                if quiet([python, "-m", "pip", "install", "-q", "setuptools"], base).returncode:
+                    python = None
+            type(self).setuptools_venv = python
+        if type(self).setuptools_venv is None:
+            self.skipTest("setuptools is neither importable nor installable in a venv here")
+        return type(self).setuptools_venv
 
     def test_setuptools_extension_that_falls_back_when_it_does_not_compile(self) -> None:
         # As markupsafe's setup.py does for its speedups: a compile error is
