@@ -49,7 +49,12 @@ Usage:
   is refused: --no-protect, --protect PATH).  make is asked only once the
   entry is journaled (make -n evaluates the Makefile's $(shell ...)), ninja
   in a copy of its logs (every ninja run rewrites them).  --dry-run prints
-  the plan and runs nothing of the install: it does not ask make.
+  the plan and runs nothing of the install: it does not ask make.  The
+  other small files already in the build directory (a _version.py, a
+  config) are copied as well before each build, up to 256 KiB each, 500
+  files and 16 MiB in all; the copies of those the build left alone are
+  dropped after it, and revert puts the others back while each is still
+  what the build left (a file over the budget is named: E506).
 
   --state may come before or after the subcommand; default $OVERLAY_STATE,
   else the current directory's own state directory outside every install,
@@ -79,7 +84,8 @@ Exit codes:
      a missing input file or directory
   3  revert or gc-stale finished, but the files named are not back
      byte-exact: the build rewrote or deleted them and nothing had backed
-     them up (E506), or they changed after the build and were kept (E510)
+     them up (E506: a compiled output nothing predicted, a file over the
+     budget of copies), or they changed after the build and were kept (E510)
   10-14  trial: the step that failed (the install is reverted first):
      10 the reference run, 11 apply or its build, 12 the verification,
      13 the candidate run, 14 the revert (or the install differs from before)
@@ -122,7 +128,8 @@ how to fix it):
         snapshot, E503 backup missing, E504 a directory stands where a file
         is restored or removed, E505 a path changed since it was recorded
         (a symlink in the way), E506 not byte-exact: the build rewrote or
-        deleted a file nothing backed up (exit status 3), E509 an artifact
+        deleted a file nothing backed up (over the budget of copies, or
+        a compiled output nothing predicted; exit status 3), E509 an artifact
         or cache changed since the overlay's build, E510 a build product
         changed since the overlay's build, kept (exit status 3)
   E6xx  I/O errors during a change
@@ -202,6 +209,15 @@ VCS_FOLDERS = (".git", ".hg", ".svn")
 BUILD_TOOLS = ("make", "gmake", "ninja", "ninja-build", "cmake")  # whose plans can be asked
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
+# Before each build, the small pre-existing files of the build directory that
+# are no compiled output (a version file, a config, a generated module) are
+# copied too, and after it the copies of those it left alone are dropped.  A
+# version file is some hundred bytes; each copy is fsynced (about 4 ms on
+# ext4), so 500 of them add about 2 s to a build in a large tree.
+ORIGINAL = "pre-existing file"  # the role of such a copy in the journal
+ORIGINAL_FILE_LIMIT = 256 << 10  # bytes: a larger file is not copied
+ORIGINAL_BUDGET = 16 << 20  # bytes copied before one build, at most
+ORIGINAL_COUNT = 500  # files copied before one build, at most
 CMAKE_DEPEND_STATE = ("compiler_depend.make", "compiler_depend.internal", "compiler_depend.ts",
                       "depend.make", "depend.internal")
 DEPFILE_LIMIT = 1 << 20  # bytes: a compiler depfile is far smaller
@@ -2870,9 +2886,10 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
     backup_dir = os.path.join(state.root, directory)
     remove_path(backup_dir)
     makedirs_durable(backup_dir)
+    scanned: Dict[str, list] = {}
     if build is not None:
         try:
-            write_prebuild_scan(state, entry)
+            scanned = write_prebuild_scan(state, entry)
         except OverlayError:
             remove_path(backup_dir)
             raise
@@ -2888,6 +2905,8 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         elif record["present"]:
             record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
             record["identity"] = file_identity(record["path"])
+    # Before make is asked for its plan: its $(shell ...) may write one of them.
+    back_up_originals(state, manifest, entry, scanned)
     for cache in entry["caches"]:
         if cache["present"] and cache["method"] == "tar":
             snapshot_cache(cache["path"], state.state_path(cache["backup"]))
@@ -2903,7 +2922,11 @@ def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Op
         raise
     if products:
         track_parents(entry, [path for path, _ in products])
+        copied = {record["path"]: record for record in entry["protected"]}
         for number, (path, why) in enumerate(products):
+            if path in copied:  # a small file the plan names too: a build product, kept
+                copied[path].update(role="build product", why=why)
+                continue
             record = record_file(path, "build product")
             record["why"] = why
             record["backup"] = "%s/p%d" % (directory, number)
@@ -2942,11 +2965,11 @@ def scan_limit_reached(tree: str) -> OverlayError:
                         "leaves what it makes)" % (tree, SCAN_LIMIT))
 
 
-def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> None:
+def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> Dict[str, list]:
     """What the build directory holds before a build, to find its untracked
     products afterwards (also after a crash during the build): before the
     first build ("scan", also what revert puts back), before the latest
-    ("build_scan", what that build is compared with)."""
+    ("build_scan", what that build is compared with).  Returns it."""
     before, truncated = scan_build(state, entry)
     if truncated:
         raise scan_limit_reached(build_trees(entry["build"])[0])
@@ -2959,6 +2982,46 @@ def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> None:
     entry[key] = "backups/%d/%s.json" % (entry["id"], "prebuild-scan" if key == "scan"
                                          else "build-scan-%d" % entry["builds"])
     durable_write(state.state_path(entry[key]), json.dumps(before).encode())
+    return before
+
+
+def back_up_originals(state: State, manifest: dict, entry: dict, scanned: Dict[str, list]) -> None:
+    """Copy the small pre-existing files of the build directory (`scanned`)
+    into the entry's backups, before its build, so that revert gives back a
+    version file the build rewrites or a file it deletes.  Nearest the build
+    directory first, within ORIGINAL_FILE_LIMIT, ORIGINAL_BUDGET and
+    ORIGINAL_COUNT; what lies beyond is not copied, and revert names it if
+    the build rewrote or deleted it (E506).  Not copied either: compiled
+    output (the build products that --protect and the plan back up), a file
+    with other hard links (a copy would come back as a file of its own), and
+    what an entry of the state records already: an update's build must not
+    take the rewrite of an earlier build for the original."""
+    entry["protected"] = entry.get("protected") or []  # None in a journal of version 1.0
+    recorded = {record["path"] for one in manifest["entries"] + [entry]
+                for record in entry_files(one) + (one.get("untracked") or [])
+                + (one.get("earlier_untracked") or [])}
+    total = count = 0
+    for path in sorted((path for path, info in scanned.items()
+                        if info[0] == "f" and info[1] <= ORIGINAL_FILE_LIMIT
+                        and path not in recorded), key=lambda path: (path.count(os.sep), path)):
+        if count == ORIGINAL_COUNT:
+            break
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or total + st.st_size > \
+                ORIGINAL_BUDGET or compiled_output(path):
+            continue
+        record = record_file(path, ORIGINAL)
+        record["backup"] = "backups/%d/o%d-%d" % (entry["id"], entry.get("builds", 1), count)
+        record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
+        record["identity"] = file_identity(path)
+        entry["protected"].append(record)
+        total += st.st_size
+        count += 1
+    if count:
+        fsync_dir(state.state_path("backups/%d" % entry["id"]))
 
 
 def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
@@ -3179,8 +3242,8 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
 def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     """Steps 4-5: build, record status, artifact hashes and untracked products."""
     build = entry["build"]
-    ours = still_ours(manifest) + [record for record in entry.get("protected") or []
-                                   if "seen" not in record]
+    fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
+    ours = still_ours(manifest) + fresh
     mutation_point()
     print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
@@ -3211,12 +3274,22 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     settle_after_build(manifest)
     entry["untracked"] = untracked_products(state, entry)
     entry.pop("earlier_untracked", None)
+    # The copies of pre-existing files this build left alone are dropped
+    # (removed once the journal no longer names them); what it rewrote or
+    # deleted keeps its copy of the original.
+    untouched = {id(record) for record in fresh if record["role"] == ORIGINAL
+                 and seen(record["path"]) == record["identity"]}
+    dropped = [record["backup"] for record in fresh if id(record) in untouched]
+    entry["protected"] = [record for record in entry["protected"] if id(record) not in untouched]
+    ours = [record for record in ours if id(record) not in untouched]
     # What the build left, to be restored or removed at revert only while it
     # still is exactly that; what earlier builds of the entry left keeps its
     # record (a file edited between two builds is no longer theirs).
     for record in ours + [product for product in entry["untracked"]
                           if product["kind"] != "d" and "seen" not in product]:
         record["seen"] = seen(record["path"])
+        if record.get("role") == ORIGINAL:  # small: its content proves it too
+            record["built_sha256"] = file_sha256(record["path"])
     entry["links_seen"] = changed_links(state, entry)
     entry["state"] = "built" if status == 0 else "build-failed"
     noop = status == 0 and entry["artifacts"] and all(
@@ -3224,6 +3297,15 @@ def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
     if noop:
         entry["state"] = "build-changed-nothing"
     state.save(manifest)
+    for backup in dropped:
+        os.unlink(state.state_path(backup))
+    if dropped:
+        fsync_dir(state.state_path("backups/%d" % entry["id"]))
+    originals = [record["path"] for record in fresh
+                 if record["role"] == ORIGINAL and id(record) not in untouched]
+    if originals:
+        print("the build rewrote or deleted %s; revert puts back the copies taken before it"
+              % ", ".join(originals))
     created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
     if created:
         print("warning: the build created files that no --artifact or --invalidate-cache covers "
@@ -3516,31 +3598,46 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
         kept = [record["path"] for record in entry.get("protected") or []
                 if not unchanged_since_build(record)
                 and seen(record["path"]) != record.get("identity")
-                and file_sha256(record["path"]) != record.get("sha256")]
+                and file_sha256(record["path"]) not in (record.get("sha256"),
+                                                        record.get("built_sha256", ""))]
         kept += [product["path"] for product in products
                  if product["kind"] != "d" and os.path.lexists(product["path"])
                  and not unchanged_since_build(product)]
         keep = set(kept)
         products = [product for product in products if product["path"] not in keep]
     aside = None
-    if products and entry.get("untracked") is None:
+    rewrites = []
+    if entry.get("untracked") is None:
+        # A pre-existing file copied before the build and now neither the
+        # original nor what an earlier build left: a rewrite by the build that
+        # was killed, or the caller's edit since; no record tells which.
+        rewrites = [{"path": record["path"], "kind": "f", "created": False}
+                    for record in entry.get("protected") or [] if record["role"] == ORIGINAL
+                    and os.path.lexists(record["path"]) and file_sha256(record["path"]) not in
+                    (record["sha256"], record.get("built_sha256", ""))]
+    if (products or rewrites) and entry.get("untracked") is None:
         # The run died during its build: what appeared in the build directory
-        # since it started may be the build's or the caller's own work.  What
-        # was there before stays where it is (a version file the package
-        # imports), named as not byte-exact.
+        # since it started may be the build's or the caller's own work, and so
+        # may a rewrite of a pre-existing file that was copied: moved aside
+        # (the copy is put back).  A pre-existing file that was not copied
+        # stays where it is, named as not byte-exact.
         products = [product for product in products if product["created"]]
         aside = (os.path.commonpath(build_trees(entry["build"])),
                  os.path.join(state.root, "leftovers", str(entry["id"])))
+        moved = sorted(os.path.relpath(p["path"], aside[0]) for p in products + rewrites
+                       if p["kind"] != "d")
         print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
               "that appeared or changed in %s since the build began (its products, or your own "
-              "edits) are moved to %s: %s"
-              % (entry["id"], len([p for p in products if p["kind"] != "d"]), aside[0], aside[1],
-                 ", ".join(os.path.relpath(p["path"], aside[0]) for p in products
-                           if p["kind"] != "d")), file=sys.stderr)
+              "edits) are moved to %s: %s%s"
+              % (entry["id"], len(moved), aside[0], aside[1], ", ".join(moved),
+                 "; the copies of %s taken before the build are put back" % ", ".join(
+                     os.path.relpath(p["path"], aside[0]) for p in rewrites) if rewrites else ""),
+              file=sys.stderr)
+        remove_products(rewrites, aside)
     if aside is None:
-        # A rewritten file that is no compiled output (a version file every
-        # build writes) stays as the build wrote it: only a stale patched
-        # object or program must not be linked or run again.
+        # A rewritten file that is no compiled output and was not copied (a
+        # version file over the budget) stays as the build wrote it: only a
+        # stale patched object or program must not be linked or run again.
         products = [product for product in products if product["created"]
                     or product["kind"] == "d" or compiled_output(product["path"])]
     failures = []
@@ -3948,6 +4045,11 @@ def print_plan(state: State, changes: List[Tuple[str, Optional[bytes]]],
         print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
               "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
               "is written)" % "back up")
+    if build is not None and changes:
+        print("  %-10s the small files of %s that are no compiled output (up to %d KiB each, %d "
+              "files and %d MiB in all; dropped after the build for each file it left alone)"
+              % ("back up", ", ".join(build_trees(build)), ORIGINAL_FILE_LIMIT >> 10,
+                 ORIGINAL_COUNT, ORIGINAL_BUDGET >> 20))
     for path in caches:
         print("  %-10s %s (cache%s)" % ("set aside", path,
                                         "" if os.path.lexists(path) else ", absent now"))
@@ -3982,14 +4084,16 @@ def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optiona
                 check_claims(state, changes_paths(changes), artifacts, caches)
                 entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
                                            protected, command, modes or {})
-            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]]
-            if len(shown) > 5:  # a patched common header can reach hundreds of objects
+            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]
+                     if r["role"] != ORIGINAL]
+            count = len(shown)
+            if count > 5:  # a patched common header can reach hundreds of objects
                 # A trial reverts before the user could run `status`.
-                shown[4:] = ["and %d more%s" % (len(shown) - 4,
+                shown[4:] = ["and %d more%s" % (count - 4,
                                                 "" if in_trial else " (`status` lists them)")]
             if shown:
                 print("backed up %d build product(s) the build may rewrite: %s"
-                      % (len(entry["protected"]), ", ".join(shown)))
+                      % (count, ", ".join(shown)))
         if python_update is not None:
             python_update()
     except OSError as exc:
@@ -4311,7 +4415,8 @@ def cmd_update(args: argparse.Namespace) -> int:
             # entry's products) is not this entry's.
             entry["earlier_untracked"] = untracked_products(state, entry)
             entry["builds"] = entry.get("builds", 1) + 1
-            write_prebuild_scan(state, entry, "build_scan")
+            back_up_originals(state, manifest, entry,
+                              write_prebuild_scan(state, entry, "build_scan"))
             entry["state"] = "applying"
             entry["untracked"] = None
             entry.pop("links_seen", None)

@@ -547,8 +547,11 @@ class CProjectTest(OverlayTestCase):
     def test_another_owner_is_refused(self) -> None:
         self.assertOk(self.tool("add-native", "--source", self.p("kernel_b.c"),
                                 "--patched", self.patched, "--no-build"))
+        other = subprocess.Popen(["sleep", "60"])  # an owner that is surely not the default one
+        self.addCleanup(other.wait)
+        self.addCleanup(other.kill)
         rc, out, err = self.tool("add-native", "--source", self.p("kernel_a.c"), "--patched",
-                                 self.patched, "--no-build", "--owner-pid", str(os.getpid()))
+                                 self.patched, "--no-build", "--owner-pid", str(other.pid))
         self.assertEqual(rc, 1)
         owner = overlay_setup.default_owner()
         self.assertEqual(err, "overlay_setup: E205 this overlay belongs to pid %d on %s (live); "
@@ -1341,25 +1344,6 @@ class OwnedFilesTest(MadePackageTest):
         self.assertOk(self.tool("revert", "--force"))
         self.assertEqual(tree_state(self.pkg), self.before)
 
-    def test_a_run_killed_in_a_build_that_rewrote_a_version_file_leaves_it_in_place(
-            self) -> None:
-        write_tree(self.pkg, {"_version.py": "version = '1.0'\n"})
-        before = tree_state(self.pkg)
-        killed = run_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.pkg, "k.c"), "--patched",
-                           os.path.join(self.tmp, "fast.c"), "--build-cmd",
-                           "echo \"version = '1.0+dirty'\" > _version.py; kill -9 $PPID",
-                           "--build-cwd", self.pkg], own=True)
-        self.assertEqual(killed.returncode, -9, killed.stderr)
-        rc, out, err = call("gc-stale", "--root", self.tmp)
-        self.assertEqual(rc, 3, err)
-        self.assertIn("overlay_setup: E506 not byte-exact: the build rewrote %s with no backup"
-                      % os.path.join(self.pkg, "_version.py"), err)
-        self.assertEqual(read_text(os.path.join(self.pkg, "_version.py")),
-                         "version = '1.0+dirty'\n")
-        self.assertEqual({k: v[1] for k, v in tree_state(self.pkg).items() if k != "_version.py"},
-                         {k: v[1] for k, v in before.items() if k != "_version.py"})
-
     def test_a_link_changed_after_the_build_is_kept(self) -> None:
         write_tree(self.pkg, {"Makefile": self.MAKEFILE.replace(
             "-o $@ k.o\n", "-o $@ k.o\n\tln -sf libk.so libk.so.1\n")})
@@ -1413,16 +1397,170 @@ class OwnedFilesTest(MadePackageTest):
                                      + "reverted %s\n" % self.state), out)
         self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
 
-    def test_a_pre_existing_file_the_build_deletes_is_named(self) -> None:
-        write_tree(self.pkg, {"stale.txt": "old\n"})
-        rc, out, err = self.add("--build-cmd", "make && rm stale.txt")
-        self.assertEqual(rc, 0, err)
-        self.assertIn("warning: the build deleted files that nothing backed up, so revert cannot "
-                      "give them back: %s" % os.path.join(self.pkg, "stale.txt"), err)
+
+class PreExistingFileTest(MadePackageTest):
+    """A small pre-existing file the build rewrites or deletes (a version
+    file, a stale note) comes back at revert from the copy taken before the
+    build, while it is still what the build left."""
+
+    PATCHED = ("fast.c", "faster.c")
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.version = os.path.join(self.pkg, "_version.py")
+        write_tree(self.pkg, {"_version.py": "version = '1.0'\n",
+                              "__init__.py": "from ._version import version\n"})
+
+    def link_step_runs(self, line: str, files: dict = None) -> dict:
+        """The package's link step runs `line` too, `files` lie beside it;
+        returns the tree as it is before the overlay."""
+        write_tree(self.pkg, dict(files or {}, Makefile=self.MAKEFILE.replace(
+            "-o $@ k.o\n", "-o $@ k.o\n\t%s\n" % line)))
+        return tree_state(self.pkg)
+
+    def add(self, build: str = "make") -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), "--build-cmd", build,
+                         "--build-cwd", self.pkg)
+
+    def reverted(self) -> tuple:
+        return (0, "entry 1 restored: %s\n%sreverted %s\n"
+                % (os.path.join(self.pkg, "k.c"), checked(self.pkg), self.state), "")
+
+    def test_a_version_file_the_build_rewrites_comes_back_byte_exact(self) -> None:
+        before = self.link_step_runs("echo \"version = '1.0+dirty'\" > _version.py")
+        rc, out, err = self.add()
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("the build rewrote or deleted %s; revert puts back the copies taken "
+                      "before it\n" % self.version, out)
+        self.assertEqual(read_text(self.version), "version = '1.0+dirty'\n")
+        # The copies of the files the build left alone (Makefile, __init__.py) are dropped.
+        entry = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]
+        self.assertEqual([(record["role"], record["path"]) for record in entry["protected"]],
+                         [("pre-existing file", self.version),
+                          ("build product", os.path.join(self.pkg, "k.o")),
+                          ("build product", os.path.join(self.pkg, "libk.so"))])
+        self.assertEqual([name for name in os.listdir(os.path.join(self.state, "backups", "1"))
+                          if name.startswith("o")], [os.path.basename(entry["protected"][0][
+                              "backup"])])
+        self.assertEqual(self.tool("revert"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_a_pre_existing_file_the_build_deletes_comes_back(self) -> None:
+        before = self.link_step_runs("rm -f stale.txt", {"stale.txt": "old\n"})
+        rc, out, err = self.add()
+        self.assertEqual((rc, err), (0, ""))
+        self.assertFalse(os.path.lexists(os.path.join(self.pkg, "stale.txt")))
+        self.assertEqual(self.tool("revert"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_a_rewritten_file_edited_after_the_build_is_kept(self) -> None:
+        before = self.link_step_runs("echo \"version = '1.0+dirty'\" > _version.py")
+        self.assertOk(self.add())
+        write_tree(self.pkg, {"_version.py": "version = '1.0+mine'\n"})
         rc, out, err = self.tool("revert")
-        self.assertEqual(rc, 3, err)
-        self.assertIn("overlay_setup: E506 not byte-exact: the build deleted %s with no backup"
-                      % os.path.join(self.pkg, "stale.txt"), err)
+        self.assertEqual((rc, out), (3, self.reverted()[1]))
+        self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
+                              "(not what the build left, nor the original), so it is not the "
+                              "overlay's to restore or remove; run `overlay_setup.py --state %s "
+                              "revert --force` to restore or remove it all the same\n"
+                         % (self.version, self.state))
+        self.assertEqual(read_text(self.version), "version = '1.0+mine'\n")
+        after = tree_state(self.pkg)
+        del after["_version.py"], before["_version.py"]
+        self.assertEqual(after, before)
+
+    def test_force_puts_the_original_back_over_an_edit_after_the_build(self) -> None:
+        before = self.link_step_runs("echo \"version = '1.0+dirty'\" > _version.py")
+        self.assertOk(self.add())
+        write_tree(self.pkg, {"_version.py": "version = '1.0+mine'\n"})
+        self.assertEqual(self.tool("revert", "--force"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_a_run_killed_while_its_build_rewrote_a_version_file_gets_it_back(self) -> None:
+        for signal_name, status in (("KILL", -9), ("TERM", 143)):
+            with self.subTest(signal_name):
+                self.killed_while_its_build_rewrote_a_version_file(signal_name, status)
+
+    def killed_while_its_build_rewrote_a_version_file(self, signal_name: str,
+                                                       status: int) -> None:
+        before = self.link_step_runs("printf 'version = ' > _version.py")  # half written
+        killed = run_tool(["--state", self.state, "add-native", "--source",
+                           os.path.join(self.pkg, "k.c"), "--patched",
+                           os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                           "make && kill -%s $PPID" % signal_name, "--build-cwd", self.pkg],
+                          own=True)
+        self.assertEqual(killed.returncode, status, killed.stderr)
+        self.assertEqual(read_text(self.version), "version = ")
+        aside = os.path.join(self.state, "leftovers", "1")
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, err), (
+            0, "entry 1: the run stopped before it recorded what its build made; 1 file(s) that "
+            "appeared or changed in %s since the build began (its products, or your own edits) "
+            "are moved to %s: _version.py; the copies of _version.py taken before the build are "
+            "put back\n" % (self.pkg, aside)))
+        self.assertEqual(tree_state(self.pkg), before)
+        self.assertEqual(read_text(os.path.join(aside, "_version.py")), "version = ")
+        self.assertEqual(quiet([sys.executable, "-c", "import pkg; print(pkg.version)"],
+                               self.tmp).stdout, "1.0\n")
+
+    def test_a_file_over_the_budget_is_named_and_left_as_the_build_wrote_it(self) -> None:
+        big = os.path.join(self.pkg, "table.txt")
+        limit = overlay_setup.ORIGINAL_FILE_LIMIT
+        before = self.link_step_runs("echo rewritten > table.txt; echo rewritten > fits.txt", {
+            "table.txt": "x" * limit + "\n", "fits.txt": "x" * (limit - 1) + "\n"})
+        rc, out, err = self.add()
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(err, "warning: the build rewrote files that nothing backed up, so revert "
+                              "cannot give them back byte-exact (it leaves them as the build "
+                              "wrote them): {0}; next time pass --protect {0}\n".format(big))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (3, self.reverted()[1]))
+        self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
+                              "backup; the next build makes it again (to keep it next time, pass "
+                              "--protect {0})\n".format(big))
+        self.assertEqual(read_text(big), "rewritten\n")
+        after = tree_state(self.pkg)
+        del after["table.txt"], before["table.txt"]
+        self.assertEqual(after, before)  # fits.txt, of the limit's size, is back
+
+    def test_a_deleted_file_made_again_after_the_build_is_kept(self) -> None:
+        stale = os.path.join(self.pkg, "stale.txt")
+        self.link_step_runs("rm -f stale.txt", {"stale.txt": "old\n"})
+        self.assertOk(self.add())
+        write_text_file(stale, "mine\n")
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, out), (3, self.reverted()[1]))
+        self.assertTrue(err.startswith("overlay_setup: E510 kept %s: changed after the "
+                                       "overlay's build" % stale), err)
+        self.assertEqual(read_text(stale), "mine\n")
+
+    def test_the_files_nearest_the_build_directory_are_copied_first(self) -> None:
+        self.addCleanup(setattr, overlay_setup, "ORIGINAL_COUNT", overlay_setup.ORIGINAL_COUNT)
+        overlay_setup.ORIGINAL_COUNT = 3  # Makefile, __init__.py, _version.py
+        deep = os.path.join(self.pkg, "gen", "config.h")
+        before = self.link_step_runs("echo 2 > gen/config.h; echo \"version = '2'\" > _version.py",
+                                     {"gen/config.h": "1\n"})
+        rc, out, err = self.add()
+        self.assertEqual(rc, 0, err)
+        self.assertIn("the build rewrote or deleted %s; revert puts back" % self.version, out)
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (3, "overlay_setup: E506 not byte-exact: the build rewrote "
+                                        "{0} with no backup; the next build makes it again (to "
+                                        "keep it next time, pass --protect {0})\n".format(deep)))
+        after = tree_state(self.pkg)
+        del after["gen/config.h"], before["gen/config.h"]
+        self.assertEqual(after, before)
+
+    def test_an_update_keeps_the_copy_of_the_original_not_the_first_builds_rewrite(
+            self) -> None:
+        before = self.link_step_runs("echo '# built' >> _version.py")
+        self.assertOk(self.add())
+        rc, out, err = self.tool("update", "--patched", os.path.join(self.tmp, "faster.c"))
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(read_text(self.version), "version = '1.0'\n# built\n# built\n")
+        self.assertEqual(self.tool("revert"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
 
 
 class PlanRunsNothingTest(OverlayTestCase):
@@ -2878,11 +3016,12 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(proj), before)
 
-    def test_a_version_file_every_build_writes_is_kept_by_revert(self) -> None:
+    def test_a_version_file_every_build_writes_comes_back_byte_exact(self) -> None:
         # setuptools_scm's version_file and torch's setup.py write the
         # package's _version.py on every build, with the same content: it is
         # no compiled output, and revert must not delete it (`import pkg`
-        # would fail until the next build).
+        # would fail until the next build) but put back the copy taken before
+        # the build, mtime included.
         files = dict(EXTENSION_PROJECT)
         files["setup.py"] = ("open('pkg/_version.py', 'w').write('version = \"1.0\"\\n')\n"
                              + files["setup.py"])
@@ -2902,15 +3041,11 @@ class RealBuildSystemTest(OverlayTestCase):
                                  " ".join(build), "--build-cwd", proj)
         self.assertEqual(rc, 0, err)
         version = os.path.join(proj, "pkg", "_version.py")
-        self.assertIn("(it leaves them as the build wrote them): %s;" % version, err)
+        self.assertIn("the build rewrote or deleted %s; revert puts back the copies taken "
+                      "before it\n" % version, out)
         rc, out, err = self.tool("revert")
-        self.assertEqual((rc, err), (overlay_setup.NOT_EXACT, "overlay_setup: E506 not byte-exact: "
-                                     "the build rewrote %s with no backup; the next build makes "
-                                     "it again (to keep it next time, pass --protect %s)\n"
-                                     % (version, version)))
-        after = tree_state(proj)
-        self.assertEqual(after.pop("pkg/_version.py")[:3], before.pop("pkg/_version.py")[:3])
-        self.assertEqual(after, before)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(tree_state(proj), before)
         self.assertEqual(quiet([python, "-c", "import pkg; print(pkg.version)"], proj).stdout,
                          "1.0\n")
 
@@ -2963,6 +3098,9 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
+            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
+            "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj), ""))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
@@ -3010,6 +3148,9 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
+            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
+            "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
