@@ -177,11 +177,13 @@ import tarfile
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
+JOURNAL_NAME = "journal.json"  # in the state directory
+OLD_JOURNAL_NAME = "manifest.json"  # version 1.0's name for it, still read
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
 # Build descriptions a patch may tune (flags, architectures), patched in place
 # like a source; build.ninja is not among them: the build system writes it.
@@ -847,17 +849,24 @@ class State:
 
     def __init__(self, root: str):
         self.root = root
-        self.manifest_path = os.path.join(root, "manifest.json")
         self.lock_path = os.path.join(root, "lock")
         self.backups = os.path.join(root, "backups")
         self.site = os.path.join(root, "site")
         self.python = os.path.join(root, "python")
         self.lock_fd: Optional[int] = None
 
+    @property
+    def journal_path(self) -> str:
+        """The journal's file: journal.json, or in a state directory that
+        version 1.0 wrote, manifest.json until the next write replaces it."""
+        path = os.path.join(self.root, JOURNAL_NAME)
+        old = os.path.join(self.root, OLD_JOURNAL_NAME)
+        return old if not os.path.lexists(path) and os.path.lexists(old) else path
+
     # -- existence and safety
 
     def exists(self) -> bool:
-        return os.path.isfile(self.manifest_path)
+        return os.path.isfile(self.journal_path)
 
     def orphaned_backups(self) -> bool:
         """Backups with no journal: it was deleted while something was applied."""
@@ -896,7 +905,7 @@ class State:
             names = set(os.listdir(self.root))
         except FileNotFoundError:
             return
-        if "manifest.json" in names or self.exists():
+        if JOURNAL_NAME in names or OLD_JOURNAL_NAME in names or self.exists():
             self.read_journal()
             return
         if self.orphaned_backups():
@@ -998,51 +1007,55 @@ class State:
         """The journal as written, None when there is none; E202 when it is
         unreadable or another program's."""
         try:
-            with open(self.manifest_path, encoding="utf-8") as handle:
-                manifest = json.load(handle)
+            with open(self.journal_path, encoding="utf-8") as handle:
+                journal = json.load(handle)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise OverlayError("E202", "journal %s is unreadable (%s); inspect it, or move the "
                                "state directory away if nothing is applied"
-                               % (self.manifest_path, exc))
-        if not isinstance(manifest, dict) or manifest.get("tool") != TOOL_NAME:
+                               % (self.journal_path, exc))
+        if not isinstance(journal, dict) or journal.get("tool") != TOOL_NAME:
             raise OverlayError("E202", "journal %s is not an overlay_setup journal; pass another "
-                               "--state" % self.manifest_path)
-        return manifest
+                               "--state" % self.journal_path)
+        return journal
 
     def load(self) -> dict:
-        manifest = self.read_journal()
-        if manifest is None:
+        journal = self.read_journal()
+        if journal is None:
             if self.orphaned_backups():
                 raise OverlayError("E202", "journal %s is missing, but %s holds the backups of "
                                    "entries that may still be applied; restore the journal, or "
                                    "put the files back from there by hand"
-                                   % (self.manifest_path, os.path.join(self.root, "backups")))
-            return empty_manifest()
-        version = manifest.get("format")
+                                   % (self.journal_path, os.path.join(self.root, "backups")))
+            return empty_journal()
+        version = journal.get("format")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise OverlayError("E201", "journal %s has format %r, newer than this tool understands "
                                "(%d); use the overlay_setup.py that wrote it"
-                               % (self.manifest_path, version, FORMAT_VERSION))
+                               % (self.journal_path, version, FORMAT_VERSION))
         try:
-            self.validate(manifest)
+            self.validate(journal)
         except (KeyError, TypeError, AttributeError) as exc:
             raise OverlayError("E202", "journal %s lacks or mistypes a field (%s); inspect it"
-                               % (self.manifest_path, exc))
-        return manifest
+                               % (self.journal_path, exc))
+        return journal
 
-    def check_fields(self, manifest: dict) -> None:
-        problem = journal_field_problem(manifest)
+    def check_fields(self, journal: dict) -> None:
+        problem = journal_field_problem(journal)
         if problem:
             raise OverlayError("E202", "journal %s has a missing or mistyped %s; it was edited or "
                                "damaged, and nothing was changed: restore it, or move the state "
                                "directory away if nothing is applied"
-                               % (self.manifest_path, problem))
+                               % (self.journal_path, problem))
 
-    def save(self, manifest: dict) -> None:
-        durable_write(self.manifest_path,
-                      (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    def save(self, journal: dict) -> None:
+        read_from = self.journal_path
+        path = os.path.join(self.root, JOURNAL_NAME)
+        durable_write(path, (json.dumps(journal, indent=1, sort_keys=True) + "\n").encode())
+        if read_from != path:  # version 1.0's journal, which this one replaces
+            os.unlink(read_from)
+            fsync_dir(self.root)
 
     def state_path(self, relative: str) -> str:
         """A path recorded relative to the state directory, checked to stay inside it."""
@@ -1050,28 +1063,28 @@ class State:
                 or os.path.normpath(relative) != relative or relative.split("/")[0] == ".."):
             raise OverlayError("E203", "journal %s names backup %r outside the state directory; "
                                "the journal was tampered with, nothing was changed"
-                               % (self.manifest_path, relative))
+                               % (self.journal_path, relative))
         full = os.path.join(self.root, relative)
         real_root = os.path.realpath(self.root)
         if not is_within(os.path.realpath(os.path.dirname(full)), real_root):
             raise OverlayError("E203", "journal %s names backup %r that resolves outside the state "
-                               "directory; nothing was changed" % (self.manifest_path, relative))
+                               "directory; nothing was changed" % (self.journal_path, relative))
         return full
 
-    def validate(self, manifest: dict) -> None:
+    def validate(self, journal: dict) -> None:
         """Check every field and path of a journal read back from disk before
         anything acts on it."""
-        self.check_fields(manifest)
+        self.check_fields(journal)
         def target(path: object, what: str) -> None:
             if (not isinstance(path, str) or not os.path.isabs(path)
                     or os.path.normpath(path) != path or path == "/"):
                 raise OverlayError("E203", "journal %s names %s %r that is not an absolute, "
                                    "normalised path; the journal was tampered with, nothing was "
-                                   "changed" % (self.manifest_path, what, path))
-        entries = manifest.get("entries")
+                                   "changed" % (self.journal_path, what, path))
+        entries = journal.get("entries")
         if not isinstance(entries, list):
             raise OverlayError("E202", "journal %s has no entry list; inspect it"
-                               % self.manifest_path)
+                               % self.journal_path)
         for entry in entries:
             for root in entry["roots"]:
                 target(root, "install root")
@@ -1079,7 +1092,7 @@ class State:
                 if not any(is_within(path, root) for root in entry["roots"]):
                     raise OverlayError("E203", "journal %s names %s outside the install roots "
                                        "its entry %s recorded (%s); the journal was altered, "
-                                       "nothing was changed" % (self.manifest_path, path,
+                                       "nothing was changed" % (self.journal_path, path,
                                                                 entry["id"],
                                                                 ", ".join(entry["roots"])))
             for record in entry_files(entry):
@@ -1093,7 +1106,7 @@ class State:
                         for value in xattrs.values())):
                     raise OverlayError("E202", "journal %s has mistyped extended attributes for "
                                        "%s; it was edited or damaged, and nothing was changed"
-                                       % (self.manifest_path, record["path"]))
+                                       % (self.journal_path, record["path"]))
             for cache in entry.get("caches", []):
                 target(cache.get("path"), "cache")
                 inside_roots(cache["path"])
@@ -1111,7 +1124,7 @@ class State:
                     if not any(is_within(product["path"], tree) for tree in build_trees(build)):
                         raise OverlayError("E203", "journal %s names build product %r outside "
                                            "the build directory %s; nothing was changed"
-                                           % (self.manifest_path, product["path"], build["cwd"]))
+                                           % (self.journal_path, product["path"], build["cwd"]))
             for key in ("scan", "build_scan"):
                 if entry.get(key) is not None:
                     self.state_path(entry[key])
@@ -1120,14 +1133,14 @@ class State:
                 if not (isinstance(jit, dict) and isinstance(jit.get("directories"), list)
                         and isinstance(jit.get("scan"), str)):
                     raise OverlayError("E202", "journal %s has a damaged JIT record in entry %s; "
-                                       "nothing was changed" % (self.manifest_path, entry["id"]))
+                                       "nothing was changed" % (self.journal_path, entry["id"]))
                 for directory in jit["directories"]:
                     target(directory, "JIT build directory")
                     inside_roots(directory)
                 self.state_path(jit["scan"])
             for directory in entry.get("dirs", {}):
                 target(directory, "directory")
-        for name, module in manifest.get("python", {}).get("modules", {}).items():
+        for name, module in journal.get("python", {}).get("modules", {}).items():
             if module.get("file") is not None:
                 self.state_path(module["file"])
 
@@ -1149,7 +1162,7 @@ JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
 }
 
 
-def journal_field_problem(manifest: dict) -> Optional[str]:
+def journal_field_problem(journal: dict) -> Optional[str]:
     """The first missing or mistyped field of a journal, or None."""
     def bad(record: object, kind: str, where: str) -> Optional[str]:
         if not isinstance(record, dict):
@@ -1166,15 +1179,15 @@ def journal_field_problem(manifest: dict) -> Optional[str]:
                     isinstance(value, bool) and types is not bool):
                 return "%s.%s" % (where, key)
         return None
-    if type(manifest.get("next_id")) is not int:
+    if type(journal.get("next_id")) is not int:
         return "next_id"
-    python = manifest.get("python")
+    python = journal.get("python")
     if not (isinstance(python, dict) and isinstance(python.get("modules"), dict)
             and isinstance(python.get("rebinds"), dict)):
         return "python"
-    problems = [bad(manifest["owner"], "owner", "owner")] if manifest.get("owner") is not None \
+    problems = [bad(journal["owner"], "owner", "owner")] if journal.get("owner") is not None \
         else []
-    for number, entry in enumerate(manifest.get("entries") or []):
+    for number, entry in enumerate(journal.get("entries") or []):
         where = "entries[%d]" % number
         problems.append(bad(entry, "entry", where))
         if problems[-1]:
@@ -1206,14 +1219,14 @@ def entry_files(entry: dict) -> List[dict]:
     return entry.get("sources", []) + entry.get("artifacts", []) + (entry.get("protected") or [])
 
 
-def empty_manifest() -> dict:
+def empty_journal() -> dict:
     return {"tool": TOOL_NAME, "format": FORMAT_VERSION, "owner": None, "next_id": 1,
             "entries": [], "python": {"modules": {}, "rebinds": {}}}
 
 
-def anything_applied(manifest: dict) -> bool:
-    python = manifest.get("python", {})
-    return bool(manifest["entries"] or python.get("modules") or python.get("rebinds"))
+def anything_applied(journal: dict) -> bool:
+    python = journal.get("python", {})
+    return bool(journal["entries"] or python.get("modules") or python.get("rebinds"))
 
 
 def tool_at(state: State) -> str:
@@ -1222,25 +1235,25 @@ def tool_at(state: State) -> str:
     return "overlay_setup.py --state %s" % shell_quote(state.root)
 
 
-def interrupted(manifest: dict) -> Optional[str]:
+def interrupted(journal: dict) -> Optional[str]:
     """What a run of this tool was doing when it stopped halfway: an entry
     being applied, built or updated, or a revert begun.  Found with the lock
     free, nobody is doing it any more: the entry is stale whoever the owner
     is, as a hot journal nobody holds is rolled back."""
-    if manifest.get("reverting"):
+    if journal.get("reverting"):
         return "reverting"
-    for entry in manifest["entries"]:
-        if entry["state"] == "applying":
+    for entry in journal["entries"]:
+        if entry["state"] == NativeEntry.APPLYING:
             return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
                                     else "applying", entry["id"])
     return None
 
 
-def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
+def claim_owner(state: State, journal: dict, owner_pid: Optional[int]) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
     owner = make_owner(owner_pid if owner_pid is not None else default_owner())
-    current = manifest.get("owner")
-    if anything_applied(manifest) and current and (
+    current = journal.get("owner")
+    if anything_applied(journal) and current and (
             current.get("pid"), current.get("start_time"), current.get("host")) != (
             owner["pid"], owner["start_time"], owner["host"]):
         liveness = owner_liveness(current)
@@ -1254,7 +1267,7 @@ def claim_owner(state: State, manifest: dict, owner_pid: Optional[int]) -> None:
                     % (tool_at(state), current["host"]))
         raise OverlayError("E205", "this overlay belongs to %s; %s" % (describe_owner(current),
                                                                        hint))
-    manifest["owner"] = owner
+    journal["owner"] = owner
 
 
 # ---------------------------------------------------------------- where state directories live
@@ -1318,8 +1331,8 @@ def holds_something(state: "State") -> bool:
     if state.orphaned_backups():
         return True
     try:
-        manifest = state.read_journal()
-        return manifest is not None and anything_applied(manifest)
+        journal = state.read_journal()
+        return journal is not None and anything_applied(journal)
     except (OverlayError, KeyError, TypeError, AttributeError):
         return True
 
@@ -1378,14 +1391,14 @@ def applied_states(skip: Optional[str] = None) -> List[Tuple["State", Optional[d
             if not (state.exists() or state.orphaned_backups()):
                 found.append((state, None))  # vanished: named all the same
                 continue
-            manifest = state.load()
+            journal = state.load()
         except OverlayError:  # damaged: named all the same, the commands on it say why
             found.append((state, None))
             continue
         except OSError:
             continue
-        if anything_applied(manifest):
-            found.append((state, manifest))
+        if anything_applied(journal):
+            found.append((state, journal))
     return found
 
 
@@ -1494,10 +1507,10 @@ _chain()
 '''
 
 
-def write_python_overlay(state: State, manifest: dict) -> None:
+def write_python_overlay(state: State, journal: dict) -> None:
     """Regenerate the site directory from the journal's Python section."""
     makedirs_durable(state.site)
-    python = manifest["python"]
+    python = journal["python"]
     modules = {}
     for name, module in python["modules"].items():
         modules[name] = {"file": module["file"] and os.path.join(state.root, module["file"]),
@@ -1516,10 +1529,10 @@ def check_module_name(name: str, what: str) -> None:
         raise UsageError("E105", "%s %r is not a dotted module name (e.g. pkg.mod)" % (what, name))
 
 
-def stage_python_module(state: State, manifest: dict, name: str, content: Optional[bytes],
+def stage_python_module(state: State, journal: dict, name: str, content: Optional[bytes],
                         package_dir: Optional[str], origin: str) -> None:
     """Store a module's overlay content in the state directory and record it."""
-    if name in manifest["python"]["modules"]:
+    if name in journal["python"]["modules"]:
         raise OverlayError("E103", "module %s is already overlaid; run `%s revert` first"
                            % (name, tool_at(state)))
     relative = None
@@ -1527,7 +1540,7 @@ def stage_python_module(state: State, manifest: dict, name: str, content: Option
         makedirs_durable(state.python)
         relative = "python/%s.py" % name
         durable_write(os.path.join(state.root, relative), content, 0o644)
-    manifest["python"]["modules"][name] = {"file": relative, "package_dir": package_dir,
+    journal["python"]["modules"][name] = {"file": relative, "package_dir": package_dir,
                                            "origin": origin}
 
 
@@ -1872,36 +1885,49 @@ def module_names(python: str, files: List[dict], state: State, patch_name: str) 
 # ---------------------------------------------------------------- build products
 
 
-def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
-    """{path: [kind, size, mtime_ns]} under `root`, bounded to SCAN_LIMIT entries."""
-    found: Dict[str, list] = {}
-    # An excluded directory is not entered, so what lies under it is never
-    # reached: a look-up per entry is enough (a walk comparing each entry
-    # with every excluded path took hours for 50,000 backed-up products).
+def walk_tree(root: str, excluded: List[str],
+              builds_only: bool = False) -> Iterator[Tuple[str, os.stat_result]]:
+    """(path, lstat) of everything under `root`, top down in name order,
+    never following a symlink; what cannot be read is left out.  An
+    excluded path is not entered, so what lies under it is never reached: a
+    look-up per entry is enough (a walk comparing each entry with every
+    excluded path took hours for 50,000 backed-up products).  With
+    `builds_only`, hidden folders and virtual environments are not entered
+    either: no build writes its products there."""
     skipped = set(excluded)
     pending = [] if any(is_within(root, path) for path in excluded) else [root]
     while pending:
         directory = pending.pop()
         try:
-            iterator = os.scandir(directory)
+            with os.scandir(directory) as iterator:
+                items = sorted(iterator, key=lambda item: item.name)
         except OSError:
             continue
-        with iterator:
-            for item in iterator:
-                if item.path in skipped:
+        folders = []
+        for item in items:
+            if item.path in skipped:
+                continue
+            try:
+                st = item.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if builds_only and (item.name.startswith(".") or
+                                    os.path.isfile(os.path.join(item.path, "pyvenv.cfg"))):
                     continue
-                if len(found) >= SCAN_LIMIT:
-                    return found, True
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    found[item.path] = ["d", 0, st.st_mtime_ns]
-                    pending.append(item.path)
-                else:
-                    kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
-                    found[item.path] = [kind, st.st_size, st.st_mtime_ns]
+                folders.append(item.path)
+            yield item.path, st
+        pending += reversed(folders)
+
+
+def scan_tree(root: str, excluded: List[str]) -> Tuple[Dict[str, list], bool]:
+    """{path: [kind, size, mtime_ns]} under `root`, bounded to SCAN_LIMIT entries."""
+    found: Dict[str, list] = {}
+    for path, st in walk_tree(root, excluded):
+        if len(found) >= SCAN_LIMIT:
+            return found, True
+        kind = "d" if stat.S_ISDIR(st.st_mode) else "l" if stat.S_ISLNK(st.st_mode) else "f"
+        found[path] = [kind, 0 if kind == "d" else st.st_size, st.st_mtime_ns]
     return found, False
 
 
@@ -2230,22 +2256,18 @@ def depfile_readers(directory: str, sources: List[str]) -> List[str]:
     one of `sources` as a dependency (names relative to `directory`)."""
     found: List[str] = []
     wanted = set(sources)
-    for folder, dirs, files in os.walk(directory):
-        dirs[:] = sorted(name for name in dirs if not name.startswith(".")
-                         and not os.path.isfile(os.path.join(folder, name, "pyvenv.cfg")))
-        for name in sorted(files):
-            path = os.path.join(folder, name)
-            if not name.endswith(".d") or os.path.islink(path) or \
-                    os.path.getsize(path) > DEPFILE_LIMIT:
-                continue
-            with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-                text = handle.read().replace("\\\n", " ")
-            for line in text.splitlines():
-                targets, colon, deps = line.partition(": ")
-                if colon and any(os.path.normpath(os.path.join(directory, dep)) in wanted
-                                 for dep in deps.split()):
-                    found += [os.path.normpath(os.path.join(directory, target))
-                              for target in targets.split() if target]
+    for path, st in walk_tree(directory, [], builds_only=True):
+        if not path.endswith(".d") or not stat.S_ISREG(st.st_mode) or \
+                st.st_size > DEPFILE_LIMIT:
+            continue
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            text = handle.read().replace("\\\n", " ")
+        for line in text.splitlines():
+            targets, colon, deps = line.partition(": ")
+            if colon and any(os.path.normpath(os.path.join(directory, dep)) in wanted
+                             for dep in deps.split()):
+                found += [os.path.normpath(os.path.join(directory, target))
+                          for target in targets.split() if target]
     return found
 
 
@@ -2330,20 +2352,10 @@ def ninja_query(argv: List[str], directory: str, copy: str,
 def product_files(cwd: str, excluded: List[str]) -> List[str]:
     """Build products already in the build directory: object files, libraries
     and depfiles anywhere, and every file under its `build/` folder (where
-    setuptools keeps its own).  Hidden folders and virtual environments are
-    not build products."""
-    found = []
-    for directory, dirs, files in os.walk(cwd):
-        dirs[:] = sorted(name for name in dirs if not name.startswith(".")
-                         and not os.path.isfile(os.path.join(directory, name, "pyvenv.cfg"))
-                         and not any(is_within(os.path.join(directory, name), path)
-                                     for path in excluded))
-        for name in sorted(files):
-            path = os.path.join(directory, name)
-            if (PRODUCT_RE.search(name) or is_within(path, os.path.join(cwd, "build"))) and \
-                    not any(is_within(path, other) for other in excluded):
-                found.append(path)
-    return found
+    setuptools keeps its own)."""
+    return [path for path, st in walk_tree(cwd, excluded, builds_only=True)
+            if not stat.S_ISDIR(st.st_mode) and (PRODUCT_RE.search(os.path.basename(path))
+                                                  or is_within(path, os.path.join(cwd, "build")))]
 
 
 def side_products(target: str) -> List[str]:
@@ -2413,9 +2425,7 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
     for path in protect:
         files = [path]
         if os.path.isdir(path):
-            files = sorted(os.path.join(directory, name) for directory, _, names in os.walk(path)
-                           for name in names if os.path.isfile(os.path.join(directory, name))
-                           and not os.path.islink(os.path.join(directory, name)))
+            files = sorted(name for name, st in walk_tree(path, []) if stat.S_ISREG(st.st_mode))
         for name in files:
             if name not in excluded and name not in taken:
                 chosen.append((name, "--protect"))
@@ -2505,28 +2515,25 @@ def snapshot_cache(cache: str, archive: str) -> None:
     write_point(archive)
     tmp = temp_beside(archive)
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for directory, dirs, files in os.walk(cache):
-            dirs.sort()
-            for name in [""] + sorted(dirs + files) if directory == cache else sorted(dirs + files):
-                path = os.path.join(directory, name) if name else directory
-                arcname = os.path.relpath(path, cache)
-                info = tar.gettarinfo(path, arcname)
-                # gettarinfo refuses only sockets; a fifo or device would be
-                # archived, and then refused at revert (checked_members).
-                if info is None or not (info.isreg() or info.isdir() or info.issym()
-                                        or info.islnk()):
-                    raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
-                                       "directory nor a symlink; clear it before the overlay"
-                                       % (cache, path))
-                info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
-                if not info.issym():
-                    info.pax_headers.update((XATTR_KEY + name, value)
-                                            for name, value in read_xattrs(path).items())
-                if info.isreg():
-                    with open(path, "rb") as handle:
-                        tar.addfile(info, handle)
-                else:
-                    tar.addfile(info)
+        for path in [cache] + [path for path, _ in walk_tree(cache, [])]:
+            arcname = os.path.relpath(path, cache)
+            info = tar.gettarinfo(path, arcname)
+            # gettarinfo refuses only sockets; a fifo or device would be
+            # archived, and then refused at revert (checked_members).
+            if info is None or not (info.isreg() or info.isdir() or info.issym()
+                                    or info.islnk()):
+                raise OverlayError("E106", "cache %s holds %s, which is neither a file, a "
+                                   "directory nor a symlink; clear it before the overlay"
+                                   % (cache, path))
+            info.pax_headers = {MTIME_KEY: str(os.lstat(path).st_mtime_ns)}
+            if not info.issym():
+                info.pax_headers.update((XATTR_KEY + name, value)
+                                        for name, value in read_xattrs(path).items())
+            if info.isreg():
+                with open(path, "rb") as handle:
+                    tar.addfile(info, handle)
+            else:
+                tar.addfile(info)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, archive)
@@ -2678,8 +2685,8 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
     wanted = [("--source", path) for path in sources] + [
         ("--artifact", path) for path in artifacts] + [
         ("--invalidate-cache", path) for path in caches]
-    for other, manifest in applied_states(skip=state.root):
-        for entry in (manifest or {}).get("entries", []):
+    for other, journal in applied_states(skip=state.root):
+        for entry in (journal or {}).get("entries", []):
             held = [record["path"] for record in entry["sources"] + entry["artifacts"]] + [
                 cache["path"] for cache in entry["caches"]]
             for option, path in wanted:
@@ -2735,21 +2742,18 @@ def linked_from_outside(cache: str) -> Optional[Tuple[str, int, int]]:
     inode, which names outside the cache no longer share; links within the
     cache come back (the snapshot holds them)."""
     found: Dict[Tuple[int, int], list] = {}
-    for directory, _dirs, files in os.walk(cache):
-        for name in files:
-            path = os.path.join(directory, name)
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                found.setdefault((st.st_dev, st.st_ino), [path, st.st_nlink, 0])[2] += 1
+    for path, st in walk_tree(cache, []):
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            found.setdefault((st.st_dev, st.st_ino), [path, st.st_nlink, 0])[2] += 1
     for path, links, inside in sorted(found.values()):
         if inside < links:
             return path, links, links - inside
     return None
 
 
-def validate_native_plan(state: State, manifest: dict, sources: List[str], artifacts: List[str],
+def validate_native_plan(state: State, journal: dict, sources: List[str], artifacts: List[str],
                          caches: List[str], build_cwd: Optional[str]) -> None:
-    overlaid = {record["path"] for entry in manifest["entries"] for record in entry["sources"]}
+    overlaid = {record["path"] for entry in journal["entries"] for record in entry["sources"]}
     state_real = os.path.realpath(state.root)
     for source in sources:
         if source in overlaid:
@@ -2826,132 +2830,159 @@ def track_parents(entry: dict, paths: List[str]) -> None:
             entry["dirs"][parent] = os.stat(parent).st_mtime_ns
 
 
-def changes_paths(changes: List[Tuple[str, Optional[bytes]]]) -> List[str]:
-    return [path for path, _ in changes]
+class NativePlan:
+    """What add-native or apply will do to the install, worked out before
+    anything changes: the sources to patch (`changes`: each with its patched
+    content, None to delete it; `modes`: a new mode for some), the artifacts
+    and build products to back up, the caches to set aside, the build to run.
+    --dry-run checks and prints it; the real run journals and carries out
+    this same plan."""
 
+    def __init__(self, state: State, args: argparse.Namespace,
+                 changes: List[Tuple[str, Optional[bytes]]], artifacts: List[str],
+                 caches: List[str], build: Optional[dict], modes: Optional[Dict[str, int]] = None,
+                 modules: Optional[List[Tuple[str, str]]] = None):
+        self.state = state
+        self.changes = changes
+        self.sources = [path for path, _ in changes]
+        self.modes = modes or {}
+        self.modules = modules or []  # (name, origin) of the Python part
+        self.artifacts, self.caches = artifacts, caches
+        self.build = build if changes else None  # a patch of .py files alone builds nothing
+        self.no_build = args.no_build
+        self.protect, self.no_protect = args.protect, args.no_protect
+        # make -n -W evaluates the Makefile's $(shell ...) (only recipes are
+        # not run): make is asked only once the entry is journaled, and never
+        # by --dry-run.
+        self.asks_make = bool(changes) and not self.no_protect and asks_make(self.build)
+        # Worked out now, so that the budget is refused before anything changes.
+        self.protected = self.build_products(ask_make=False) if changes else []
 
-def begin_native_entry(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
-                       artifacts: List[str], caches: List[str], build: Optional[dict],
-                       protected: Callable[[], List[Tuple[str, str]]], command: str,
-                       modes: Dict[str, int]) -> dict:
-    """Steps 1-3: make the backups and the journal entry durable, then set the
-    caches aside and swap the sources.  `changes` maps each source to its
-    patched content (None: delete it), `modes` some of them to a new mode.  A crash before the entry is journaled
-    leaves only unreferenced backups; the install is untouched until then.
-    `protected` gives the build products to back up besides: it may ask make
-    for its plan, which runs the Makefile's $(shell ...), so it is called once
-    the entry is journaled (what that writes is then the entry's to undo)."""
-    entry_id = manifest["next_id"]
-    directory = "backups/%d" % entry_id
-    entry = {"id": entry_id, "command": command, "state": "applying",
-             "sources": [], "artifacts": [], "caches": [], "build": build,
-             "scan": None, "untracked": None, "protected": []}
-    for number, (source, patched) in enumerate(changes):
-        record = record_file(source, "source")
-        record["patched_sha256"] = hashlib.sha256(patched).hexdigest() if patched is not None else None
-        if record["present"]:
-            record["backup"] = "%s/s%d" % (directory, number)
-        entry["sources"].append(record)
-    for number, artifact in enumerate(artifacts):
-        record = record_file(artifact, "artifact")
-        cache = next((cache for cache in caches if is_within(artifact, cache)), None)
-        if cache is not None:
-            # Set aside with its cache and put back with it (a JIT's build
-            # directory): the rebuilt one is compared with the copy there.
-            record = {"path": artifact, "role": "artifact", "present": False, "backup": None,
-                      "in_cache": cache}
-        elif record["present"]:
-            record["backup"] = "%s/a%d" % (directory, number)
-        entry["artifacts"].append(record)
-    backup_mount = mount_of(state.root)
-    for number, cache in enumerate(caches):
-        present = os.path.isdir(cache)
-        same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
-        # What the cache holds is read for a tar snapshot only: a revert killed after
-        # the snapshot's extraction finds the cache back by it, whereas a renamed
-        # cache that is back has left no backup (rebuilt_since_apply).
-        entry["caches"].append({"path": cache, "present": present,
-                                "digest": None if same_fs else tree_digest(cache),
-                                "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
-                                "method": "rename" if same_fs or not present else "tar",
-                                "backup": "%s/c%d%s" % (directory, number,
-                                                        "" if same_fs or not present else ".tar")})
-    entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
-    entry["dirs"] = {}
-    track_parents(entry, changes_paths(changes) + artifacts + caches)
-    for tree in build_trees(build):
-        if os.path.isdir(tree):
-            entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
+    def build_products(self, ask_make: bool = True) -> List[Tuple[str, str]]:
+        """[(path, why)] of the existing build products to back up."""
+        return protected_paths(self.state, self.sources, self.artifacts, self.caches, self.build,
+                               self.protect, self.no_protect, ask_make)
 
-    backup_dir = os.path.join(state.root, directory)
-    remove_path(backup_dir)
-    makedirs_durable(backup_dir)
-    scanned: Dict[str, list] = {}
-    if build is not None:
-        try:
-            scanned = write_prebuild_scan(state, entry)
-        except OverlayError:
-            remove_path(backup_dir)
-            raise
-    for record in entry_files(entry):
-        record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
-        if record["present"] and record["links"] > 1 and record["role"] == "source":
-            # The patched file replaces the name; the original inode, shared
-            # with its other names, becomes the backup and comes back.
-            mutation_point()
-            os.link(record["path"], state.state_path(record["backup"]), follow_symlinks=False)
-            record["sha256"] = file_sha256(record["path"])
-            record["identity"] = file_identity(record["path"])
-        elif record["present"]:
-            record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
-            record["identity"] = file_identity(record["path"])
-    # Before make is asked for its plan: its $(shell ...) may write one of them.
-    back_up_originals(state, manifest, entry, scanned)
-    for cache in entry["caches"]:
-        if cache["present"] and cache["method"] == "tar":
-            snapshot_cache(cache["path"], state.state_path(cache["backup"]))
-    write_jit_scan(state, entry, jit_directories(artifacts, build))
-    fsync_dir(backup_dir)
-    manifest["next_id"] = entry_id + 1
-    manifest["entries"].append(entry)
-    state.save(manifest)
-    try:
-        products = protected()
-    except OverlayError:  # over the budget: undo what asking make did, and the entry
-        revert_entry(state, manifest, entry, keep_untracked=False)
-        raise
-    if products:
-        track_parents(entry, [path for path, _ in products])
-        copied = {record["path"]: record for record in entry["protected"]}
-        for number, (path, why) in enumerate(products):
-            if path in copied:  # a small file the plan names too: a build product, kept
-                copied[path].update(role="build product", why=why)
+    def products(self) -> List[Tuple[str, str]]:
+        """The build products to back up, asked for once the entry is
+        journaled (what make's plan writes is then the entry's to undo)."""
+        return self.build_products() if self.asks_make else self.protected
+
+    def check_claims(self) -> None:
+        check_claims(self.state, self.sources, self.artifacts, self.caches)
+
+    def check(self, journal: dict) -> None:
+        """Refuse what the journal or the paths rule out, before anything changes."""
+        validate_native_plan(self.state, journal, self.sources, self.artifacts, self.caches,
+                             self.build and self.build["cwd"])
+
+    def dry_run(self) -> int:
+        """Check the plan as the real run would and print it; change nothing."""
+        state = self.state
+        self.check_claims()
+        self.check(state.load() if state.exists() else empty_journal())
+        for tree in build_trees(self.build):
+            if scan_tree(tree, [state.root])[1]:
+                raise scan_limit_reached(tree)
+        print("plan (--dry-run: nothing was changed):")
+        for path, patched in self.changes:
+            print("  %-10s %s" % ("delete" if patched is None else
+                                  "patch" if os.path.lexists(path) else "create", path))
+        for name, origin in self.modules:
+            print("  %-10s module %s from %s (Python overlay)" % ("overlay", name, origin))
+        for path in self.sources:
+            if os.path.lexists(path):
+                print("  %-10s %s (source)" % ("back up", path))
+        for path in self.artifacts:
+            cache = next((cache for cache in self.caches if is_within(path, cache)), None)
+            if cache is not None:
+                print("  %-10s %s (artifact in the cache %s: compared with its set-aside copy)"
+                      % ("compare", path, cache))
                 continue
-            record = record_file(path, "build product")
-            record["why"] = why
-            record["backup"] = "%s/p%d" % (directory, number)
-            record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
-            record["identity"] = file_identity(path)
-            entry["protected"].append(record)
-        fsync_dir(backup_dir)
-        state.save(manifest)
+            print("  %-10s %s (artifact%s)" % ("back up", path,
+                                               "" if os.path.lexists(path) else ", absent now"))
+        for path, why in self.protected:
+            print("  %-10s %s (build product, %s)" % ("back up", path, why))
+        if self.asks_make:
+            print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
+                  "evaluates the Makefile's $(shell ...) to answer; a real run asks once its "
+                  "journal is written)" % "back up")
+        if self.build is not None:
+            print("  %-10s the small files of %s that are no compiled output (up to %d KiB each, "
+                  "%d files and %d MiB in all; dropped after the build for each file it left "
+                  "alone)" % ("back up", ", ".join(build_trees(self.build)),
+                              ORIGINAL_FILE_LIMIT >> 10, ORIGINAL_COUNT, ORIGINAL_BUDGET >> 20))
+        for path in self.caches:
+            print("  %-10s %s (cache%s)" % ("set aside", path,
+                                            "" if os.path.lexists(path) else ", absent now"))
+        if self.build is not None:
+            print("  %-10s %s (in %s)" % ("build", self.build["cmd"], self.build["cwd"]))
+        elif self.no_build and self.changes:
+            print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
+                  "then `%s verify-native`)" % ("build", tool_at(state)))
+        elif self.changes:
+            candidates = build_candidates(self.sources)
+            print("  %-10s none given; found near %s (suggestions, never run by themselves):"
+                  % ("build", self.sources[0] if len(self.sources) == 1 else "the sources"))
+            for option, why in candidates:
+                print("    %s  (%s)" % (option, why))
+            if not candidates:
+                print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
+        return 0
 
-    for cache in entry["caches"]:
-        if not cache["present"]:
-            continue
-        if cache["method"] == "rename":
-            durable_rename(cache["path"], state.state_path(cache["backup"]))
-        else:
-            remove_path(cache["path"])
-    for (source, patched), record in zip(changes, entry["sources"]):
-        if patched is None:
-            remove_file(source)
-        else:
-            put_file(source, {"mode": modes.get(source, record.get("mode", 0o644))}, data=patched)
-    if build is None:
-        entry["state"] = "applied"
-        state.save(manifest)
-    return entry
+    def run(self, journal: dict, command: str, python_update=None,
+            in_trial: bool = False) -> Optional["NativeEntry"]:
+        """Carry the plan out (with the Python part), rolling back if anything
+        fails before the build."""
+        state = self.state
+        entry = None
+        entry_id = journal["next_id"]
+        modules_before = set(journal["python"]["modules"])
+        try:
+            if self.changes:
+                with claims_locked():
+                    self.check_claims()
+                    entry = NativeEntry.apply(state, journal, self, command)
+                shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]
+                         if r["role"] != ORIGINAL]
+                count = len(shown)
+                if count > 5:  # a patched common header can reach hundreds of objects
+                    # A trial reverts before the user could run `status`.
+                    shown[4:] = ["and %d more%s" % (count - 4,
+                                                    "" if in_trial else " (`status` lists them)")]
+                if shown:
+                    print("backed up %d build product(s) the build may rewrite: %s"
+                          % (count, ", ".join(shown)))
+            if python_update is not None:
+                python_update()
+        except OSError as exc:
+            self.rollback(entry_id, modules_before, exc)
+        print("state: %s" % state.root, flush=True)
+        if entry is not None and self.build is not None:
+            entry.build()
+        return entry
+
+    def rollback(self, entry_id: int, modules_before: set, exc: OSError) -> None:
+        """Undo what this command did (the journal on disk says how far it got)."""
+        state = self.state
+        try:
+            journal = state.load()
+            modules = journal["python"]["modules"]
+            if set(modules) - modules_before:
+                for name in set(modules) - modules_before:
+                    del modules[name]
+                write_python_overlay(state, journal)
+                state.save(journal)
+            for entry in list(journal["entries"]):
+                if entry["id"] == entry_id:
+                    NativeEntry(state, journal, entry).revert()
+        except (OSError, OverlayError) as second:
+            raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
+                               "run `%s revert` once the cause is fixed"
+                               % (written(exc), exc.strerror, getattr(second, "strerror", second),
+                                  tool_at(state)))
+        raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause "
+                           "and run the command again" % (written(exc), exc.strerror))
 
 
 def scan_limit_reached(tree: str) -> OverlayError:
@@ -2985,7 +3016,7 @@ def write_prebuild_scan(state: State, entry: dict, key: str = "scan") -> Dict[st
     return before
 
 
-def back_up_originals(state: State, manifest: dict, entry: dict, scanned: Dict[str, list]) -> None:
+def back_up_originals(state: State, journal: dict, entry: dict, scanned: Dict[str, list]) -> None:
     """Copy the small pre-existing files of the build directory (`scanned`)
     into the entry's backups, before its build, so that revert gives back a
     version file the build rewrites or a file it deletes.  Nearest the build
@@ -2997,7 +3028,7 @@ def back_up_originals(state: State, manifest: dict, entry: dict, scanned: Dict[s
     what an entry of the state records already: an update's build must not
     take the rewrite of an earlier build for the original."""
     entry["protected"] = entry.get("protected") or []  # None in a journal of version 1.0
-    recorded = {record["path"] for one in manifest["entries"] + [entry]
+    recorded = {record["path"] for one in journal["entries"] + [entry]
                 for record in entry_files(one) + (one.get("untracked") or [])
                 + (one.get("earlier_untracked") or [])}
     total = count = 0
@@ -3039,6 +3070,9 @@ def write_jit_scan(state: State, entry: dict, directories: List[str]) -> None:
         return
     entry["jit"] = {"directories": directories, "scan": "backups/%d/jit-scan.json" % entry["id"]}
     durable_write(state.state_path(entry["jit"]["scan"]), json.dumps(found).encode())
+
+
+# ---------------------------------------------------------------- running a build
 
 
 def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) -> None:
@@ -3239,115 +3273,304 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
         for record in entry["sources"])
 
 
-def run_entry_build(state: State, manifest: dict, entry: dict) -> int:
-    """Steps 4-5: build, record status, artifact hashes and untracked products."""
-    build = entry["build"]
-    fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
-    ours = still_ours(manifest) + fresh
-    mutation_point()
-    print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
+# ---------------------------------------------------------------- a native entry's life
 
-    def started(pid: int) -> None:  # so that a revert after a crash can stop it
-        build["process"] = {"pid": pid, "start_time": process_start_time(pid),
-                            "host": host_name(), "since": time.strftime(
-                                "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        state.save(manifest)
 
-    try:
-        status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"), started)
-    except OSError:
-        if state_vanished(state):  # while the build started
+class NativeEntry:
+    """One native entry of the journal (`record`, a JSON object in it) and
+    the steps of its life, each journaled durably before the install
+    changes: apply (back up, journal, set the caches aside, swap the
+    sources in), build, update (swap a new patch in and build again),
+    revert.  Its state in the journal says how far it got."""
+
+    APPLYING = "applying"  # journaled, being applied or built: a crash here is rolled back
+    APPLIED = "applied"  # swapped in without a build (--no-build)
+    BUILT = "built"  # its build exited 0 and changed the artifacts
+    BUILD_FAILED = "build-failed"  # its build failed or timed out; the patch stays applied
+    BUILT_NOTHING = "build-changed-nothing"  # its build exited 0 but changed no artifact
+
+    def __init__(self, state: State, journal: dict, record: dict):
+        self.state, self.journal, self.record = state, journal, record
+
+    def enter(self, name: str) -> None:
+        """Move to the state `name`, journaled before what it names happens."""
+        self.record["state"] = name
+        self.state.save(self.journal)
+
+    @classmethod
+    def apply(cls, state: State, journal: dict, plan: NativePlan, command: str) -> "NativeEntry":
+        """Make the backups and the journal entry durable, then set the caches
+        aside and swap the sources.  A crash before the entry is journaled
+        leaves only unreferenced backups; the install is untouched until then.
+        The build products to back up besides are asked of the plan once the
+        entry is journaled (NativePlan.products)."""
+        changes, artifacts, caches, build = plan.changes, plan.artifacts, plan.caches, plan.build
+        entry_id = journal["next_id"]
+        directory = "backups/%d" % entry_id
+        entry = {"id": entry_id, "command": command, "state": cls.APPLYING,
+                 "sources": [], "artifacts": [], "caches": [], "build": build,
+                 "scan": None, "untracked": None, "protected": []}
+        for number, (source, patched) in enumerate(changes):
+            record = record_file(source, "source")
+            record["patched_sha256"] = hashlib.sha256(patched).hexdigest() \
+                if patched is not None else None
+            if record["present"]:
+                record["backup"] = "%s/s%d" % (directory, number)
+            entry["sources"].append(record)
+        for number, artifact in enumerate(artifacts):
+            record = record_file(artifact, "artifact")
+            cache = next((cache for cache in caches if is_within(artifact, cache)), None)
+            if cache is not None:
+                # Set aside with its cache and put back with it (a JIT's build
+                # directory): the rebuilt one is compared with the copy there.
+                record = {"path": artifact, "role": "artifact", "present": False, "backup": None,
+                          "in_cache": cache}
+            elif record["present"]:
+                record["backup"] = "%s/a%d" % (directory, number)
+            entry["artifacts"].append(record)
+        backup_mount = mount_of(state.root)
+        for number, cache in enumerate(caches):
+            present = os.path.isdir(cache)
+            same_fs = present and mount_of(cache) == backup_mount  # else a rename fails (EXDEV)
+            # What the cache holds is read for a tar snapshot only: a revert killed after
+            # the snapshot's extraction finds the cache back by it, whereas a renamed
+            # cache that is back has left no backup (rebuilt_since_apply).
+            entry["caches"].append({"path": cache, "present": present,
+                                    "digest": None if same_fs else tree_digest(cache),
+                                    "mtime_ns": os.stat(cache).st_mtime_ns if present else None,
+                                    "method": "rename" if same_fs or not present else "tar",
+                                    "backup": "%s/c%d%s" % (
+                                        directory, number,
+                                        "" if same_fs or not present else ".tar")})
+        entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
+        entry["dirs"] = {}
+        track_parents(entry, plan.sources + artifacts + caches)
+        for tree in build_trees(build):
+            if os.path.isdir(tree):
+                entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
+
+        backup_dir = os.path.join(state.root, directory)
+        remove_path(backup_dir)
+        makedirs_durable(backup_dir)
+        scanned: Dict[str, list] = {}
+        if build is not None:
+            try:
+                scanned = write_prebuild_scan(state, entry)
+            except OverlayError:
+                remove_path(backup_dir)
+                raise
+        for record in entry_files(entry):
+            record["sha256"] = file_sha256(record["path"]) if record.get("in_cache") else None
+            if record["present"] and record["links"] > 1 and record["role"] == "source":
+                # The patched file replaces the name; the original inode, shared
+                # with its other names, becomes the backup and comes back.
+                mutation_point()
+                os.link(record["path"], state.state_path(record["backup"]), follow_symlinks=False)
+                record["sha256"] = file_sha256(record["path"])
+                record["identity"] = file_identity(record["path"])
+            elif record["present"]:
+                record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
+                record["identity"] = file_identity(record["path"])
+        # Before make is asked for its plan: its $(shell ...) may write one of them.
+        back_up_originals(state, journal, entry, scanned)
+        for cache in entry["caches"]:
+            if cache["present"] and cache["method"] == "tar":
+                snapshot_cache(cache["path"], state.state_path(cache["backup"]))
+        write_jit_scan(state, entry, jit_directories(artifacts, build))
+        fsync_dir(backup_dir)
+        journal["next_id"] = entry_id + 1
+        journal["entries"].append(entry)
+        state.save(journal)
+        try:
+            products = plan.products()
+        except OverlayError:  # over the budget: undo what asking make did, and the entry
+            cls(state, journal, entry).revert()
+            raise
+        if products:
+            track_parents(entry, [path for path, _ in products])
+            copied = {record["path"]: record for record in entry["protected"]}
+            for number, (path, why) in enumerate(products):
+                if path in copied:  # a small file the plan names too: a build product, kept
+                    copied[path].update(role="build product", why=why)
+                    continue
+                record = record_file(path, "build product")
+                record["why"] = why
+                record["backup"] = "%s/p%d" % (directory, number)
+                record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
+                record["identity"] = file_identity(path)
+                entry["protected"].append(record)
+            fsync_dir(backup_dir)
+            state.save(journal)
+
+        for cache in entry["caches"]:
+            if not cache["present"]:
+                continue
+            if cache["method"] == "rename":
+                durable_rename(cache["path"], state.state_path(cache["backup"]))
+            else:
+                remove_path(cache["path"])
+        for (source, patched), record in zip(changes, entry["sources"]):
+            if patched is None:
+                remove_file(source)
+            else:
+                put_file(source, {"mode": plan.modes.get(source, record.get("mode", 0o644))},
+                         data=patched)
+        applied = cls(state, journal, entry)
+        if build is None:
+            applied.enter(cls.APPLIED)
+        return applied
+
+
+    def build(self) -> int:
+        """Build, then record its status, the artifacts' hashes and what the
+        build made; the entry is then BUILT, BUILD_FAILED or BUILT_NOTHING."""
+        state, journal, entry = self.state, self.journal, self.record
+        build = entry["build"]
+        fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
+        ours = still_ours(journal) + fresh
+        mutation_point()
+        print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
+
+        def started(pid: int) -> None:  # so that a revert after a crash can stop it
+            build["process"] = {"pid": pid, "start_time": process_start_time(pid),
+                                "host": host_name(), "since": time.strftime(
+                                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            state.save(journal)
+
+        try:
+            status, seconds = stream_build(build["cmd"], build["cwd"], build.get("timeout"),
+                                           started)
+        except OSError:
+            if state_vanished(state):  # while the build started
+                raise build_deleted_state(state, entry)
+            raise
+        if state_vanished(state):
             raise build_deleted_state(state, entry)
-        raise
-    if state_vanished(state):
-        raise build_deleted_state(state, entry)
-    build.pop("process", None)
-    build["rc"], build["seconds"] = status, round(seconds, 3)
-    for record in entry["artifacts"]:
-        identity = content_identity(record["path"])
-        unchanged = record["present"] and os.path.isfile(record["path"]) and \
-            file_identity(record["path"]) == record["identity"]
-        record["built_sha256"] = record["sha256"] if unchanged else content_sha256(record["path"])
-        # settle_after_build keeps this hash rather than read the same bytes again
-        record["after_build_identity"], record["after_build_sha256"] = \
-            identity, record["built_sha256"]
-    settle_after_build(manifest)
-    entry["untracked"] = untracked_products(state, entry)
-    entry.pop("earlier_untracked", None)
-    # The copies of pre-existing files this build left alone are dropped
-    # (removed once the journal no longer names them); what it rewrote or
-    # deleted keeps its copy of the original.
-    untouched = {id(record) for record in fresh if record["role"] == ORIGINAL
-                 and seen(record["path"]) == record["identity"]}
-    dropped = [record["backup"] for record in fresh if id(record) in untouched]
-    entry["protected"] = [record for record in entry["protected"] if id(record) not in untouched]
-    ours = [record for record in ours if id(record) not in untouched]
-    # What the build left, to be restored or removed at revert only while it
-    # still is exactly that; what earlier builds of the entry left keeps its
-    # record (a file edited between two builds is no longer theirs).
-    for record in ours + [product for product in entry["untracked"]
-                          if product["kind"] != "d" and "seen" not in product]:
-        record["seen"] = seen(record["path"])
-        if record.get("role") == ORIGINAL:  # small: its content proves it too
-            record["built_sha256"] = file_sha256(record["path"])
-    entry["links_seen"] = changed_links(state, entry)
-    entry["state"] = "built" if status == 0 else "build-failed"
-    noop = status == 0 and entry["artifacts"] and all(
-        record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
-    if noop:
-        entry["state"] = "build-changed-nothing"
-    state.save(manifest)
-    for backup in dropped:
-        os.unlink(state.state_path(backup))
-    if dropped:
-        fsync_dir(state.state_path("backups/%d" % entry["id"]))
-    originals = [record["path"] for record in fresh
-                 if record["role"] == ORIGINAL and id(record) not in untouched]
-    if originals:
-        print("the build rewrote or deleted %s; revert puts back the copies taken before it"
-              % ", ".join(originals))
-    created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
-    if created:
-        print("warning: the build created files that no --artifact or --invalidate-cache covers "
-              "(revert removes them): %s" % ", ".join(created), file=sys.stderr)
-    rewritten = [path for path, why in inexact_products(entry["untracked"]) if why == "rewritten"]
-    deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
-    if deleted:
-        print("warning: the build deleted files that nothing backed up, so revert cannot give "
-              "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
-              file=sys.stderr)
-    compiled = [path for path in rewritten if compiled_output(path)]
-    for paths, fate in ((compiled, "it removes them, the next build makes them again"),
-                        ([path for path in rewritten if path not in compiled],
-                         "it leaves them as the build wrote them")):
-        if paths:
-            print("warning: the build rewrote files that nothing backed up, so revert cannot "
-                  "give them back byte-exact (%s): %s; next time pass %s"
-                  % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
-    here = tool_at(state)
-    if status is None:
-        raise OverlayError("E402", "the build command timed out after %.1fs and was killed; the "
-                           "patch stays applied: run `%s update --timeout SECONDS` to build again "
-                           "with more time, or `%s revert`" % (seconds, here, here))
-    if status != 0:
-        raise OverlayError("E401", "the build command exited with status %d after %.1fs; the patch "
-                           "stays applied for inspection: fix the patch or the source, then run "
-                           "`%s update`, or run `%s revert`" % (status, seconds, here, here))
-    if noop:
-        what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not in "
-                "them; it stays applied for inspection: " % (seconds, ", ".join(
-                    record["path"] for record in entry["artifacts"])))
-        if headers_build_ext_skips(build["cmd"], entry):
-            raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension when "
-                               "one of its sources changed, not for a header it includes: run "
-                               "`%s revert`, then apply again with --build-cmd %s"
-                               % (here, shell_quote(build["cmd"] + " --force")))
-        raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
-                           "build script let pass), fix the patch or the source and run `%s "
-                           "update`; else check --build-cmd, --build-cwd and --invalidate-cache, "
-                           "then run `%s revert`" % (here, here))
-    print("build finished in %.1fs" % seconds)
-    return 0
+        build.pop("process", None)
+        build["rc"], build["seconds"] = status, round(seconds, 3)
+        for record in entry["artifacts"]:
+            identity = content_identity(record["path"])
+            unchanged = record["present"] and os.path.isfile(record["path"]) and \
+                file_identity(record["path"]) == record["identity"]
+            record["built_sha256"] = record["sha256"] if unchanged else \
+                content_sha256(record["path"])
+            # settle_after_build keeps this hash rather than read the same bytes again
+            record["after_build_identity"], record["after_build_sha256"] = \
+                identity, record["built_sha256"]
+        settle_after_build(journal)
+        entry["untracked"] = untracked_products(state, entry)
+        entry.pop("earlier_untracked", None)
+        # The copies of pre-existing files this build left alone are dropped
+        # (removed once the journal no longer names them); what it rewrote or
+        # deleted keeps its copy of the original.
+        untouched = {id(record) for record in fresh if record["role"] == ORIGINAL
+                     and seen(record["path"]) == record["identity"]}
+        dropped = [record["backup"] for record in fresh if id(record) in untouched]
+        entry["protected"] = [record for record in entry["protected"]
+                              if id(record) not in untouched]
+        ours = [record for record in ours if id(record) not in untouched]
+        # What the build left, to be restored or removed at revert only while it
+        # still is exactly that; what earlier builds of the entry left keeps its
+        # record (a file edited between two builds is no longer theirs).
+        for record in ours + [product for product in entry["untracked"]
+                              if product["kind"] != "d" and "seen" not in product]:
+            record["seen"] = seen(record["path"])
+            if record.get("role") == ORIGINAL:  # small: its content proves it too
+                record["built_sha256"] = file_sha256(record["path"])
+        entry["links_seen"] = changed_links(state, entry)
+        noop = status == 0 and entry["artifacts"] and all(
+            record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
+        self.enter(self.BUILT_NOTHING if noop else self.BUILT if status == 0 else self.BUILD_FAILED)
+        for backup in dropped:
+            os.unlink(state.state_path(backup))
+        if dropped:
+            fsync_dir(state.state_path("backups/%d" % entry["id"]))
+        originals = [record["path"] for record in fresh
+                     if record["role"] == ORIGINAL and id(record) not in untouched]
+        if originals:
+            print("the build rewrote or deleted %s; revert puts back the copies taken before it"
+                  % ", ".join(originals))
+        created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
+        if created:
+            print("warning: the build created files that no --artifact or --invalidate-cache "
+                  "covers (revert removes them): %s" % ", ".join(created), file=sys.stderr)
+        rewritten = [path for path, why in inexact_products(entry["untracked"])
+                     if why == "rewritten"]
+        deleted = [path for path, why in inexact_products(entry["untracked"]) if why == "deleted"]
+        if deleted:
+            print("warning: the build deleted files that nothing backed up, so revert cannot give "
+                  "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
+                  file=sys.stderr)
+        compiled = [path for path in rewritten if compiled_output(path)]
+        for paths, fate in ((compiled, "it removes them, the next build makes them again"),
+                            ([path for path in rewritten if path not in compiled],
+                             "it leaves them as the build wrote them")):
+            if paths:
+                print("warning: the build rewrote files that nothing backed up, so revert cannot "
+                      "give them back byte-exact (%s): %s; next time pass %s"
+                      % (fate, ", ".join(paths), protect_flags(paths)), file=sys.stderr)
+        here = tool_at(state)
+        if status is None:
+            raise OverlayError("E402", "the build command timed out after %.1fs and was killed; "
+                               "the patch stays applied: run `%s update --timeout SECONDS` to "
+                               "build again with more time, or `%s revert`" % (seconds, here, here))
+        if status != 0:
+            raise OverlayError("E401", "the build command exited with status %d after %.1fs; the "
+                               "patch stays applied for inspection: fix the patch or the source, "
+                               "then run `%s update`, or run `%s revert`"
+                               % (status, seconds, here, here))
+        if noop:
+            what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not "
+                    "in them; it stays applied for inspection: " % (seconds, ", ".join(
+                        record["path"] for record in entry["artifacts"])))
+            if headers_build_ext_skips(build["cmd"], entry):
+                raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension "
+                                   "when one of its sources changed, not for a header it "
+                                   "includes: run `%s revert`, then apply again with --build-cmd %s"
+                                   % (here, shell_quote(build["cmd"] + " --force")))
+            raise OverlayError("E404", what + "if the build skipped it (a compile error that the "
+                               "build script let pass), fix the patch or the source and run `%s "
+                               "update`; else check --build-cmd, --build-cwd and "
+                               "--invalidate-cache, then run `%s revert`" % (here, here))
+        print("build finished in %.1fs" % seconds)
+        return 0
+
+    def update(self, contents: Dict[str, bytes], timeout: Optional[float]) -> None:
+        """Swap the new patched `contents` in and build again.  This build is
+        compared with the tree just before it: what was made or written since
+        the last build (results, notes, another entry's products) is not this
+        entry's."""
+        state, entry = self.state, self.record
+        for record in entry["sources"]:
+            if record["path"] not in contents:
+                continue
+            # Journaled before the write; until it lands, the old patched
+            # content is as much ours as the new one.
+            record["previous_patched_sha256"] = record.get("patched_sha256")
+            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
+        if entry["build"] is not None:
+            entry["earlier_untracked"] = untracked_products(state, entry)
+            entry["builds"] = entry.get("builds", 1) + 1
+            back_up_originals(state, self.journal, entry,
+                              write_prebuild_scan(state, entry, "build_scan"))
+            entry["untracked"] = None
+            entry.pop("links_seen", None)
+            if timeout is not None:
+                entry["build"]["timeout"] = timeout
+        self.enter(self.APPLYING if entry["build"] is not None else entry["state"])
+        for record in entry["sources"]:
+            path = record["path"]
+            if path in contents and file_sha256(path) != record["patched_sha256"]:
+                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
+        print("state: %s" % state.root, flush=True)
+        if entry["build"] is not None:
+            self.build()
+
+    def revert(self, keep_untracked: bool = False,
+               force: bool = False) -> List[Tuple[str, str]]:
+        """Give back what the entry changed and drop it from the journal (it
+        may be half applied); revert_entry says how."""
+        return revert_entry(self.state, self.journal, self.record, keep_untracked, force)
 
 
 # ---------------------------------------------------------------- revert
@@ -3377,11 +3600,11 @@ def tree_digest(path: str) -> Optional[str]:
         "utf-8", "surrogateescape")).hexdigest()
 
 
-def settle_after_build(manifest: dict) -> None:
+def settle_after_build(journal: dict) -> None:
     """Record what every artifact and cache of the state's built entries
     holds after one of its builds or reverts (a later entry's build may
     rewrite an earlier entry's; reverting it puts the earlier build's back)."""
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         if entry["build"] is None:
             continue
         for record in entry["artifacts"]:
@@ -3399,7 +3622,7 @@ def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
     build of this state that was interrupted (an apply or update killed in
     it) they hold what that build wrote, which no hash records: ours."""
     changed = []
-    if any(entry["state"] == "applying" for entry in entries):
+    if any(entry["state"] == NativeEntry.APPLYING for entry in entries):
         return changed
     for entry in entries:
         for record in entry["artifacts"]:
@@ -3563,11 +3786,11 @@ def inexact_products(products: List[dict]) -> List[Tuple[str, str]]:
             for product in products if not product["created"] and product["kind"] != "d"]
 
 
-def still_ours(manifest: dict) -> List[dict]:
+def still_ours(journal: dict) -> List[dict]:
     """The build products of the state's entries that are still what its
     builds and reverts left: what the next build or revert leaves there is
     ours too (one changed since, by hand or an upgrade, stays someone's)."""
-    return [record for entry in manifest["entries"]
+    return [record for entry in journal["entries"]
             for record in (entry.get("protected") or []) + (entry.get("untracked") or [])
             if record.get("kind") != "d" and "seen" in record and unchanged_since_build(record)]
 
@@ -3579,7 +3802,7 @@ def unchanged_since_build(record: dict) -> bool:
     return "seen" not in record or seen(record["path"]) == record["seen"]
 
 
-def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool,
+def revert_entry(state: State, journal: dict, entry: dict, keep_untracked: bool,
                  force: bool = False) -> List[Tuple[str, str]]:
     """Restore one entry (idempotent: safe to run again after a crash); returns
     the files that are not back byte-exact, as (path, why): rewritten or
@@ -3589,7 +3812,7 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     found = untracked_products(state, entry)
     products = [] if keep_untracked else found
     mine = {id(record) for record in entry_files(entry) + found}
-    ours = [record for record in still_ours(manifest) if id(record) not in mine]
+    ours = [record for record in still_ours(journal) if id(record) not in mine]
     kept = []
     if not force and entry.get("untracked") is not None:  # the entry's last build completed
         # Only what is still exactly what the build left is the build's:
@@ -3668,17 +3891,17 @@ def revert_entry(state: State, manifest: dict, entry: dict, keep_untracked: bool
     for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
         if os.path.isdir(directory) and not os.path.islink(directory):
             os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
-    manifest["entries"].remove(entry)
-    if len(manifest["entries"]) > 0:
-        settle_after_build(manifest)
+    journal["entries"].remove(entry)
+    if len(journal["entries"]) > 0:
+        settle_after_build(journal)
     else:
-        manifest["next_id"] = 1  # numbers start again once nothing is applied
-    state.save(manifest)
+        journal["next_id"] = 1  # numbers start again once nothing is applied
+    state.save(journal)
     remove_path(os.path.join(state.root, "backups", str(entry["id"])))
     if ours:  # after the backups went: a file restored as a link to one had its ctime set
         for record in ours:
             record["seen"] = seen(record["path"])
-        state.save(manifest)
+        state.save(journal)
     return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
 
 
@@ -3713,7 +3936,7 @@ def remove_jit_leftovers(state: State, entry: dict) -> None:
               "no build product" % (entry["id"], ", ".join(kept)), file=sys.stderr)
 
 
-def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
+def remove_orphaned_backups(state: State, journal: dict) -> List[str]:
     """Remove the backup folders no journal entry names: a revert killed
     between its journal write and their removal leaves them (as does a run
     killed before its entry was journaled, when nothing was changed yet)."""
@@ -3721,23 +3944,23 @@ def remove_orphaned_backups(state: State, manifest: dict) -> List[str]:
         names = os.listdir(state.backups)
     except FileNotFoundError:
         return []
-    named = {str(entry["id"]) for entry in manifest["entries"]}
+    named = {str(entry["id"]) for entry in journal["entries"]}
     orphans = sorted((name for name in names if name not in named), key=lambda n: (len(n), n))
     for name in orphans:
         remove_path(os.path.join(state.backups, name))
-    if not manifest["entries"]:
+    if not journal["entries"]:
         remove_path(state.backups)
     return orphans
 
 
-def revert_all(state: State, manifest: dict, force: bool,
+def revert_all(state: State, journal: dict, force: bool,
                keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Switch the Python overlay off and restore every native entry in reverse
     order; returns what was done and the files not back byte-exact."""
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         check_entry_restorable(state, entry)
     if not force:
-        for entry in manifest["entries"]:
+        for entry in journal["entries"]:
             changed = source_drift(entry)
             if changed:  # --force on the older of two overlays would bring the newer back later
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
@@ -3745,7 +3968,7 @@ def revert_all(state: State, manifest: dict, force: bool,
                                    "if another overlay patched it since, revert that one first; "
                                    "else run `%s revert --force` to restore the original "
                                    "anyway" % (changed[0], tool_at(state)))
-        changed = rebuilt_since_apply(state, manifest["entries"])
+        changed = rebuilt_since_apply(state, journal["entries"])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
@@ -3756,38 +3979,38 @@ def revert_all(state: State, manifest: dict, force: bool,
     done: List[str] = []
     inexact: List[str] = []
     # A revert killed halfway is a crash whoever the owner is (interrupted()).
-    manifest["reverting"] = True
-    state.save(manifest)
-    python = manifest["python"]
+    journal["reverting"] = True
+    state.save(journal)
+    python = journal["python"]
     if python["modules"] or python["rebinds"]:
         done.append("Python overlay switched off (%d module(s), %d rebind(s))"
                     % (len(python["modules"]), len(python["rebinds"])))
         # The served configuration goes first: a crash in between leaves the
         # journal still listing the modules, so the next revert finishes it.
-        manifest["python"] = {"modules": {}, "rebinds": {}}
-        write_python_overlay(state, manifest)
-        state.save(manifest)
+        journal["python"] = {"modules": {}, "rebinds": {}}
+        write_python_overlay(state, journal)
+        state.save(journal)
     remove_path(state.python)
     # What revert gives back is what lies in these directories (and each
     # file named): a build's write elsewhere, an install step's copy into a
     # prefix, is not seen, and is said not to be.
-    trees = {path for entry in manifest["entries"]
+    trees = {path for entry in journal["entries"]
              for path in build_trees(entry["build"]) + [cache["path"] for cache in entry["caches"]]}
     checked = sorted([tree for tree in trees if not any(tree != other and is_within(tree, other)
                                                         for other in trees)]
-                     + sorted({record["path"] for entry in manifest["entries"]
+                     + sorted({record["path"] for entry in journal["entries"]
                                for record in entry_files(entry)
                                if not any(is_within(record["path"], tree) for tree in trees)}))
-    for entry in reversed(list(manifest["entries"])):
-        inexact += revert_entry(state, manifest, entry, keep_untracked, force)
+    for entry in reversed(list(journal["entries"])):
+        inexact += NativeEntry(state, journal, entry).revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry["id"], ", ".join(record["path"] for record in entry["sources"])))
     if checked:
         done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
                     "are not, unless named with --artifact"
                     % (", ".join(checked), "it" if len(checked) == 1 else "them"))
-    del manifest["reverting"]
-    state.save(manifest)
+    del journal["reverting"]
+    state.save(journal)
     remove_path(state.backups)
     return done, inexact
 
@@ -3863,7 +4086,7 @@ def open_state(args: argparse.Namespace) -> State:
 
 
 class Locked:
-    """`with Locked(state, 'cmd') as manifest:` creates, locks and loads the state."""
+    """`with Locked(state, 'cmd') as journal:` creates, locks and loads the state."""
 
     def __init__(self, state: State, command: str, create: bool = True):
         self.state = state
@@ -3881,13 +4104,13 @@ class Locked:
             raise
         try:
             if self.create and not self.state.exists():
-                self.state.save(empty_manifest())
-            manifest = self.state.load()
-            if not anything_applied(manifest):  # a revert killed after its last entry
-                manifest.pop("reverting", None)
+                self.state.save(empty_journal())
+            journal = self.state.load()
+            if not anything_applied(journal):  # a revert killed after its last entry
+                journal.pop("reverting", None)
             if self.create:  # after the journal exists, before the install changes
                 register(self.state)
-            return manifest
+            return journal
         except OSError as exc:
             self.state.unlock()
             if self.create:
@@ -3921,11 +4144,11 @@ def unwritable_state(state: State, exc: OSError) -> OverlayError:
 
 def cmd_init(args: argparse.Namespace) -> int:
     state = open_state(args)
-    with Locked(state, "init") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        state.save(manifest)
-        write_python_overlay(state, manifest)
-    print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(manifest["owner"])))
+    with Locked(state, "init") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        state.save(journal)
+        write_python_overlay(state, journal)
+    print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(journal["owner"])))
     return 0
 
 
@@ -3933,12 +4156,12 @@ def cmd_add_python(args: argparse.Namespace) -> int:
     check_module_name(args.module, "MODULE")
     state = open_state(args)
     content = read_input(args.file, "", "; pass a readable Python file")
-    with Locked(state, "add-python") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        stage_python_module(state, manifest, args.module, content, None,
+    with Locked(state, "add-python") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        stage_python_module(state, journal, args.module, content, None,
                             os.path.abspath(args.file))
-        state.save(manifest)
-        write_python_overlay(state, manifest)
+        state.save(journal)
+        write_python_overlay(state, journal)
     print("module %s now served from %s to processes started with `%s env`"
           % (args.module, os.path.abspath(args.file), tool_at(state)))
     print("state: %s" % state.root)
@@ -3952,14 +4175,14 @@ def cmd_rebind(args: argparse.Namespace) -> int:
             raise UsageError("E105", "%s %r must look like pkg.mod:attr" % (what, spec))
         check_module_name(module, what)
     state = open_state(args)
-    with Locked(state, "rebind") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        if args.target in manifest["python"]["rebinds"]:
+    with Locked(state, "rebind") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        if args.target in journal["python"]["rebinds"]:
             raise OverlayError("E103", "%s is already rebound; run `%s revert` first"
                                % (args.target, tool_at(state)))
-        manifest["python"]["rebinds"][args.target] = args.replacement
-        state.save(manifest)
-        write_python_overlay(state, manifest)
+        journal["python"]["rebinds"][args.target] = args.replacement
+        state.save(journal)
+        write_python_overlay(state, journal)
     print("%s is replaced by %s when %s is imported" % (args.target, args.replacement,
                                                        args.target.partition(":")[0]))
     print("state: %s" % state.root)
@@ -4016,150 +4239,6 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     return artifacts, caches, build
 
 
-def print_plan(state: State, changes: List[Tuple[str, Optional[bytes]]],
-               modules: List[Tuple[str, str]],
-               artifacts: List[str], caches: List[str], build: Optional[dict],
-               protected: List[Tuple[str, str]], no_build: bool, make_plan: bool) -> None:
-    """What add-native or apply would do, for --dry-run (`make_plan`: the
-    build products of a make build, which --dry-run cannot tell)."""
-    print("plan (--dry-run: nothing was changed):")
-    for path, patched in changes:
-        print("  %-10s %s" % ("delete" if patched is None else
-                              "patch" if os.path.lexists(path) else "create", path))
-    for name, origin in modules:
-        print("  %-10s module %s from %s (Python overlay)" % ("overlay", name, origin))
-    for path, _ in changes:
-        if os.path.lexists(path):
-            print("  %-10s %s (source)" % ("back up", path))
-    for path in artifacts:
-        cache = next((cache for cache in caches if is_within(path, cache)), None)
-        if cache is not None:
-            print("  %-10s %s (artifact in the cache %s: compared with its set-aside copy)"
-                  % ("compare", path, cache))
-            continue
-        print("  %-10s %s (artifact%s)" % ("back up", path,
-                                           "" if os.path.lexists(path) else ", absent now"))
-    for path, why in protected:
-        print("  %-10s %s (build product, %s)" % ("back up", path, why))
-    if make_plan:
-        print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
-              "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
-              "is written)" % "back up")
-    if build is not None and changes:
-        print("  %-10s the small files of %s that are no compiled output (up to %d KiB each, %d "
-              "files and %d MiB in all; dropped after the build for each file it left alone)"
-              % ("back up", ", ".join(build_trees(build)), ORIGINAL_FILE_LIMIT >> 10,
-                 ORIGINAL_COUNT, ORIGINAL_BUDGET >> 20))
-    for path in caches:
-        print("  %-10s %s (cache%s)" % ("set aside", path,
-                                        "" if os.path.lexists(path) else ", absent now"))
-    if build is not None:
-        print("  %-10s %s (in %s)" % ("build", build["cmd"], build["cwd"]))
-    elif no_build and changes:
-        print("  %-10s none (--no-build: a later build, such as a JIT at import, rebuilds; "
-              "then `%s verify-native`)" % ("build", tool_at(state)))
-    elif changes:
-        sources = changes_paths(changes)
-        candidates = build_candidates(sources)
-        print("  %-10s none given; found near %s (suggestions, never run by themselves):"
-              % ("build", sources[0] if len(sources) == 1 else "the sources"))
-        for option, why in candidates:
-            print("    %s  (%s)" % (option, why))
-        if not candidates:
-            print("    nothing: pass --build-cmd CMD (the install's own build) or --no-build")
-
-
-def finish_native(state: State, manifest: dict, changes: List[Tuple[str, Optional[bytes]]],
-                  artifacts: List[str], caches: List[str], build: Optional[dict],
-                  protected: Callable[[], List[Tuple[str, str]]], command: str,
-                  python_update=None,
-                  modes: Optional[Dict[str, int]] = None, in_trial: bool = False) -> dict:
-    """Apply natives (and the Python part), rolling back if anything fails before the build."""
-    entry = None
-    entry_id = manifest["next_id"]
-    modules_before = set(manifest["python"]["modules"])
-    try:
-        if changes:
-            with claims_locked():
-                check_claims(state, changes_paths(changes), artifacts, caches)
-                entry = begin_native_entry(state, manifest, changes, artifacts, caches, build,
-                                           protected, command, modes or {})
-            shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry["protected"]
-                     if r["role"] != ORIGINAL]
-            count = len(shown)
-            if count > 5:  # a patched common header can reach hundreds of objects
-                # A trial reverts before the user could run `status`.
-                shown[4:] = ["and %d more%s" % (count - 4,
-                                                "" if in_trial else " (`status` lists them)")]
-            if shown:
-                print("backed up %d build product(s) the build may rewrite: %s"
-                      % (count, ", ".join(shown)))
-        if python_update is not None:
-            python_update()
-    except OSError as exc:
-        rollback(state, entry_id, modules_before, exc)
-    print("state: %s" % state.root, flush=True)
-    if entry is not None and build is not None:
-        run_entry_build(state, manifest, entry)
-    return entry
-
-
-def rollback(state: State, entry_id: int, modules_before: set, exc: OSError) -> None:
-    """Undo what this command did (the journal on disk says how far it got)."""
-    try:
-        manifest = state.load()
-        modules = manifest["python"]["modules"]
-        if set(modules) - modules_before:
-            for name in set(modules) - modules_before:
-                del modules[name]
-            write_python_overlay(state, manifest)
-            state.save(manifest)
-        for entry in list(manifest["entries"]):
-            if entry["id"] == entry_id:
-                revert_entry(state, manifest, entry, keep_untracked=False)
-    except (OSError, OverlayError) as second:
-        raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
-                           "run `%s revert` once the cause is fixed"
-                           % (written(exc), exc.strerror, getattr(second, "strerror", second),
-                              tool_at(state)))
-    raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause and "
-                       "run the command again" % (written(exc), exc.strerror))
-
-
-def dry_run(state: State, args: argparse.Namespace, changes: List[Tuple[str, Optional[bytes]]],
-            modules: List[Tuple[str, str]], artifacts: List[str], caches: List[str],
-            build: Optional[dict]) -> int:
-    """Check and print the plan of add-native or apply; change nothing."""
-    manifest = state.load() if state.exists() else empty_manifest()
-    sources = changes_paths(changes)
-    check_claims(state, sources, artifacts, caches)
-    validate_native_plan(state, manifest, sources, artifacts, caches, build and build["cwd"])
-    protected = protected_paths(state, sources, artifacts, caches, build, args.protect,
-                                args.no_protect, ask_make=False) if changes else []
-    if changes and build is not None:
-        for tree in build_trees(build):
-            if scan_tree(tree, [state.root])[1]:
-                raise scan_limit_reached(tree)
-    print_plan(state, changes, modules, artifacts, caches, build, protected, args.no_build,
-               changes and not args.no_protect and asks_make(build))
-    return 0
-
-
-def protection(state: State, sources: List[str], artifacts: List[str], caches: List[str],
-               build: Optional[dict],
-               args: argparse.Namespace) -> Callable[[], List[Tuple[str, str]]]:
-    """The build products to back up, as begin_native_entry asks for them:
-    worked out now (so that the budget is refused before anything changes),
-    or for a make build once the entry is journaled (asks_make)."""
-    def plan() -> List[Tuple[str, str]]:
-        return protected_paths(state, sources, artifacts, caches, build, args.protect,
-                               args.no_protect)
-    if asks_make(build) and not args.no_protect:
-        return plan
-    found = plan()
-    return lambda: found
-
-
 def cmd_add_native(args: argparse.Namespace) -> int:
     source = require_abs_normal(args.source, "--source")
     require_build_choice(args)
@@ -4170,22 +4249,20 @@ def cmd_add_native(args: argparse.Namespace) -> int:
                            "(or use `apply` with a patch that creates it)" % source)
     state = open_state(args)
     check_state_outside_build(state, build)
+    plan = NativePlan(state, args, [(source, patched)], artifacts, caches, build)
     if args.dry_run:
-        return dry_run(state, args, [(source, patched)], [], artifacts, caches, build)
-    protected = protection(state, [source], artifacts, caches, build, args)
-    with Locked(state, "add-native") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        validate_native_plan(state, manifest, [source], artifacts, caches,
-                             build and build["cwd"])
-        entry = finish_native(state, manifest, [(source, patched)], artifacts, caches, build,
-                              protected, "add-native")
+        return plan.dry_run()
+    with Locked(state, "add-native") as journal:
+        claim_owner(state, journal, args.owner_pid)
+        plan.check(journal)
+        entry = plan.run(journal, "add-native")
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
-              % (entry["id"], source, here))
+              % (entry.record["id"], source, here))
     else:
         print("entry %d applied: %s; run `%s verify-native`, measure, then `%s revert`"
-              % (entry["id"], source, here, here))
+              % (entry.record["id"], source, here, here))
     return 0
 
 
@@ -4313,33 +4390,29 @@ def cmd_apply(args: argparse.Namespace) -> int:
     modules = [(module, file["content"], os.path.dirname(file["path"]) if file["package"] else None,
                 file["path"]) for module, file in zip(names, python_files)]
     check_state_outside_build(state, build if natives else None)
+    plan = NativePlan(state, args, natives, artifacts, caches, build, modes,
+                      [(module, origin) for module, _, _, origin in modules])
     if args.dry_run:
-        return dry_run(state, args, natives, [(module, origin) for module, _, _, origin in modules],
-                       artifacts, caches, build if natives else None)
-    protected = protection(state, [path for path, _ in natives], artifacts, caches,
-                           build if natives else None, args)
-    with Locked(state, "apply") as manifest:
-        claim_owner(state, manifest, args.owner_pid)
+        return plan.dry_run()
+    with Locked(state, "apply") as journal:
+        claim_owner(state, journal, args.owner_pid)
         for module, _content, _package, _origin in modules:
-            if module in manifest["python"]["modules"]:
+            if module in journal["python"]["modules"]:
                 raise OverlayError("E103", "module %s is already overlaid; run `%s revert` "
                                    "first" % (module, tool_at(state)))
-        validate_native_plan(state, manifest, [path for path, _ in natives], artifacts, caches,
-                             build and build["cwd"])
+        plan.check(journal)
 
         def python_update() -> None:
             for module, content, package_dir, origin in modules:
-                stage_python_module(state, manifest, module, content, package_dir, origin)
+                stage_python_module(state, journal, module, content, package_dir, origin)
             if modules:
-                state.save(manifest)
-                write_python_overlay(state, manifest)
+                state.save(journal)
+                write_python_overlay(state, journal)
 
-        entry = finish_native(state, manifest, natives, artifacts, caches,
-                              build if natives else None, protected, "apply", python_update,
-                              modes, getattr(args, "in_trial", False))
+        entry = plan.run(journal, "apply", python_update, getattr(args, "in_trial", False))
     parts = []
     if entry is not None:
-        parts.append("entry %d: %d native file(s)" % (entry["id"], len(natives)))
+        parts.append("entry %d: %d native file(s)" % (entry.record["id"], len(natives)))
     if modules:
         parts.append("%d Python module(s) overlaid (%s)" % (
             len(modules), ", ".join(module for module, _, _, _ in modules)))
@@ -4393,43 +4466,16 @@ def cmd_update(args: argparse.Namespace) -> int:
         raise UsageError("E109", "--timeout must be a positive number of seconds")
     state = open_state(args)
     require_overlay(args, state, "update")
-    with Locked(state, "update", create=False) as manifest:
-        claim_owner(state, manifest, args.owner_pid)
-        natives = [entry for entry in manifest["entries"]
+    with Locked(state, "update", create=False) as journal:
+        claim_owner(state, journal, args.owner_pid)
+        natives = [entry for entry in journal["entries"]
                    if args.entry is None or entry["id"] == args.entry]
         if not natives:
             raise OverlayError("E103", "no native entry%s to update at %s; apply one first"
                                % ("" if args.entry is None else " %d" % args.entry, state.root))
         entry = natives[-1]
         contents = updated_contents(state, entry, args)
-        for record in entry["sources"]:
-            if record["path"] not in contents:
-                continue
-            # Journaled before the write; until it lands, the old patched
-            # content is as much ours as the new one.
-            record["previous_patched_sha256"] = record.get("patched_sha256")
-            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
-        if entry["build"] is not None:
-            # This build is compared with the tree just before it: what was
-            # made or written since the last build (results, notes, another
-            # entry's products) is not this entry's.
-            entry["earlier_untracked"] = untracked_products(state, entry)
-            entry["builds"] = entry.get("builds", 1) + 1
-            back_up_originals(state, manifest, entry,
-                              write_prebuild_scan(state, entry, "build_scan"))
-            entry["state"] = "applying"
-            entry["untracked"] = None
-            entry.pop("links_seen", None)
-            if args.timeout is not None:
-                entry["build"]["timeout"] = args.timeout
-        state.save(manifest)
-        for record in entry["sources"]:
-            path = record["path"]
-            if path in contents and file_sha256(path) != record["patched_sha256"]:
-                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
-        print("state: %s" % state.root, flush=True)
-        if entry["build"] is not None:
-            run_entry_build(state, manifest, entry)
+        NativeEntry(state, journal, entry).update(contents, args.timeout)
     print("entry %d updated: %s; the originals stay backed up for `%s revert`"
           % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
     return 0
@@ -4438,18 +4484,18 @@ def cmd_update(args: argparse.Namespace) -> int:
 def cmd_verify_native(args: argparse.Namespace) -> int:
     state = open_state(args)
     require_overlay(args, state, "verify-native")
-    manifest = state.load()
+    journal = state.load()
     checked = 0
     problems = []
     # An artifact is judged by the latest entry that rebuilt it: a later build
     # of a shared library legitimately changes what an earlier one produced.
     seen = set()
-    for entry in reversed(manifest["entries"]):
+    for entry in reversed(journal["entries"]):
         # --no-build: the build runs later (a JIT at import), or has not yet
-        later = entry["build"] is None and entry["state"] == "applied"
-        if entry["state"] != "built" and not later:
+        later = entry["build"] is None and entry["state"] == NativeEntry.APPLIED
+        if entry["state"] != NativeEntry.BUILT and not later:
             here = tool_at(state)
-            if entry["state"] in ("build-failed", "build-changed-nothing"):
+            if entry["state"] in (NativeEntry.BUILD_FAILED, NativeEntry.BUILT_NOTHING):
                 problems.append("entry %d is %s, not built: fix the patch or the source, then run "
                                 "`%s update`, or run `%s revert`"
                                 % (entry["id"], entry["state"], here, here))
@@ -4494,35 +4540,35 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     state = open_state(args)
-    manifest = state.load() if state.exists() or state.orphaned_backups() else None
+    journal = state.load() if state.exists() or state.orphaned_backups() else None
     others = others_applied(args, state)
     if args.format == "json":
-        print(json.dumps({"state": state.root, "journal": manifest,
-                          "owner": manifest and manifest["owner"] and dict(
-                              manifest["owner"], liveness=owner_liveness(manifest["owner"])),
+        print(json.dumps({"state": state.root, "journal": journal,
+                          "owner": journal and journal["owner"] and dict(
+                              journal["owner"], liveness=owner_liveness(journal["owner"])),
                           "applied_elsewhere": [other.root for other, _ in others]},
                          indent=1, sort_keys=True))
         return 0
-    if manifest is None and os.path.isfile(registry_record(state.root)):
+    if journal is None and os.path.isfile(registry_record(state.root)):
         raise vanished_state(state)
-    if manifest is None:
+    if journal is None:
         print("no overlay at %s" % state.root)
         if others:
             print("applied overlays of this user:")
-            for other, other_manifest in others:
-                print("  %s: %s" % (other.root, summarise(other, other_manifest)))
+            for other, other_journal in others:
+                print("  %s: %s" % (other.root, summarise(other, other_journal)))
             print("next: %s, or `overlay_setup.py revert --all`"
                   % " or ".join("`%s status`" % tool_at(other) for other, _ in others))
         return 0
     print("state: %s" % state.root)
-    print("owner: %s" % describe_owner(manifest["owner"]))
+    print("owner: %s" % describe_owner(journal["owner"]))
     tool_running = state.lock_held()  # read-only: status takes no lock
     print("tool: %s" % (state.holder() if tool_running else "none running"))
-    for name, module in sorted(manifest["python"]["modules"].items()):
+    for name, module in sorted(journal["python"]["modules"].items()):
         print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
-    for target, replacement in sorted(manifest["python"]["rebinds"].items()):
+    for target, replacement in sorted(journal["python"]["rebinds"].items()):
         print("rebind: %s -> %s" % (target, replacement))
-    for entry in manifest["entries"]:
+    for entry in journal["entries"]:
         print("entry %d: %s" % (entry["id"], entry_in_words(entry, tool_running)))
         for record in entry_files(entry):
             print("  %s %s%s" % (record["role"], record["path"],
@@ -4533,7 +4579,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
         for product in entry.get("untracked") or []:
             print("  untracked build product %s" % product["path"])
-    print("next: %s" % next_step(state, manifest, tool_running))
+    print("next: %s" % next_step(state, journal, tool_running))
     return 0
 
 
@@ -4548,13 +4594,13 @@ def build_running(entry: dict) -> Optional[dict]:
 def entry_in_words(entry: dict, tool_running: bool) -> str:
     build = entry["build"] or {}
     took = "after %.1fs" % build["seconds"] if build.get("seconds") is not None else ""
-    if entry["state"] == "applied":
+    if entry["state"] == NativeEntry.APPLIED:
         return "applied, without a build"
-    if entry["state"] == "built":
+    if entry["state"] == NativeEntry.BUILT:
         return "built (the build exited 0 %s)" % took
-    if entry["state"] == "build-changed-nothing":
+    if entry["state"] == NativeEntry.BUILT_NOTHING:
         return "applied, but its build changed no artifact (exited 0 %s)" % took
-    if entry["state"] == "build-failed":
+    if entry["state"] == NativeEntry.BUILD_FAILED:
         if build.get("rc") is None:
             return "applied, but its build timed out %s and was killed" % took
         return "applied, but its build failed with status %s %s" % (build["rc"], took)
@@ -4570,22 +4616,22 @@ def entry_in_words(entry: dict, tool_running: bool) -> str:
     return "interrupted before its build"
 
 
-def next_step(state: State, manifest: dict, tool_running: bool) -> str:
+def next_step(state: State, journal: dict, tool_running: bool) -> str:
     here = tool_at(state)
-    states = {entry["state"] for entry in manifest["entries"]}
+    states = {entry["state"] for entry in journal["entries"]}
     if tool_running:
         return "wait for the running command to finish, then `%s status`" % here
-    if not anything_applied(manifest):
+    if not anything_applied(journal):
         return "nothing applied; nothing to do"
-    if manifest.get("reverting"):
+    if journal.get("reverting"):
         return "a revert stopped halfway: `%s revert` finishes it" % here
-    if "applying" in states:
+    if NativeEntry.APPLYING in states:
         return ("`%s revert` (it stops a build left running and restores everything)" % here)
-    if states & {"build-failed", "build-changed-nothing"}:
+    if states & {NativeEntry.BUILD_FAILED, NativeEntry.BUILT_NOTHING}:
         return "fix the patch or the source, then `%s update`, or `%s revert`" % (here, here)
-    if "built" in states:
+    if NativeEntry.BUILT in states:
         return "`%s verify-native`, measure, then `%s revert`" % (here, here)
-    if manifest["entries"]:
+    if journal["entries"]:
         return "build, measure, then `%s revert`" % here
     return "run with `eval \"$(%s env)\"`, then `%s revert`" % (here, here)
 
@@ -4631,22 +4677,22 @@ def require_overlay(args: argparse.Namespace, state: State, command: str) -> Non
     raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
 
 
-def summarise(state: State, manifest: Optional[dict]) -> str:
-    if manifest is None:
+def summarise(state: State, journal: Optional[dict]) -> str:
+    if journal is None:
         return "its journal %s" % ("cannot be read" if state.exists() else "is gone")
-    python = manifest["python"]
+    python = journal["python"]
     return "%d native entr%s, %d Python module(s), %d rebind(s); owner %s" % (
-        len(manifest["entries"]), "y" if len(manifest["entries"]) == 1 else "ies",
-        len(python["modules"]), len(python["rebinds"]), describe_owner(manifest["owner"]))
+        len(journal["entries"]), "y" if len(journal["entries"]) == 1 else "ies",
+        len(python["modules"]), len(python["rebinds"]), describe_owner(journal["owner"]))
 
 
 def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Revert one state directory under its lock; it leaves the registry once
     nothing is applied.  Returns what was done and the files not back
     byte-exact."""
-    with Locked(state, "revert", create=False) as manifest:
-        if not anything_applied(manifest):
-            orphans = remove_orphaned_backups(state, manifest)
+    with Locked(state, "revert", create=False) as journal:
+        if not anything_applied(journal):
+            orphans = remove_orphaned_backups(state, journal)
             if orphans:
                 print("removed the backups of entr%s %s, left by a revert that was interrupted "
                       "after it had restored them" % ("y" if len(orphans) == 1 else "ies",
@@ -4654,7 +4700,7 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[
             unregister(state)
             return [], []
         try:
-            done, inexact = revert_all(state, manifest, force, keep_untracked)
+            done, inexact = revert_all(state, journal, force, keep_untracked)
         except OSError as exc:
             raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
                                "what is left: fix the cause and run `%s revert` again"
@@ -4725,7 +4771,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
 def find_state_dirs(root: str) -> List[str]:
     found = []
     for directory, dirs, files in os.walk(root):
-        if "manifest.json" in files and "lock" in files:
+        if (JOURNAL_NAME in files or OLD_JOURNAL_NAME in files) and "lock" in files:
             found.append(directory)
             dirs[:] = []
             continue
@@ -4757,24 +4803,24 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 print("live: %s (locked by %s)" % (directory, state.holder()))
                 continue
             try:
-                manifest = state.load()
-                liveness = owner_liveness(manifest["owner"])
-                if not anything_applied(manifest):
+                journal = state.load()
+                liveness = owner_liveness(journal["owner"])
+                if not anything_applied(journal):
                     if not args.dry_run:
-                        remove_orphaned_backups(state, manifest)
+                        remove_orphaned_backups(state, journal)
                         unregister(state)
                     continue
                 # The owner's liveness decides for a completed overlay only.
-                crashed = interrupted(manifest)
+                crashed = interrupted(journal)
                 if liveness != "gone" and crashed is None:
-                    print("live: %s (owner %s)" % (directory, describe_owner(manifest["owner"])))
+                    print("live: %s (owner %s)" % (directory, describe_owner(journal["owner"])))
                     continue
-                why = "owner %s%s" % (describe_owner(manifest["owner"]), "" if liveness == "gone"
+                why = "owner %s%s" % (describe_owner(journal["owner"]), "" if liveness == "gone"
                                       else "; the run %s stopped halfway" % crashed)
                 if args.dry_run:
                     print("stale: %s (%s): would revert" % (directory, why))
                     continue
-                _, inexact = revert_all(state, manifest, force=False, keep_untracked=False)
+                _, inexact = revert_all(state, journal, force=False, keep_untracked=False)
                 unregister(state)
                 print("stale: %s (%s): reverted" % (directory, why))
                 if inexact:
@@ -4824,17 +4870,12 @@ def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tupl
     install back."""
     found: Dict[str, tuple] = {}
     for root in roots:
-        walk = os.walk(root) if os.path.isdir(root) and not os.path.islink(root) else \
-            [(os.path.dirname(root), [], [os.path.basename(root)] if os.path.lexists(root) else [])]
-        for directory, dirs, files in walk:
-            dirs[:] = sorted(name for name in dirs
-                             if not any(is_within(os.path.join(directory, name), path)
-                                        for path in excluded))
-            for name in ([""] if directory == root else []) + dirs + sorted(files):
-                path = os.path.join(directory, name) if name else directory
-                if path in found or any(is_within(path, other) for other in excluded):
-                    continue
-                st = os.lstat(path)
+        if any(is_within(root, path) for path in excluded) or not os.path.lexists(root):
+            continue
+        st = os.lstat(root)
+        for path, st in [(root, st)] + (list(walk_tree(root, excluded))
+                                        if stat.S_ISDIR(st.st_mode) else []):
+            if path not in found:
                 content = file_sha256(path) if not stat.S_ISDIR(st.st_mode) else None
                 found[path] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
                                st.st_size, st.st_mtime_ns, content)
@@ -4877,20 +4918,20 @@ def run_measured(command: List[str], env: Optional[Dict[str, str]] = None
     return (status if status >= 0 else 128 - status), time.monotonic() - start, b"".join(output)
 
 
-def owned_by(manifest: dict, owner: dict) -> bool:
+def owned_by(journal: dict, owner: dict) -> bool:
     """Whether the state's overlay was applied under `owner` (the trial's)."""
-    recorded = manifest.get("owner") or {}
+    recorded = journal.get("owner") or {}
     return all(recorded.get(key) == owner[key] for key in ("pid", "start_time", "host"))
 
 
-def applied_in_words(manifest: dict) -> str:
+def applied_in_words(journal: dict) -> str:
     """What a state directory holds, each entry with its sources, and whose."""
     parts = ["entry %d (%s)" % (entry["id"], ", ".join(record["path"]
                                                        for record in entry["sources"]))
-             for entry in manifest["entries"]]
-    parts += ["Python module %s" % name for name in sorted(manifest["python"]["modules"])]
-    parts += ["a rebind of %s" % name for name in sorted(manifest["python"]["rebinds"])]
-    return "%s, owner %s" % (", ".join(parts), describe_owner(manifest["owner"]))
+             for entry in journal["entries"]]
+    parts += ["Python module %s" % name for name in sorted(journal["python"]["modules"])]
+    parts += ["a rebind of %s" % name for name in sorted(journal["python"]["rebinds"])]
+    return "%s, owner %s" % (", ".join(parts), describe_owner(journal["owner"]))
 
 
 def cmd_trial(args: argparse.Namespace) -> int:
@@ -4910,11 +4951,11 @@ def cmd_trial(args: argparse.Namespace) -> int:
     owner = make_owner(args.owner_pid)
     args.in_trial = True  # apply leaves out its advice to revert: the trial does that
     state = open_state(args)
-    manifest = state.load() if state.exists() else None
-    if manifest is not None and anything_applied(manifest):
+    journal = state.load() if state.exists() else None
+    if journal is not None and anything_applied(journal):
         raise OverlayError("E103", "a trial needs a state directory with nothing applied, and "
                            "%s holds %s; run `%s revert`, or pass another --state"
-                           % (state.root, applied_in_words(manifest), tool_at(state)))
+                           % (state.root, applied_in_words(journal), tool_at(state)))
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
@@ -5050,13 +5091,13 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
     reverted, left_alone, stopped_by = True, None, None
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            manifest = state.load() if state.exists() else None
-            if manifest is not None and anything_applied(manifest) and \
-                    not owned_by(manifest, owner):
+            journal = state.load() if state.exists() else None
+            if journal is not None and anything_applied(journal) and \
+                    not owned_by(journal, owner):
                 left_alone = "the overlay at %s is another's: %s; the trial applied nothing " \
                              "there and left it alone" % (state.root,
-                                                          applied_in_words(manifest))
-            elif manifest is not None:
+                                                          applied_in_words(journal))
+            elif journal is not None:
                 revert_state(state, False, False)
     except OverlayError as exc:
         print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)

@@ -219,7 +219,7 @@ class OverlayTestCase(unittest.TestCase):
         tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
                                  TOOL, "--state", self.state] + args, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        journal = os.path.join(self.state, "manifest.json")
+        journal = os.path.join(self.state, "journal.json")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and tool.poll() is None:
             try:
@@ -504,7 +504,7 @@ class CProjectTest(OverlayTestCase):
                                 "../kernel_b_fast.c", "--artifact", "./libkernels.so",
                                 "--invalidate-cache", "cache", "--build-cmd", "make",
                                 "--build-cwd", "."))
-        entry = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]
+        entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
         self.assertEqual([r["path"] for r in entry["sources"] + entry["artifacts"]],
                          [self.p("kernel_b.c"), self.lib])
         self.assertEqual((entry["caches"][0]["path"], entry["build"]["cwd"]),
@@ -588,7 +588,7 @@ class CProjectTest(OverlayTestCase):
 
     def test_state_option_is_accepted_after_the_subcommand_and_from_the_environment(self) -> None:
         self.assertOk(call("init", "--state", self.state))
-        self.assertTrue(os.path.isfile(os.path.join(self.state, "manifest.json")))
+        self.assertTrue(os.path.isfile(os.path.join(self.state, "journal.json")))
         other = os.path.join(self.tmp, "other-state")
         os.environ["OVERLAY_STATE"] = other
         try:
@@ -601,27 +601,27 @@ class CProjectTest(OverlayTestCase):
 
     def test_newer_journal_format_is_refused(self) -> None:
         self.assertOk(self.tool("init"))
-        path = os.path.join(self.state, "manifest.json")
-        manifest = read_json(path)
-        manifest["format"] = overlay_setup.FORMAT_VERSION + 1
-        write_json(path, manifest)
+        path = os.path.join(self.state, "journal.json")
+        journal = read_json(path)
+        journal["format"] = overlay_setup.FORMAT_VERSION + 1
+        write_json(path, journal)
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E201 journal %s has format 2, newer than this tool understands "
             "(1); use the overlay_setup.py that wrote it\n" % path))
 
     def test_tampered_journal_paths_are_refused_before_acting(self) -> None:
         self.assertOk(self.add_kernel_b())
-        path = os.path.join(self.state, "manifest.json")
+        path = os.path.join(self.state, "journal.json")
         good = read_text(path)
-        manifest = json.loads(good)
-        manifest["entries"][0]["sources"][0]["backup"] = "../../etc/passwd"
-        write_json(path, manifest)
+        journal = json.loads(good)
+        journal["entries"][0]["sources"][0]["backup"] = "../../etc/passwd"
+        write_json(path, journal)
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E203 journal %s names backup '../../etc/passwd' outside the "
             "state directory; the journal was tampered with, nothing was changed\n" % path))
-        manifest = json.loads(good)
-        manifest["entries"][0]["artifacts"][0]["path"] = self.proj + "/../proj/x.o"
-        write_json(path, manifest)
+        journal = json.loads(good)
+        journal["entries"][0]["artifacts"][0]["path"] = self.proj + "/../proj/x.o"
+        write_json(path, journal)
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E203 journal %s names target %r that is not an absolute, "
             "normalised path; the journal was tampered with, nothing was changed\n"
@@ -631,11 +631,11 @@ class CProjectTest(OverlayTestCase):
 
     def test_journal_never_runs_a_command_on_revert(self) -> None:
         self.assertOk(self.add_kernel_b())
-        path = os.path.join(self.state, "manifest.json")
-        manifest = read_json(path)
+        path = os.path.join(self.state, "journal.json")
+        journal = read_json(path)
         marker = os.path.join(self.tmp, "ran")
-        manifest["entries"][0]["build"]["cmd"] = "touch %s" % marker
-        write_json(path, manifest)
+        journal["entries"][0]["build"]["cmd"] = "touch %s" % marker
+        write_json(path, journal)
         self.assertOk(self.tool("revert"))
         self.assertFalse(os.path.exists(marker))
 
@@ -681,7 +681,7 @@ class CProjectTest(OverlayTestCase):
             "`overlay_setup.py revert --all`\n"
             % (here, default_state,
                overlay_setup.describe_owner(read_json(os.path.join(
-                   default_state, "manifest.json"))["owner"]), default_state), ""))
+                   default_state, "journal.json"))["owner"]), default_state), ""))
         self.assertEqual(call("revert"), (
             1, "", "overlay_setup: E208 no overlay at %s, but this user has applied overlays at "
             "%s; run `overlay_setup.py --state %s revert`\n" % (here, default_state,
@@ -845,7 +845,7 @@ class CProjectTest(OverlayTestCase):
         rc, out, err = call("add-native", "--source", self.p("kernel_b.c"), "--patched",
                             os.path.join(self.tmp, "outside/fast.c"), "--artifact", self.lib,
                             "--state", state,
-                            "--build-cmd", "until grep -q process ../.overlay/manifest.json; do "
+                            "--build-cmd", "until grep -q process ../.overlay/journal.json; do "
                             "sleep 0.05; done; git clean -xdfq .. && make",
                             "--build-cwd", self.proj)
         record = overlay_setup.registry_record(state)
@@ -1104,11 +1104,11 @@ class DefaultStateTest(MadePackageTest):
     def test_an_overlay_applied_by_version_1_0_in_dot_overlay_still_reverts(self) -> None:
         # Version 1.0 kept its state in ./.overlay (manifest.json) with a
         # record in $XDG_STATE_HOME/overlay_setup/applied; the journal format
-        # is unchanged, so --state writes exactly that layout.
+        # is unchanged, so --state and the old file name make that layout.
         legacy = os.path.join(self.pkg, ".overlay")
         self.assertOk(call("--state", legacy, "add-native", "--source", "k.c", "--patched",
                            "../k_new.c", "--no-build"))
-        self.assertTrue(os.path.isfile(os.path.join(legacy, "manifest.json")))
+        os.rename(os.path.join(legacy, "journal.json"), os.path.join(legacy, "manifest.json"))
         self.assertEqual(registry_entries(), [legacy])
         rc, out, err = call("status")
         self.assertEqual((rc, err), (0, ""))
@@ -1166,7 +1166,7 @@ class CrashIsACrashTest(OverlayTestCase):
 
     def test_apply_killed_in_its_build_is_stale_although_its_owner_lives(self) -> None:
         self.start(*self.apply_args(os.path.join(self.tmp, "slow.c")))
-        owner = read_json(os.path.join(self.state, "manifest.json"))["owner"]
+        owner = read_json(os.path.join(self.state, "journal.json"))["owner"]
         self.assertEqual(overlay_setup.owner_liveness(owner), "live")
         self.assertEqual(call("gc-stale", "--root", self.tmp, "--dry-run"), (
             0, "stale: %s (owner %s; the run building entry 1 stopped halfway): would revert\n"
@@ -1288,7 +1288,7 @@ class OwnedFilesTest(MadePackageTest):
         self.assertOk(self.add())
         victim = os.path.join(self.tmp, "victim.txt")
         write_text_file(victim, "keep\n")
-        path = os.path.join(self.state, "manifest.json")
+        path = os.path.join(self.state, "journal.json")
         journal = read_json(path)
         journal["entries"][0]["untracked"] = None  # as an update killed in its build leaves it
         journal["entries"][0]["earlier_untracked"] = [
@@ -1311,7 +1311,7 @@ class OwnedFilesTest(MadePackageTest):
                                 "cc -c -o m.o m.c", "--build-cwd", self.pkg))
         self.assertOk(self.tool("update", "--entry", "1", "--patched",
                                 os.path.join(self.tmp, "faster.c")))
-        journal = read_json(os.path.join(self.state, "manifest.json"))
+        journal = read_json(os.path.join(self.state, "journal.json"))
         first = [product["path"] for product in journal["entries"][0]["untracked"]]
         self.assertNotIn(os.path.join(self.pkg, "m.o"), first)
         self.assertEqual([product["path"] for product in journal["entries"][1]["untracked"]],
@@ -1435,7 +1435,7 @@ class PreExistingFileTest(MadePackageTest):
                       "before it\n" % self.version, out)
         self.assertEqual(read_text(self.version), "version = '1.0+dirty'\n")
         # The copies of the files the build left alone (Makefile, __init__.py) are dropped.
-        entry = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]
+        entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
         self.assertEqual([(record["role"], record["path"]) for record in entry["protected"]],
                          [("pre-existing file", self.version),
                           ("build product", os.path.join(self.pkg, "k.o")),
@@ -1634,7 +1634,7 @@ class PlanRunsNothingTest(OverlayTestCase):
     def test_make_evaluates_the_makefile_only_once_the_entry_is_journaled(self) -> None:
         root = self.make_project()
         write_tree(root, {"Makefile": self.MAKEFILE.replace(
-            "echo evaluated", "grep -c applying %s/manifest.json" % self.state)})
+            "echo evaluated", "grep -c applying %s/journal.json" % self.state)})
         before = tree_state(root)
         rc, out, err = self.tool("add-native", "--source", os.path.join(root, "k.c"), "--patched",
                                  os.path.join(self.tmp, "fast.c"), "--build-cmd", "make",
@@ -1705,10 +1705,10 @@ class RefusalTest(OverlayTestCase):
 
     def test_unreadable_journal_is_refused(self) -> None:
         self.assertOk(self.tool("init"))
-        write_text_file(os.path.join(self.state, "manifest.json"), "{not json")
+        write_text_file(os.path.join(self.state, "journal.json"), "{not json")
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, out), (1, ""))
-        self.assertRegex(err, r"^overlay_setup: E202 journal %s/manifest.json is unreadable "
+        self.assertRegex(err, r"^overlay_setup: E202 journal %s/journal.json is unreadable "
                               r"\(.*\); inspect it, or move the state directory away if nothing "
                               r"is applied\n$" % self.state)
 
@@ -1720,8 +1720,8 @@ class RefusalTest(OverlayTestCase):
 
     def test_missing_backup_is_refused_before_anything_changes(self) -> None:
         self.assertOk(self.add("--no-build"))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        os.unlink(os.path.join(self.state, manifest["entries"][0]["sources"][0]["backup"]))
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        os.unlink(os.path.join(self.state, journal["entries"][0]["sources"][0]["backup"]))
         self.assertEqual(self.tool("revert"), (
             1, "", "overlay_setup: E503 the backup of %s is missing from %s; nothing was changed: "
             "restore that file by hand, then remove entry 1 from the journal\n"
@@ -2789,7 +2789,7 @@ class RealBuildSystemTest(OverlayTestCase):
         self.kill_during_build(["add-native", "--source", os.path.join(proj, "k.c"), "--patched",
                                 os.path.join(self.tmp, "fast.c"), "--build-cmd", "ninja",
                                 "--build-cwd", proj])
-        journal = read_json(os.path.join(self.state, "manifest.json"))
+        journal = read_json(os.path.join(self.state, "journal.json"))
         session = journal["entries"][0]["build"]["process"]["pid"]
         deadline = time.monotonic() + 60
         while True:  # the job runs: ninja and its sh
@@ -3105,6 +3105,22 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
+    def test_the_build_products_the_dry_run_lists_are_those_the_apply_backs_up(self) -> None:
+        # One plan for both: a build that is no plain make call (here a
+        # script running make) gets the object files and libraries found in
+        # the build directory, and --protect its own file.
+        options = ("--build-cmd", "sh -c make", "--protect", self.p("Makefile"))
+        rc, out, err = self.add(*options, "--dry-run")
+        self.assertEqual((rc, err), (0, ""))
+        listed = [line.split()[2] for line in out.splitlines() if "(build product, " in line]
+        self.assertEqual(sorted(listed), [self.p(name) for name in (
+            "Makefile", "a.d", "a.o", "b.d", "b.o")])
+        self.assertOk(self.add(*options))
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        self.assertEqual([record["path"] for record in journal["entries"][0]["protected"]
+                          if record["role"] == "build product"], listed)
+        self.assertOk(self.tool("revert"))
+
     def test_dry_run_runs_no_command_substitution_of_a_script_build(self) -> None:
         # Only a make, ninja or cmake command is read with the shell's
         # expansions (to ask it for its plan); a script's are the script's.
@@ -3315,7 +3331,7 @@ class GcStaleTest(OverlayTestCase):
         deadline = time.monotonic() + 60
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        owner = read_json(os.path.join(self.state, "manifest.json"))["owner"]
+        owner = read_json(os.path.join(self.state, "journal.json"))["owner"]
         self.assertEqual(owner["pid"], agent.pid)
         rc, out, err = call("gc-stale", "--root", self.tmp)
         self.assertEqual((rc, err), (0, ""))
@@ -3361,7 +3377,7 @@ class GcStaleTest(OverlayTestCase):
                            "--owner-pid", str(os.getpid())))
         self.assertEqual(call("gc-stale", "--dry-run"), (
             0, "stale: %s (owner pid %d on %s (gone)): would revert\nlive: %s (owner pid %d on %s "
-            "(live))\n" % (self.state, read_json(self.state + "/manifest.json")["owner"]
+            "(live))\n" % (self.state, read_json(self.state + "/journal.json")["owner"]
                            ["pid"], overlay_setup.host_name(), live_state, os.getpid(),
                            overlay_setup.host_name()), ""))
         self.assertNotEqual(tree_state(self.proj), self.original)
@@ -3398,7 +3414,7 @@ class GcStaleTest(OverlayTestCase):
                            "sleep 0.3; kill -9 $PPID; exec sleep 30", "--build-cwd", self.proj],
                           own=True)
         self.assertEqual(killed.returncode, -9)
-        build = read_json(os.path.join(self.state, "manifest.json"))["entries"][0]["build"]
+        build = read_json(os.path.join(self.state, "journal.json"))["entries"][0]["build"]
         pid = build["process"]["pid"]
         rc, out, err = call("--state", self.state, "status")
         self.assertEqual((rc, err), (0, ""))
@@ -3425,7 +3441,7 @@ class GcStaleTest(OverlayTestCase):
 
     def test_damaged_journal_fields_are_refused_and_nothing_changes(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
-        path = os.path.join(self.state, "manifest.json")
+        path = os.path.join(self.state, "journal.json")
         applied = tree_state(self.proj)
         damages = (("owner", lambda m: m.update(owner="x")),
                    ("python", lambda m: m.pop("python")),
@@ -3437,9 +3453,9 @@ class GcStaleTest(OverlayTestCase):
         good = read_json(path)
         for field, damage in damages:
             with self.subTest(field=field):
-                manifest = json.loads(json.dumps(good))
-                damage(manifest)
-                write_json(path, manifest)
+                journal = json.loads(json.dumps(good))
+                damage(journal)
+                write_json(path, journal)
                 for command in (["status"], ["revert"]):
                     rc, out, err = call("--state", self.state, *command)
                     self.assertEqual(rc, 1)
@@ -3488,14 +3504,14 @@ class GcStaleTest(OverlayTestCase):
     def test_missing_journal_beside_backups_is_not_nothing_to_revert(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         applied = tree_state(self.proj)
-        os.remove(os.path.join(self.state, "manifest.json"))
+        os.remove(os.path.join(self.state, "journal.json"))
         for command in ("revert", "status"):
             rc, out, err = call("--state", self.state, command)
             self.assertEqual(rc, 1)
             self.assertEqual(err, "overlay_setup: E202 journal %s is missing, but %s holds the "
                                   "backups of entries that may still be applied; restore the "
                                   "journal, or put the files back from there by hand\n"
-                                  % (os.path.join(self.state, "manifest.json"),
+                                  % (os.path.join(self.state, "journal.json"),
                                      os.path.join(self.state, "backups")))
         self.assertEqual(tree_state(self.proj), applied)
 
@@ -3515,12 +3531,33 @@ class GcStaleTest(OverlayTestCase):
         with open(source, "rb") as handle:
             self.assertEqual(handle.read(), b"int k;\n")
 
+    def test_a_state_whose_journal_version_1_0_named_manifest_json_reverts_and_is_gc_staled(
+            self) -> None:
+        # Version 1.0 named the journal manifest.json; the format is unchanged.
+        journal, old = (os.path.join(self.state, name) for name in ("journal.json",
+                                                                    "manifest.json"))
+        for command in (["--state", self.state, "revert"], ["gc-stale", "--root", self.tmp]):
+            self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+            written = read_json(journal)
+            written["owner"]["start_time"] = "1"  # gone: gc-stale reverts it
+            write_json(old, written)
+            os.unlink(journal)
+            rc, out, err = call("--state", self.state, "status")
+            self.assertEqual((rc, err), (0, ""))
+            self.assertIn("entry 1: applied, without a build\n", out)
+            rc, out, err = call(*command)
+            self.assertEqual((rc, err), (0, ""))
+            self.assertIn("reverted", out)
+            self.assertEqual(tree_state(self.proj), self.original)
+            self.assertEqual(sorted(name for name in os.listdir(self.state)
+                                    if name.endswith(".json")), ["journal.json"])
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
-        path = os.path.join(self.state, "manifest.json")
-        manifest = read_json(path)
-        manifest["owner"]["start_time"] = "1"
-        write_json(path, manifest)
+        path = os.path.join(self.state, "journal.json")
+        journal = read_json(path)
+        journal["owner"]["start_time"] = "1"
+        write_json(path, journal)
         rc, out, _ = call("gc-stale", "--root", self.tmp)
         self.assertEqual(rc, 0)
         self.assertIn("): reverted", out)
@@ -3581,8 +3618,8 @@ class TarSnapshotTest(OverlayTestCase):
                                 "--patched", os.path.join(self.proj, "fast.c"),
                                 "--invalidate-cache", self.cache, "--no-build"))
         self.assertFalse(os.path.exists(self.cache))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        self.archive = os.path.join(self.state, manifest["entries"][0]["caches"][0]["backup"])
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        self.archive = os.path.join(self.state, journal["entries"][0]["caches"][0]["backup"])
         self.assertTrue(self.archive.endswith(".tar"))
 
     def plant(self, *members) -> None:
@@ -3830,7 +3867,7 @@ class StateDirectorySafetyTest(OverlayTestCase):
                 err = run.communicate()[1]
                 if run.returncode != 0:
                     failures.append(err)
-            self.assertEqual(read_json(os.path.join(state, "manifest.json"))["tool"],
+            self.assertEqual(read_json(os.path.join(state, "journal.json"))["tool"],
                              "overlay_setup")
         self.assertEqual(failures, [])
 
@@ -3843,7 +3880,7 @@ class StateDirectorySafetyTest(OverlayTestCase):
             killed = forked_tool(["--state", self.state, "revert"],
                                  {"OVERLAY_TEST_KILL_AT": str(point)})
             self.assertEqual(killed.returncode, -9, "revert completed before the moment")
-            if (not read_json(os.path.join(self.state, "manifest.json"))["entries"]
+            if (not read_json(os.path.join(self.state, "journal.json"))["entries"]
                     and os.path.isdir(os.path.join(backups, "1"))):
                 break
         self.assertEqual(self.tool("revert"), (
@@ -3939,8 +3976,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         before = tree_state(self.proj)
         self.assertOk(self.add("--artifact", tool, "--build-cmd", "rm tool && cp fast.c tool",
                                "--build-cwd", self.proj))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        backup = os.path.join(self.state, journal["entries"][0]["artifacts"][0]["backup"])
         self.assertEqual(stat.S_IMODE(os.stat(backup).st_mode), 0o754)
         self.assertOk(self.tool("revert"))
         st = os.stat(tool)
@@ -3952,8 +3989,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         write_text_file(other, "someone's\n")
         os.chmod(other, 0o600)
         self.assertOk(self.add("--artifact", os.path.join(self.proj, "tool"), "--no-build"))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        backup = os.path.join(self.state, journal["entries"][0]["artifacts"][0]["backup"])
         os.unlink(backup)
         os.symlink(other, backup)
         applied = tree_state(self.proj)
@@ -3969,8 +4006,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         elsewhere = os.path.join(self.tmp, "elsewhere")
         write_tree(elsewhere, {"entry": "someone's\n"})
         self.assertOk(self.add("--invalidate-cache", cache, "--no-build"))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        backup = os.path.join(self.state, manifest["entries"][0]["caches"][0]["backup"])
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        backup = os.path.join(self.state, journal["entries"][0]["caches"][0]["backup"])
         shutil.rmtree(backup)
         os.symlink(elsewhere, backup)
         self.assertEqual(self.tool("revert"), (
@@ -3984,10 +4021,10 @@ class InstallFileSafetyTest(OverlayTestCase):
         write_tree(self.tmp, {"elsewhere/precious.c": "keep\n"})
         self.assertOk(self.add("--artifact", os.path.join(self.proj, "build/new.so"),
                                "--no-build"))
-        path = os.path.join(self.state, "manifest.json")
-        manifest = read_json(path)
-        manifest["entries"][0]["artifacts"][0]["path"] = precious
-        write_json(path, manifest)
+        path = os.path.join(self.state, "journal.json")
+        journal = read_json(path)
+        journal["entries"][0]["artifacts"][0]["path"] = precious
+        write_json(path, journal)
         self.assertEqual(self.tool("revert", "--force"), (
             1, "", "overlay_setup: E203 journal %s names %s outside the install roots its entry 1 "
             "recorded (%s); the journal was altered, nothing was changed\n"
@@ -4107,8 +4144,8 @@ class InstallFileSafetyTest(OverlayTestCase):
         os.rmdir(self.state)  # the backup crosses filesystems both ways
         self.assertOk(self.add("--artifact", big, "--build-cmd", "rm big.so && echo x > big.so",
                                "--build-cwd", self.proj))
-        manifest = read_json(os.path.join(self.state, "manifest.json"))
-        backup = os.path.join(self.state, manifest["entries"][0]["artifacts"][0]["backup"])
+        journal = read_json(os.path.join(self.state, "journal.json"))
+        backup = os.path.join(self.state, journal["entries"][0]["artifacts"][0]["backup"])
         self.assertLess(os.stat(backup).st_blocks * 512, 1 << 20)
         self.assertOk(self.tool("revert"))
         self.assertEqual((os.stat(big).st_size, overlay_setup.file_sha256(big)), (1 << 30, digest))
@@ -4244,7 +4281,7 @@ class BuildProcessTest(OverlayTestCase):
             if "building in" in result.stdout:
                 break
             self.assertOk(call("--state", self.state, "revert"))
-        self.assertNotIn("process", read_json(self.state + "/manifest.json")["entries"][0]["build"])
+        self.assertNotIn("process", read_json(self.state + "/journal.json")["entries"][0]["build"])
         rc, out, err = call("gc-stale")
         self.assertEqual(rc, 0, err)
         self.assertIn("): reverted\n", out)
@@ -4402,7 +4439,7 @@ class MountTest(OverlayTestCase):
                                  "--no-build", "--owner-pid", str(os.getpid()))
         self.assertEqual((rc, err), (0, ""))
         self.assertFalse(os.path.exists(cache))
-        self.assertEqual(read_json(os.path.join(self.state, "manifest.json"))["entries"][0][
+        self.assertEqual(read_json(os.path.join(self.state, "journal.json"))["entries"][0][
             "caches"][0]["method"], "tar")
         self.assertOk(self.tool("revert"))
         self.assertEqual((tree_state(self.proj), tree_state(real)), before)
@@ -4512,7 +4549,7 @@ class ClaimRaceTest(OverlayTestCase):
         with open(artifact, "rb") as handle:
             handle.seek(32 << 20)
             self.assertEqual(handle.read(), b"x", "one build ran, the winner's")
-        self.assertEqual(read_json(os.path.join(loser, "manifest.json"))["entries"], [])
+        self.assertEqual(read_json(os.path.join(loser, "journal.json"))["entries"], [])
         self.assertOk(call("--state", winner, "revert"))
         self.assertEqual(tree_state(proj), before)
 
@@ -4781,7 +4818,7 @@ class TrialTest(OverlayTestCase):
         self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "a.c"),
                                 "--patched", fast, "--no-build"))
         owner = overlay_setup.describe_owner(read_json(os.path.join(self.state,
-                                                                    "manifest.json"))["owner"])
+                                                                    "journal.json"))["owner"])
         done = self.trial()
         self.assertEqual((done.returncode, done.stdout), (1, ""))
         self.assertEqual(done.stderr, "overlay_setup: E103 a trial needs a state directory with "
