@@ -1446,6 +1446,23 @@ class PreExistingFileTest(MadePackageTest):
         self.assertEqual(self.tool("revert"), self.reverted())
         self.assertEqual(tree_state(self.pkg), before)
 
+    def test_a_program_a_script_build_relinks_is_a_build_product_backed_up_and_put_back(
+            self) -> None:
+        # One rule for what a build makes: the ELF program `helper` has no
+        # product's name, yet it is backed up like libk.so, not lost.
+        write_tree(self.pkg, {"helper.c": "int main(void) { return 0; }\n", "build.sh":
+                              "cc -O1 -fPIC -shared -o libk.so k.c && cc -o helper helper.c\n"})
+        quiet(["sh", "build.sh"], self.pkg).check_returncode()
+        age_tree(self.pkg)
+        before = tree_state(self.pkg)
+        rc, out, err = self.add("sh build.sh")
+        self.assertEqual((rc, err), (0, ""))
+        entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
+        self.assertIn(("build product", os.path.join(self.pkg, "helper")),
+                      [(record["role"], record["path"]) for record in entry["protected"]])
+        self.assertEqual(self.tool("revert"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
+
     def test_a_pre_existing_file_the_build_deletes_comes_back(self) -> None:
         before = self.link_step_runs("rm -f stale.txt", {"stale.txt": "old\n"})
         rc, out, err = self.add()
@@ -3098,7 +3115,7 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
-            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "  back up    the small files of {p} that are no build product (up to 256 KiB "
             "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
             "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj), ""))
@@ -3164,7 +3181,7 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
-            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "  back up    the small files of {p} that are no build product (up to 256 KiB "
             "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
             "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj))
