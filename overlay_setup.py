@@ -84,7 +84,7 @@ Exit codes:
      a missing input file or directory
   3  revert or gc-stale finished, but the files named are not back
      byte-exact: the build rewrote or deleted them and nothing had backed
-     them up (E506: a compiled output nothing predicted, a file over the
+     them up (E506: a build product nothing predicted, a file over the
      budget of copies), or they changed after the build and were kept (E510)
   10-14  trial: the step that failed (the install is reverted first):
      10 the reference run, 11 apply or its build, 12 the verification,
@@ -130,7 +130,7 @@ how to fix it):
         is restored or removed, E505 a path changed since it was recorded
         (a symlink in the way), E506 not byte-exact: the build rewrote or
         deleted a file nothing backed up (over the budget of copies, or
-        a compiled output nothing predicted; exit status 3), E509 an artifact
+        a build product nothing predicted; exit status 3), E509 an artifact
         or cache changed since the overlay's build, E510 a build product
         changed since the overlay's build, kept (exit status 3)
   E6xx  I/O errors during a change
@@ -213,7 +213,7 @@ BUILD_TOOLS = ("make", "gmake", "ninja", "ninja-build", "cmake")  # whose plans 
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
 # Before each build, the small pre-existing files of the build directory that
-# are no compiled output (a version file, a config, a generated module) are
+# are no build product (a version file, a config, a generated module) are
 # copied too, and after it the copies of those it left alone are dropped.  A
 # version file is some hundred bytes; each copy is fsynced (about 4 ms on
 # ext4), so 500 of them add about 2 s to a build in a large tree.
@@ -2353,12 +2353,9 @@ def ninja_query(argv: List[str], directory: str, copy: str,
 
 
 def product_files(cwd: str, excluded: List[str]) -> List[str]:
-    """Build products already in the build directory: object files, libraries
-    and depfiles anywhere, and every file under its `build/` folder (where
-    setuptools keeps its own)."""
+    """The build products (build_product) already in the build directory."""
     return [path for path, st in walk_tree(cwd, excluded, builds_only=True)
-            if not stat.S_ISDIR(st.st_mode) and (PRODUCT_RE.search(os.path.basename(path))
-                                                  or is_within(path, os.path.join(cwd, "build")))]
+            if not stat.S_ISDIR(st.st_mode) and build_product(path, [cwd])]
 
 
 def side_products(target: str) -> List[str]:
@@ -2911,7 +2908,7 @@ class NativePlan:
                   "evaluates the Makefile's $(shell ...) to answer; a real run asks once its "
                   "journal is written)" % "back up")
         if self.build is not None:
-            print("  %-10s the small files of %s that are no compiled output (up to %d KiB each, "
+            print("  %-10s the small files of %s that are no build product (up to %d KiB each, "
                   "%d files and %d MiB in all; dropped after the build for each file it left "
                   "alone)" % ("back up", ", ".join(build_trees(self.build)),
                               ORIGINAL_FILE_LIMIT >> 10, ORIGINAL_COUNT, ORIGINAL_BUDGET >> 20))
@@ -3025,8 +3022,8 @@ def back_up_originals(state: State, journal: dict, entry: dict, scanned: Dict[st
     version file the build rewrites or a file it deletes.  Nearest the build
     directory first, within ORIGINAL_FILE_LIMIT, ORIGINAL_BUDGET and
     ORIGINAL_COUNT; what lies beyond is not copied, and revert names it if
-    the build rewrote or deleted it (E506).  Not copied either: compiled
-    output (the build products that --protect and the plan back up), a file
+    the build rewrote or deleted it (E506).  Not copied either: build
+    products (build_product: --protect and the plan back them up), a file
     with other hard links (a copy would come back as a file of its own), and
     what an entry of the state records already: an update's build must not
     take the rewrite of an earlier build for the original."""
@@ -3045,7 +3042,7 @@ def back_up_originals(state: State, journal: dict, entry: dict, scanned: Dict[st
         except OSError:
             continue
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or total + st.st_size > \
-                ORIGINAL_BUDGET or compiled_output(path):
+                ORIGINAL_BUDGET or build_product(path, build_trees(entry["build"])):
             continue
         record = record_file(path, ORIGINAL)
         record["backup"] = "backups/%d/o%d-%d" % (entry["id"], entry.get("builds", 1), count)
@@ -3504,7 +3501,7 @@ class NativeEntry:
             print("warning: the build deleted files that nothing backed up, so revert cannot give "
                   "them back: %s; next time pass %s" % (", ".join(deleted), protect_flags(deleted)),
                   file=sys.stderr)
-        compiled = [path for path in rewritten if compiled_output(path)]
+        compiled = [path for path in rewritten if build_product(path, build_trees(build))]
         for paths, fate in ((compiled, "it removes them, the next build makes them again"),
                             ([path for path in rewritten if path not in compiled],
                              "it leaves them as the build wrote them")):
@@ -3765,10 +3762,13 @@ def stop_leftover_build(entry: dict) -> None:
     stop_process_group(pid)
 
 
-def compiled_output(path: str) -> bool:
-    """An object, library, depfile or program (by its name, or an ELF file):
-    what a later build could link or run stale."""
-    if PRODUCT_RE.search(os.path.basename(path)):
+def build_product(path: str, trees: List[str]) -> bool:
+    """The one rule for what a build makes: an object, library, depfile or
+    program (by its name, or an ELF file), which a later build could link or
+    run stale, or any file under the `build/` folder of a build directory in
+    `trees` (where setuptools keeps its own)."""
+    if PRODUCT_RE.search(os.path.basename(path)) or any(
+            is_within(path, os.path.join(tree, "build")) for tree in trees):
         return True
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -3861,11 +3861,12 @@ def revert_entry(state: State, journal: dict, entry: dict, keep_untracked: bool,
               file=sys.stderr)
         remove_products(rewrites, aside)
     if aside is None:
-        # A rewritten file that is no compiled output and was not copied (a
+        # A rewritten file that is no build product and was not copied (a
         # version file over the budget) stays as the build wrote it: only a
         # stale patched object or program must not be linked or run again.
         products = [product for product in products if product["created"]
-                    or product["kind"] == "d" or compiled_output(product["path"])]
+                    or product["kind"] == "d"
+                    or build_product(product["path"], build_trees(entry["build"]))]
     failures = []
     keep = set(kept)
     for record in entry_files(entry):
@@ -3910,7 +3911,7 @@ def revert_entry(state: State, journal: dict, entry: dict, keep_untracked: bool,
 
 def remove_jit_leftovers(state: State, entry: dict) -> None:
     """Remove from each JIT build directory the files that appeared since the
-    apply and that only a build makes: compiled output, ninja's .ninja_lock,
+    apply and that only a build makes: build products, ninja's .ninja_lock,
     torch's empty `lock` (an older torch waits forever on a leftover one).
     Anything else that appeared there is named and kept."""
     jit = entry.get("jit")
@@ -3930,7 +3931,8 @@ def remove_jit_leftovers(state: State, entry: dict) -> None:
             if info[0] != "f" or path in before:
                 continue
             name = os.path.basename(path)
-            if compiled_output(path) or name == ".ninja_lock" or (name == "lock" and info[1] == 0):
+            if build_product(path, build_trees(entry.get("build"))) or name == ".ninja_lock" \
+                    or (name == "lock" and info[1] == 0):
                 remove_file(path)
             else:
                 kept.append(path)

@@ -189,11 +189,27 @@ class OverlayTestCase(unittest.TestCase):
     def built_project(self, files: dict) -> str:
         """`files` written to tmp/proj and built by make a while ago
         (age_tree): the project a test patches."""
-        proj = os.path.join(self.tmp, "proj")
-        write_tree(proj, files)
-        quiet(["make"], proj).check_returncode()
-        age_tree(proj)
-        return proj
+        return self.built_copy(os.path.join(self.tmp, "proj"), files, ["make"], aged=True)
+
+    def built_copy(self, directory: str, files: dict, build: list, aged: bool = False) -> str:
+        """`directory`: `files` as the command `build` leaves them built there
+        (and aged by age_tree).  The tree is built once for the test class and
+        copied for each test, mtimes kept (copy2), so that its tests do not
+        compile the same sources again."""
+        trees = type(self).__dict__.get("built_trees")
+        if trees is None:
+            trees = type(self).built_trees = {}
+        key = (json.dumps(files, sort_keys=True), tuple(build), aged)
+        if key not in trees:
+            base = tempfile.mkdtemp(prefix="overlay-built-")
+            type(self).addClassCleanup(shutil.rmtree, base, True)
+            trees[key] = os.path.join(base, "tree")
+            write_tree(trees[key], files)
+            quiet(build, trees[key]).check_returncode()
+            if aged:
+                age_tree(trees[key])
+        shutil.copytree(trees[key], directory, symlinks=True)
+        return directory
 
     def kill_during_build(self, args: list) -> None:
         """Run the tool and SIGKILL it once its build command runs (a process
@@ -223,9 +239,7 @@ class CProjectTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, KERNELS)
-        self.make()
+        self.proj = self.built_copy(os.path.join(self.tmp, "proj"), KERNELS, ["make", "-j2"])
         self.lib = os.path.join(self.proj, "libkernels.so")
         self.patched = os.path.join(self.tmp, "kernel_b_fast.c")
         write_tree(self.tmp, {"kernel_b_fast.c": KERNELS["kernel_b.c"].replace("4.0", "7.0")})
@@ -970,10 +984,8 @@ class MadePackageTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.pkg = os.path.join(self.tmp, "pkg")
-        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
-                              "Makefile": self.MAKEFILE})
-        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        self.pkg = self.built_copy(os.path.join(self.tmp, "pkg"), {
+            "k.c": "double k(void) { return 1.0; }\n", "Makefile": self.MAKEFILE}, ["make", "-s"])
         write_tree(self.tmp, {self.PATCHED[0]: "double k(void) { return 2.0; }\n",
                               self.PATCHED[1]: "double k(void) { return 3.0; }\n"})
         self.before = tree_state(self.pkg)
@@ -1123,10 +1135,8 @@ class CrashIsACrashTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.pkg = os.path.join(self.tmp, "pkg")
-        write_tree(self.pkg, {"k.c": "double k(void) { return 1.0; }\n",
-                              "Makefile": self.MAKEFILE})
-        subprocess.run(["make", "-s", "-C", self.pkg], check=True)
+        self.pkg = self.built_copy(os.path.join(self.tmp, "pkg"), {
+            "k.c": "double k(void) { return 1.0; }\n", "Makefile": self.MAKEFILE}, ["make", "-s"])
         write_tree(self.tmp, {"fast.c": "double k(void) { return 2.0; }\n",
                               "slow.c": "/* slow */ double k(void) { return 3.0; }\n"})
         self.marker = os.path.join(self.tmp, "building")
@@ -1465,6 +1475,23 @@ class PreExistingFileTest(MadePackageTest):
         self.assertEqual(self.tool("revert"), self.reverted())
         self.assertEqual(tree_state(self.pkg), before)
 
+    def test_a_program_a_script_build_relinks_is_a_build_product_backed_up_and_put_back(
+            self) -> None:
+        # One rule for what a build makes: the ELF program `helper` has no
+        # product's name, yet it is backed up like libk.so, not lost.
+        write_tree(self.pkg, {"helper.c": "int main(void) { return 0; }\n", "build.sh":
+                              "cc -O1 -fPIC -shared -o libk.so k.c && cc -o helper helper.c\n"})
+        quiet(["sh", "build.sh"], self.pkg).check_returncode()
+        age_tree(self.pkg)
+        before = tree_state(self.pkg)
+        rc, out, err = self.add("sh build.sh")
+        self.assertEqual((rc, err), (0, ""))
+        entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
+        self.assertIn(("build product", os.path.join(self.pkg, "helper")),
+                      [(record["role"], record["path"]) for record in entry["protected"]])
+        self.assertEqual(self.tool("revert"), self.reverted())
+        self.assertEqual(tree_state(self.pkg), before)
+
     def test_a_pre_existing_file_the_build_deletes_comes_back(self) -> None:
         before = self.link_step_runs("rm -f stale.txt", {"stale.txt": "old\n"})
         rc, out, err = self.add()
@@ -1783,9 +1810,8 @@ class PatchTest(OverlayTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self.proj = os.path.join(self.tmp, "proj")
-        write_tree(self.proj, KERNELS)
-        subprocess.run(["make", "-j2", "-s", "-C", self.proj], check=True)
+        self.proj = self.built_copy(os.path.join(self.tmp, "proj"), KERNELS,
+                                    ["make", "-j2", "-s"])
         self.work = os.path.join(self.tmp, "work")
         shutil.copytree(self.proj, self.work, symlinks=True)
         git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", self.work]
@@ -2468,9 +2494,14 @@ def editable_venv(test_class: type, projects: dict) -> str:
     quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
           base).check_returncode()
     python = os.path.join(venv, "bin", "python")
+    # The projects are built by the venv's own setuptools, in one pip run:
+    # pip's build isolation would install setuptools anew for each (seconds).
+    editable = []
     for directory, files in sorted(projects.items()):
         write_tree(os.path.join(base, directory), files)
-        done = quiet([python, "-m", "pip", "install", "-q", "-e", directory], base)
+        editable += ["-e", directory]
+    for args in (["--upgrade", "setuptools>=64"], ["--no-build-isolation"] + editable):
+        done = quiet([python, "-m", "pip", "install", "-q"] + args, base)
         if done.returncode:
             raise unittest.SkipTest("pip cannot install a project editable in a venv here: "
                                     + (done.stdout.strip().splitlines() or ["no output"])[-1])
@@ -2939,16 +2970,23 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertIn("no work to do", quiet(["ninja", "-n"], cache).stdout)
 
     def setuptools_python(self) -> str:
-        """The python of a venv that has setuptools, or a skip saying why not."""
-        venv = os.path.join(self.tmp, "venv")
-        quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
-              self.tmp).check_returncode()
-        python = os.path.join(venv, "bin", "python")
-        if quiet([python, "-c", "import setuptools"], self.tmp).returncode != 0:
-            quiet([python, "-m", "ensurepip"], self.tmp)
-            if quiet([python, "-m", "pip", "install", "-q", "setuptools"], self.tmp).returncode:
-                self.skipTest("setuptools is neither importable nor installable in a venv here")
-        return python
+        """The python of a venv that has setuptools, or a skip saying why not.
+        One venv serves the whole class: the tests build in their own trees."""
+        if "setuptools_venv" not in type(self).__dict__:
+            base = tempfile.mkdtemp(prefix="overlay-setuptools-")
+            type(self).addClassCleanup(shutil.rmtree, base, True)
+            venv = os.path.join(base, "venv")
+            quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
+                  base).check_returncode()
+            python = os.path.join(venv, "bin", "python")
+            if quiet([python, "-c", "import setuptools"], base).returncode != 0:
+                quiet([python, "-m", "ensurepip"], base)
+                if quiet([python, "-m", "pip", "install", "-q", "setuptools"], base).returncode:
+                    python = None
+            type(self).setuptools_venv = python
+        if type(self).setuptools_venv is None:
+            self.skipTest("setuptools is neither importable nor installable in a venv here")
+        return type(self).setuptools_venv
 
     def test_setuptools_extension_that_falls_back_when_it_does_not_compile(self) -> None:
         # As markupsafe's setup.py does for its speedups: a compile error is
@@ -3106,7 +3144,7 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
-            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "  back up    the small files of {p} that are no build product (up to 256 KiB "
             "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
             "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj), ""))
@@ -3172,7 +3210,7 @@ class ProtectTest(OverlayTestCase):
             "  back up    the build products make -n -W names (not asked by --dry-run: make "
             "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
             "is written)\n"
-            "  back up    the small files of {p} that are no compiled output (up to 256 KiB "
+            "  back up    the small files of {p} that are no build product (up to 256 KiB "
             "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
             "alone)\n"
             "  build      make (in {p})\n").format(p=self.proj))

@@ -20,22 +20,40 @@ SYMBOLS = ["llmops_abi_version", "llmops_error_string", "llmops_rmsnorm_f32",
 
 
 class IncrementalBuildTest(unittest.TestCase):
-    """Builds a copy of the backend directory so that sources can be touched."""
+    """Builds a copy of the backend directory so that sources can be touched.
+
+    The copy is built once for the class; each test starts from that build,
+    copied back to the same place (the depfiles name objects by absolute
+    path) with its mtimes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="llmops-cpu-build-")
+        cls.addClassCleanup(cls.tmp.cleanup)
+        cls.work = os.path.join(cls.tmp.name, "work")
+        cls.src = os.path.join(cls.work, "llm_ops")
+        shutil.copytree(BACKEND_DIR, cls.src,
+                        ignore=shutil.ignore_patterns("tests", "__pycache__"))
+        cls.out = os.path.join(cls.work, "out")
+        cls.obj = os.path.join(cls.out, "obj")
+        result = cls.run_build()
+        if result.returncode != 0:
+            raise AssertionError("build.sh failed:\n" + result.stdout)
+        cls.built = os.path.join(cls.tmp.name, "built")
+        shutil.copytree(cls.work, cls.built, symlinks=True)
 
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory(prefix="llmops-cpu-build-")
-        self.addCleanup(self.tmp.cleanup)
-        self.src = os.path.join(self.tmp.name, "llm_ops")
-        shutil.copytree(BACKEND_DIR, self.src,
-                        ignore=shutil.ignore_patterns("tests", "__pycache__"))
-        self.out = os.path.join(self.tmp.name, "out")
-        self.obj = os.path.join(self.out, "obj")
-        self.build()
+        shutil.rmtree(self.work)
+        shutil.copytree(self.built, self.work, symlinks=True)
+
+    @classmethod
+    def run_build(cls, *extra):
+        return subprocess.run([os.path.join(cls.src, "build.sh"), cls.out] + list(extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True)
 
     def build(self, *extra):
-        result = subprocess.run([os.path.join(self.src, "build.sh"), self.out] + list(extra),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                universal_newlines=True)
+        result = self.run_build(*extra)
         self.assertEqual(result.returncode, 0, result.stdout)
         return result.stdout
 
