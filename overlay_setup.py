@@ -115,7 +115,7 @@ how to fix it):
         E206 state path is not an overlay state directory, E207 no overlay yet,
         E208 no overlay here but applied ones elsewhere, E209 a registered
         state directory whose journal is gone, E210 the state directory
-        cannot be written, E211 update of an entry whose run was killed
+        cannot be written, E211 update of an entry whose run stopped
         before its build finished
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
@@ -4483,7 +4483,7 @@ def cmd_update(args: argparse.Namespace) -> int:
             # The run is gone (we hold the lock): what appeared since its build
             # began cannot be told from the user's files, which revert moves
             # aside and a completed build would count as its own products.
-            raise OverlayError("E211", "entry %d's last run was killed before its build finished, "
+            raise OverlayError("E211", "entry %d's last run stopped before its build finished, "
                                "so what appeared in %s since may be your own; a new build would "
                                "take it for its products: run `%s revert` (it stops the build "
                                "left running, moves those files aside and restores the rest), "

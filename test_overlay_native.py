@@ -1216,7 +1216,7 @@ class CrashIsACrashTest(OverlayTestCase):
             journal = read_json(os.path.join(self.state, "journal.json"))
             rc, out, err = self.tool("update", "--patched", os.path.join(self.tmp, "fast.c"))
             self.assertEqual((rc, out, err), (1, "", (
-                "overlay_setup: E211 entry 1's last run was killed before its build finished, so what "
+                "overlay_setup: E211 entry 1's last run stopped before its build finished, so what "
                 "appeared in %s since may be your own; a new build would take it for its "
                 "products: run `overlay_setup.py --state %s revert` (it stops the build left "
                 "running, moves those files aside and restores the rest), then apply again\n"
