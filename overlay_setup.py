@@ -1056,7 +1056,7 @@ class State:
         # Version 1.0's journal, which this one replaces; also one that a run
         # killed before this removal left beside it, stale, for 1.0 to act on.
         old = os.path.join(self.root, OLD_JOURNAL_NAME)
-        if os.path.lexists(old):
+        if os.path.lexists(old) and not os.path.isdir(old):  # a folder of that name is no journal
             os.unlink(old)
             fsync_dir(self.root)
 

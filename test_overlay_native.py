@@ -3614,6 +3614,14 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(sorted(name for name in os.listdir(self.state)
                                 if name.endswith(".json")), ["journal.json"])
 
+    def test_a_folder_named_manifest_json_in_the_state_is_no_journal_and_stays(self) -> None:
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        os.mkdir(os.path.join(self.state, "manifest.json"))
+        rc, out, err = call("--state", self.state, "revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(tree_state(self.proj), self.original)
+        self.assertTrue(os.path.isdir(os.path.join(self.state, "manifest.json")))
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "journal.json")
