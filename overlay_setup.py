@@ -4810,12 +4810,15 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             failures += 1
             vanished = vanished_state(State(directory))
             print("overlay_setup: %s %s" % (vanished.code, vanished.message), file=sys.stderr)
-    for directory in sorted(set(find_state_dirs(root) + registered)):
+    directories = sorted(set(find_state_dirs(root) + registered))
+    reported = False  # a line said what became of a state directory
+    for directory in directories:
         state = State(directory)
         try:
             state.check_safe()
             if not state.try_lock("gc-stale"):
                 print("live: %s (locked by %s)" % (directory, state.holder()))
+                reported = True
                 continue
             try:
                 journal = state.load()
@@ -4829,9 +4832,11 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                 crashed = interrupted(journal)
                 if liveness != "gone" and crashed is None:
                     print("live: %s (owner %s)" % (directory, describe_owner(journal["owner"])))
+                    reported = True
                     continue
                 why = "owner %s%s" % (describe_owner(journal["owner"]), "" if liveness == "gone"
                                       else "; the run %s stopped halfway" % crashed)
+                reported = True
                 if args.dry_run:
                     print("stale: %s (%s): would revert" % (directory, why))
                     continue
@@ -4851,6 +4856,12 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             print("overlay_setup: E601 %s: could not write %s (%s); run `overlay_setup.py "
                   "gc-stale` again once the cause is fixed" % (directory, written(exc),
                                                               exc.strerror), file=sys.stderr)
+    if not reported and not failures:
+        # Silence would not tell "nothing stale" from "looked nowhere".
+        print("nothing stale: %d state director%s with nothing applied under %s or in the "
+              "registry" % (len(directories), "y" if len(directories) == 1 else "ies", root)
+              if directories else "nothing stale: no state directory under %s or in the registry"
+              % root)
     if failures:
         print("overlay_setup: %d state director%s refused or failed; see above"
               % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)

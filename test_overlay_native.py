@@ -3622,6 +3622,15 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), self.original)
         self.assertTrue(os.path.isdir(os.path.join(self.state, "manifest.json")))
 
+    def test_with_nothing_stale_it_says_so_and_where_it_looked(self) -> None:
+        self.assertEqual(call("gc-stale", "--root", self.proj), (
+            0, "nothing stale: no state directory under %s or in the registry\n" % self.proj, ""))
+        self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
+        self.assertOk(call("--state", self.state, "revert"))
+        self.assertEqual(call("gc-stale", "--root", self.tmp, "--dry-run"), (
+            0, "nothing stale: 1 state directory with nothing applied under %s or in the "
+               "registry\n" % self.tmp, ""))
+
     def test_reused_pid_with_another_start_time_counts_as_gone(self) -> None:
         self.assertEqual(self.apply(owner=os.getpid()).returncode, 0)
         path = os.path.join(self.state, "journal.json")
