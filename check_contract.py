@@ -385,12 +385,12 @@ class Repository:
         return real == self.real_root or real.startswith(self.real_root.rstrip("/") + "/")
 
 
-def run_git(top, *args):
-    """The output of a git command run in `top`, or None when git cannot be
-    run there or fails."""
+def run_git(top, *args, env=None):
+    """The output of a git command run in `top` (None: here) with `env`
+    (None: this process's), or None when git cannot be run there or fails."""
     import subprocess
     try:
-        done = subprocess.run(("git",) + args, cwd=top, stdin=subprocess.DEVNULL,
+        done = subprocess.run(("git",) + args, cwd=top, env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
     except OSError:
         return None
@@ -5013,18 +5013,12 @@ def copy_git(root, copy):
     the checkout, and HEAD's tree as its index.  Where git cannot make it,
     the copy has none."""
     import shutil
-    import subprocess
     # No GIT_* variable of the caller's (a hook's GIT_DIR, GIT_INDEX_FILE)
     # reaches git: each call acts on the repository its arguments name.
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
 
     def git(*args):
-        try:
-            done = subprocess.run(("git",) + args, env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False)
-        except OSError:
-            return None
-        return done.stdout if done.returncode == 0 else None
+        return run_git(None, *args, env=env)
 
     top = git("-C", root, "rev-parse", "--show-toplevel")
     if top is None or os.path.realpath(os.fsdecode(top.strip())) != os.path.realpath(root):

@@ -3117,6 +3117,17 @@ class RealBuildSystemTest(OverlayTestCase):
         return int(version.split(".")[0])
 
 
+# How the --dry-run plan of a make build in {p} ends: make is not asked.
+MAKE_PLAN_END = (
+    "  back up    the build products make -n -W names (not asked by --dry-run: make "
+    "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
+    "is written)\n"
+    "  back up    the small files of {p} that are no build product (up to 256 KiB "
+    "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
+    "alone)\n"
+    "  build      make (in {p})\n")
+
+
 class ProtectTest(OverlayTestCase):
     """What the build will rewrite is backed up, planned, bounded and reported."""
 
@@ -3141,13 +3152,7 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  back up    {p}/b.c (source)\n"
             "  back up    {p}/libk.so (artifact)\n"
-            "  back up    the build products make -n -W names (not asked by --dry-run: make "
-            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
-            "is written)\n"
-            "  back up    the small files of {p} that are no build product (up to 256 KiB "
-            "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
-            "alone)\n"
-            "  build      make (in {p})\n").format(p=self.proj), ""))
+            + MAKE_PLAN_END).format(p=self.proj), ""))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
@@ -3207,13 +3212,7 @@ class ProtectTest(OverlayTestCase):
             "  patch      {p}/b.c\n"
             "  overlay    module pkg.m from {p}/pkg/m.py (Python overlay)\n"
             "  back up    {p}/b.c (source)\n"
-            "  back up    the build products make -n -W names (not asked by --dry-run: make "
-            "evaluates the Makefile's $(shell ...) to answer; a real run asks once its journal "
-            "is written)\n"
-            "  back up    the small files of {p} that are no build product (up to 256 KiB "
-            "each, 500 files and 16 MiB in all; dropped after the build for each file it left "
-            "alone)\n"
-            "  build      make (in {p})\n").format(p=self.proj))
+            + MAKE_PLAN_END).format(p=self.proj))
         self.assertEqual(tree_state(self.proj), before)
         self.assertFalse(os.path.exists(self.state))
 
