@@ -792,12 +792,15 @@ SESSION_WRAPPERS = ("sudo", "su", "setsid", "runuser")  # each starts a session 
 
 def default_owner() -> int:
     """The leader of this session, looking through the wrappers that start
-    a session of their own; the parent process when there is no usable one
-    (no leader left, or the system's init, which never goes away).  A
-    program that leads its session and imports this module is the owner of
-    what it applies, as it is of the commands it starts."""
+    a session of their own.  Where there is no usable leader (none left, the
+    system's init, which never goes away, or one outside this pid namespace,
+    for which getsid() answers 0), the process that started this command.
+    A program that imports this module owns what it applies when it leads
+    its session or sees no usable leader, as it owns the commands it starts;
+    0 when nothing can own it (pid 1 of a namespace has no parent)."""
     pid = os.getpid()
-    if __name__ != "__main__" and os.getsid(0) == pid:
+    imported = __name__ != "__main__"
+    if imported and os.getsid(0) == pid:
         return pid
     for _ in range(8):
         try:
@@ -811,7 +814,7 @@ def default_owner() -> int:
         pid = parent_of(leader)
         if pid <= 1:
             break
-    return os.getppid()
+    return os.getpid() if imported else os.getppid()
 
 
 def make_owner(pid: int) -> dict:
@@ -1252,9 +1255,20 @@ def interrupted(journal: dict) -> Optional[str]:
     return None
 
 
-def claim_owner(state: State, journal: dict, owner_pid: Optional[int]) -> None:
+def resolve_owner(owner_pid: Optional[int]) -> dict:
+    """The owner a command records: --owner-pid, or default_owner().  Called
+    before the state directory is made, so that a refusal leaves nothing."""
+    if owner_pid is None:
+        owner_pid = default_owner()
+        if owner_pid <= 0:
+            raise UsageError("E108", "no process can own this overlay: this one is pid 1 of its "
+                             "namespace and has no parent; pass --owner-pid with the pid of the "
+                             "process that uses the overlay")
+    return make_owner(owner_pid)
+
+
+def claim_owner(state: State, journal: dict, owner: dict) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
-    owner = make_owner(owner_pid if owner_pid is not None else default_owner())
     current = journal.get("owner")
     if anything_applied(journal) and current and (
             current.get("pid"), current.get("start_time"), current.get("host")) != (
@@ -4148,9 +4162,10 @@ def unwritable_state(state: State, exc: OSError) -> OverlayError:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    owner = resolve_owner(args.owner_pid)
     state = open_state(args)
     with Locked(state, "init") as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         state.save(journal)
         write_python_overlay(state, journal)
     print("overlay state ready at %s (owner %s)" % (state.root, describe_owner(journal["owner"])))
@@ -4159,10 +4174,11 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_add_python(args: argparse.Namespace) -> int:
     check_module_name(args.module, "MODULE")
+    owner = resolve_owner(args.owner_pid)
     state = open_state(args)
     content = read_input(args.file, "", "; pass a readable Python file")
     with Locked(state, "add-python") as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         stage_python_module(state, journal, args.module, content, None,
                             os.path.abspath(args.file))
         state.save(journal)
@@ -4179,9 +4195,10 @@ def cmd_rebind(args: argparse.Namespace) -> int:
         if not colon or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", attr):
             raise UsageError("E105", "%s %r must look like pkg.mod:attr" % (what, spec))
         check_module_name(module, what)
+    owner = resolve_owner(args.owner_pid)
     state = open_state(args)
     with Locked(state, "rebind") as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         if args.target in journal["python"]["rebinds"]:
             raise OverlayError("E103", "%s is already rebound; run `%s revert` first"
                                % (args.target, tool_at(state)))
@@ -4257,8 +4274,9 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     plan = NativePlan(state, args, [(source, patched)], artifacts, caches, build)
     if args.dry_run:
         return plan.dry_run()
+    owner = resolve_owner(args.owner_pid)
     with Locked(state, "add-native") as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         plan.check(journal)
         entry = plan.run(journal, "add-native")
     here = tool_at(state)
@@ -4399,8 +4417,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
                       [(module, origin) for module, _, _, origin in modules])
     if args.dry_run:
         return plan.dry_run()
+    owner = resolve_owner(args.owner_pid)
     with Locked(state, "apply") as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         for module, _content, _package, _origin in modules:
             if module in journal["python"]["modules"]:
                 raise OverlayError("E103", "module %s is already overlaid; run `%s revert` "
@@ -4469,10 +4488,11 @@ def cmd_update(args: argparse.Namespace) -> int:
         raise UsageError("E109", "pass a PATCH or --patched FILE, not both")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise UsageError("E109", "--timeout must be a positive number of seconds")
+    owner = resolve_owner(args.owner_pid)
     state = open_state(args)
     require_overlay(args, state, "update")
     with Locked(state, "update", create=False) as journal:
-        claim_owner(state, journal, args.owner_pid)
+        claim_owner(state, journal, owner)
         natives = [entry for entry in journal["entries"]
                    if args.entry is None or entry["id"] == args.entry]
         if not natives:

@@ -582,9 +582,14 @@ class CProjectTest(OverlayTestCase):
     def test_dead_owner_pid_is_a_usage_error(self) -> None:
         dead = subprocess.Popen(["true"])
         dead.wait()
-        self.assertEqual(self.tool("init", "--owner-pid", str(dead.pid)), (
-            2, "", "overlay_setup: E108 --owner-pid %d is not a running process; pass the pid of "
-            "the process that owns this overlay\n" % dead.pid))
+        for command in (["init"], ["add-python", "m", self.patched],
+                        ["add-native", "--source", self.p("kernel_a.c"), "--patched",
+                         self.patched, "--no-build"]):
+            with self.subTest(command=command[0]):
+                self.assertEqual(self.tool(*command, "--owner-pid", str(dead.pid)), (
+                    2, "", "overlay_setup: E108 --owner-pid %d is not a running process; pass the "
+                    "pid of the process that owns this overlay\n" % dead.pid))
+                self.assertFalse(os.path.exists(self.state), "refused, yet the state was made")
 
     def test_state_option_is_accepted_after_the_subcommand_and_from_the_environment(self) -> None:
         self.assertOk(call("init", "--state", self.state))
@@ -3387,25 +3392,69 @@ class GcStaleTest(OverlayTestCase):
         self.assertOk(call("gc-stale", "--root", self.tmp))
         self.assertEqual(tree_state(self.proj), self.original)
 
-    def test_a_program_leading_its_session_owns_what_it_applies_in_process_and_by_command(
-            self) -> None:
-        # An optimizer started with setsid imports the tool for one step and
-        # runs it as a command for the next: both are the same owner.
-        program = ("import subprocess, sys\nsys.path.insert(0, sys.argv[1])\n"
+    def apply_in_process_then_by_command(self, prefix: list = (), hide_session: bool = False,
+                                         **popen) -> None:
+        """An optimizer imports the tool for one step and runs it as a command
+        for the next: both steps must be the same owner.  With `hide_session`
+        getsid() answers 0 in both, as it does where the session leader lies
+        outside the pid namespace (a container started from outside)."""
+        hide = "import os\nos.getsid = lambda pid: 0\n" if hide_session else ""
+        program = (hide + "import subprocess, sys\nsys.path.insert(0, sys.argv[1])\n"
                    "import overlay_setup\n"
                    "rc = overlay_setup.main(sys.argv[3:5] + ['add-python', 'm', sys.argv[5]])\n"
-                   "update = subprocess.run([sys.executable, sys.argv[2]] + sys.argv[3:5] + "
-                   "['add-python', 'n', sys.argv[5]], stderr=subprocess.PIPE, "
+                   "command = [sys.executable, '-c', %r, sys.argv[2]] + sys.argv[3:5] + "
+                   "['add-python', 'n', sys.argv[5]]\n"
+                   "update = subprocess.run(command, stderr=subprocess.PIPE, "
                    "universal_newlines=True)\n"
-                   "print(rc, update.returncode, update.stderr.strip())\n")
+                   "print(rc, update.returncode, update.stderr.strip())\n"
+                   % (hide + "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+                      "runpy.run_path(sys.argv[0], run_name='__main__')\n"))
         module = os.path.join(self.tmp, "m.py")
         write_tree(self.tmp, {"m.py": "X = 1\n"})
-        result = subprocess.run([sys.executable, "-c", program, os.path.dirname(TOOL), TOOL,
-                                 "--state", self.state, module], start_new_session=True,
+        result = subprocess.run(list(prefix) + [sys.executable, "-c", program,
+                                                os.path.dirname(TOOL), TOOL, "--state",
+                                                self.state, module],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                universal_newlines=True, timeout=120)
-        self.assertEqual(result.stdout.splitlines()[-1], "0 0 ", result.stdout)
+                                universal_newlines=True, timeout=120, **popen)
+        self.assertEqual(result.stdout.splitlines()[-1:], ["0 0 "], result.stdout)
         self.assertOk(call("--state", self.state, "revert"))
+
+    def test_a_program_leading_its_session_owns_what_it_applies_in_process_and_by_command(
+            self) -> None:
+        self.apply_in_process_then_by_command(start_new_session=True)
+
+    def test_with_no_session_leader_in_sight_a_program_owns_what_it_applies_both_ways(
+            self) -> None:
+        self.apply_in_process_then_by_command(hide_session=True)
+
+    def in_pid_namespace(self, pid_1_waits: bool) -> list:
+        """The command line that runs what follows it in a new pid namespace,
+        whose session began outside it (so getsid() answers 0); with
+        `pid_1_waits` a shell is pid 1 there, else what follows is."""
+        unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--"]
+        if pid_1_waits:
+            unshare += ["sh", "-c", '"$@"; :', "sh"]
+        probe = subprocess.run(unshare + ["true"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        if probe.returncode != 0:
+            self.skipTest("cannot make a pid namespace here (unshare --pid needs privileges)")
+        return unshare
+
+    def test_in_a_pid_namespace_a_program_owns_what_it_applies_both_ways(self) -> None:
+        self.apply_in_process_then_by_command(self.in_pid_namespace(pid_1_waits=True))
+
+    def test_pid_1_of_a_namespace_is_told_to_name_the_owner_and_changes_nothing(self) -> None:
+        result = subprocess.run(self.in_pid_namespace(pid_1_waits=False) + [
+            sys.executable, TOOL, "--state", self.state, "add-native", "--source",
+            os.path.join(self.proj, "k.c"), "--patched", os.path.join(self.proj, "fast.c"),
+            "--no-build"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            universal_newlines=True)
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (
+            2, "", "overlay_setup: E108 no process can own this overlay: this one is pid 1 of its "
+            "namespace and has no parent; pass --owner-pid with the pid of the process that "
+            "uses the overlay\n"))
+        self.assertFalse(os.path.exists(self.state))
+        self.assertEqual(tree_state(self.proj), self.original)
 
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
         killed = run_tool(["--state", self.state, "add-native", "--source",
