@@ -4907,8 +4907,9 @@ def launcher_command(unshare, config):
 
 class TraceSession:
     """What the runs of one trace or init command share: the temporary
-    directory, the snapshot of the repository (copied once), how scripts
-    are isolated, and the checkout's state, which every run is checked
+    directory, the snapshot of the repository (copied once), the compiler
+    shims (made again only after a run changed them), how scripts are
+    isolated, and the checkout's state, which every run is checked
     against."""
 
     def __init__(self, repo):
@@ -4919,6 +4920,7 @@ class TraceSession:
         self.snapshot = os.path.join(self.top, "snapshot")
         self.run_dir = os.path.join(self.top, "run")
         self.toolkit = os.path.join(self.top, "toolkit")
+        self.shims = None
         os.mkdir(self.snapshot)
         copy_repository(repo.root, self.snapshot)
         self.snapshot_state = tree_state(self.snapshot)
@@ -4944,6 +4946,8 @@ class TraceSession:
 
     def close(self):
         import shutil
+        if self.shims is not None:
+            self.shims.close()
         shutil.rmtree(self.top, ignore_errors=True)
 
 
@@ -5192,20 +5196,21 @@ def written_files(out):
 
 
 def trace_script(session, backend, arch, timeout, stream):
-    """Run the backend's build script under fresh shims, `<script> <out>`
-    or, with arch, `<script> <out> <arch>`, on a fresh copy of the snapshot,
-    and return the Trace of that run."""
+    """Run the backend's build script under the session's shims, `<script>
+    <out>` or, with arch, `<script> <out> <arch>`, on a fresh copy of the
+    snapshot, and return the Trace of that run."""
     import shutil
     top = session.run_dir
     copy, out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
         "repo", "out", "home", "tmp", "calls", "xtrace", "status"))
-    shims = None
     try:
         os.mkdir(top)
         for path in (home, tmp, log):
             os.mkdir(path)
         shutil.copytree(session.snapshot, copy, symlinks=True)
-        shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
+        if session.shims is None:  # the shims name the same log and xtrace paths every run
+            session.shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
+        shims = session.shims
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.defpath)
@@ -5234,6 +5239,9 @@ def trace_script(session, backend, arch, timeout, stream):
                       binaries, out, places)
         trace.commands = lines
         trace.tampered = shims.changes()
+        if trace.tampered:  # the next run gets shims made anew
+            shims.close()
+            session.shims = None
         trace.tampered += ["the call log's %s" % o for o in odd]
         trace.tampered += ["bash's trace (%s)" % xtrace_problem] if xtrace_problem else []
         trace.tampered += [out_problem] if out_problem else []
@@ -5249,8 +5257,6 @@ def trace_script(session, backend, arch, timeout, stream):
         session.checkout = checkout
         return trace
     finally:
-        if shims is not None:
-            shims.close()
         shutil.rmtree(top, ignore_errors=True)
 
 

@@ -292,6 +292,18 @@ def script_scaling(repeat):
           % (small, small_time, large, large_time, large / small, large_time / small_time))
 
 
+def trace_times(root, repeat, baseline):
+    """`trace` over every backend of root, interleaved with the baseline's:
+    the best of each, in seconds (None for a version not timed)."""
+    versions = [CHECKER] + ([baseline] if baseline else [])
+    times = {version: [] for version in versions}
+    for _ in range(repeat):
+        for version in versions:
+            # trace exits 1 on the findings of the generated scripts: not checked.
+            times[version].append(timed([sys.executable, version, "--root", root, "trace"])[0])
+    return min(times[CHECKER]), min(times[baseline]) if baseline else None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="30,1000,4000",
@@ -301,6 +313,9 @@ def main(argv=None):
     parser.add_argument("--keep", metavar="DIR", help="generate the trees in DIR and keep them")
     parser.add_argument("--baseline", metavar="CHECKER",
                         help="also time this other version of check_contract.py, interleaved")
+    parser.add_argument("--trace", action="store_true",
+                        help="also time `trace` (every build script run twice, under the shims) "
+                             "over the smallest tree")
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -335,6 +350,13 @@ def main(argv=None):
                 print("%9s %9.3f %9s %9s %14.2fx %12s %13.2fx  (--baseline)" % (
                     "", result["baseline"], "", "", result["baseline"] / result["reader"], "",
                     result["baseline paired"]), flush=True)
+        if args.trace:
+            size = min(sizes)
+            this, other = trace_times(os.path.join(base, "tree-%d" % size), args.repeat,
+                                      args.baseline)
+            print("trace over %d backends, best of %d: %.2f s%s" % (
+                size, args.repeat, this,
+                "" if other is None else "; --baseline %.2f s, %.2fx as long" % (other, other / this)))
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
