@@ -4913,7 +4913,8 @@ def trial_watched(root: str, build_cwd: str, build_cmd: Optional[str],
 def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tuple]:
     """Every file, link and directory under `roots` (directories, or single
     files) by kind, mode, size, mtime and content, to prove a revert gave the
-    install back."""
+    install back.  A directory's size is left out: on tmpfs, btrfs and xfs it
+    counts the entries, which are listed themselves."""
     found: Dict[str, tuple] = {}
     for root in roots:
         if any(is_within(root, path) for path in excluded) or not os.path.lexists(root):
@@ -4922,9 +4923,10 @@ def install_fingerprint(roots: List[str], excluded: List[str]) -> Dict[str, tupl
         for path, st in [(root, st)] + (list(walk_tree(root, excluded))
                                         if stat.S_ISDIR(st.st_mode) else []):
             if path not in found:
-                content = file_sha256(path) if not stat.S_ISDIR(st.st_mode) else None
+                folder = stat.S_ISDIR(st.st_mode)
                 found[path] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
-                               st.st_size, st.st_mtime_ns, content)
+                               None if folder else st.st_size, st.st_mtime_ns,
+                               None if folder else file_sha256(path))
     return found
 
 

@@ -5024,6 +5024,17 @@ class TrialTest(OverlayTestCase):
                       "the install is not as it was before (exit status 14)\n" % self.proj,
                       done.stdout)
 
+    @unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
+    def test_on_tmpfs_a_file_written_into_the_install_is_the_one_difference(self) -> None:
+        # tmpfs (as btrfs and xfs) gives a directory the size of its entries:
+        # the folder the candidate wrote into differs by size alone.
+        shm = tempfile.mkdtemp(prefix="overlay-test-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, shm, True)
+        self.proj = self.built_copy(os.path.join(shm, "proj"), TRIAL_PROJECT, ["make"], aged=True)
+        self.lib = os.path.join(self.proj, "libk.so")
+        self.probe[-1] = self.lib
+        self.test_a_stopped_trial_whose_install_differs_does_not_exit_as_reverted()
+
     def test_no_line_inside_a_trial_says_to_run_revert(self) -> None:
         done = self.trial()
         self.assertEqual(done.returncode, 0, done.stderr)
