@@ -2177,33 +2177,45 @@ def forked_tool(args: list, env: dict = None, own: bool = False) -> subprocess.C
     """run_tool without starting an interpreter: main() runs in a fork of this
     process, which a kill point or a signal ends as it would a run of the
     script.  The status is subprocess's: -N when signal N ended the run."""
+    return forked_tools([args], env, own)[0]
+
+
+def forked_tools(runs: list, env: dict = None, own: bool = False) -> list:
+    """forked_tool for each argument list of `runs`, all running at once."""
     sys.stdout.flush()
     sys.stderr.flush()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        pid = os.fork()
-        if pid == 0:  # the run: it never returns into the test runner
-            status = 70
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout = open(1, "w", closefd=False)
-                sys.stderr = open(2, "w", closefd=False)
-                os.environ.pop("OVERLAY_STATE", None)
-                os.environ.update(env or {})
-                status = overlay_setup.main(args + (["--owner-pid", str(os.getpid())] if own
-                                                    else []))
-                sys.stdout.flush()
-                sys.stderr.flush()
-            except BaseException:
-                with contextlib.suppress(BaseException):
-                    traceback.print_exc()
+    with contextlib.ExitStack() as files:
+        started = []
+        for args in runs:
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            pid = os.fork()
+            if pid == 0:  # the run: it never returns into the test runner
+                status = 70
+                try:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(err.fileno(), 2)
+                    sys.stdout = open(1, "w", closefd=False)
+                    sys.stderr = open(2, "w", closefd=False)
+                    os.environ.pop("OVERLAY_STATE", None)
+                    os.environ.update(env or {})
+                    status = overlay_setup.main(args + (["--owner-pid", str(os.getpid())]
+                                                        if own else []))
+                    sys.stdout.flush()
                     sys.stderr.flush()
-            finally:
-                os._exit(status)
-        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(args, status, out.read(), err.read())
+                except BaseException:
+                    with contextlib.suppress(BaseException):
+                        traceback.print_exc()
+                        sys.stderr.flush()
+                finally:
+                    os._exit(status)
+            started.append((args, pid, out, err))
+        done = []
+        for args, pid, out, err in started:
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(args, status, out.read(), err.read()))
+        return done
 
 
 def processes_working_in(root: str) -> list:
@@ -3986,14 +3998,8 @@ class StateDirectorySafetyTest(OverlayTestCase):
         failures = []
         for round_number in range(4):
             state = os.path.join(self.tmp, "new%d" % round_number, "state")
-            runs = [subprocess.Popen([sys.executable, TOOL, "--state", state, "init",
-                                      "--owner-pid", str(os.getpid())],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     universal_newlines=True) for _ in range(10)]
-            for run in runs:
-                err = run.communicate()[1]
-                if run.returncode != 0:
-                    failures.append(err)
+            runs = forked_tools([["--state", state, "init", "--owner-pid", str(os.getpid())]] * 10)
+            failures += [run.stderr for run in runs if run.returncode != 0]
             self.assertEqual(read_json(os.path.join(state, "journal.json"))["tool"],
                              "overlay_setup")
         self.assertEqual(failures, [])
