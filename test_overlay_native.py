@@ -4882,9 +4882,9 @@ class TrialTest(OverlayTestCase):
     def trial(self, *extra: str, command: list = None, env: dict = None,
               patch: str = None, native: bool = True) -> subprocess.CompletedProcess:
         build = ["--artifact", self.lib, "--build-cmd", "make", "--build-cwd", self.proj]
-        return run_tool(["--state", self.state, "trial", patch or self.diff, "--root", self.proj]
-                        + (build if native else []) + list(extra) + ["--"]
-                        + (command or self.probe), env=env)
+        return forked_tool(["--state", self.state, "trial", patch or self.diff, "--root",
+                            self.proj] + (build if native else []) + list(extra) + ["--"]
+                           + (command or self.probe), env=env)
 
     def test_repeat_prints_each_side_s_spread_and_the_ratio_of_the_medians(self) -> None:
         done = self.trial("--repeat", "3")
