@@ -1545,7 +1545,7 @@ class ReaderHonestyTest(TreeTest):
                    "when the script ends (moved or removed after); leave build.output there")
         self.assertIssue("B013", message)
         self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
-                      'mv "$(dirname "$1")/$(basename "$1")/libfat.so" /tmp/x-$$.so\n')
+                      'mv "$(dirname "$1")/$(basename "$1")/libfat.so" "$TMPDIR/x-$$.so"\n')
         self.assertClean()  # the reader cannot see that this names the library
         rc, out, err = self.check("trace", "--format", "json")
         self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]],

@@ -4,6 +4,7 @@ for tar snapshots.  No GPU needed."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import difflib
 import hashlib
@@ -146,6 +147,12 @@ def run_tool(args: list, env: dict = None, cwd: str = None, own: bool = False):
 # home's during the tests (each test case gets its own below).
 _REGISTRY_HOME = tempfile.mkdtemp(prefix="overlay-test-xdg-")
 os.environ["XDG_STATE_HOME"] = _REGISTRY_HOME
+
+
+@atexit.register
+def _remove_registry_home(pid: int = os.getpid()) -> None:
+    if os.getpid() == pid:  # not in a fork of the test process
+        shutil.rmtree(_REGISTRY_HOME, True)
 
 
 def registry_entries() -> list:
