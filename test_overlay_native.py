@@ -3450,6 +3450,8 @@ class GcStaleTest(OverlayTestCase):
         """The command line that runs what follows it in a new pid namespace,
         whose session began outside it (so getsid() answers 0); with
         `pid_1_waits` a shell is pid 1 there, else what follows is."""
+        if shutil.which("unshare") is None:
+            self.skipTest("unshare is not installed (util-linux)")
         unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--"]
         if pid_1_waits:
             unshare += ["sh", "-c", '"$@"; :', "sh"]
