@@ -4772,8 +4772,9 @@ class Shims:
             handle.write(TRACE_SHIM % {"log": shell_quote(log), "nvcc_version": shell_quote(
                 nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
                 "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
+        # Hard links, not symbolic ones: a link costs a directory entry, not an inode.
         for name in sorted(shim_names()):
-            os.symlink(".shim", os.path.join(bin_dir, name))
+            os.link(shim, os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
         with open(os.path.join(self.toolkit, "lib", "shim.so"), "wb") as handle:
             handle.write(SHIM_LIBRARY)
@@ -4782,19 +4783,30 @@ class Shims:
         with open(self.bash_env, "w", encoding="utf-8") as handle:
             handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
         self._chmod(0o444, 0o555)
-        self.state = tree_state(toolkit)
+        self.state = self._state()
 
     def _chmod(self, file_mode, dir_mode):
+        shim = os.path.join(self.toolkit, "bin", ".shim")
         for top, dirs, files in os.walk(self.toolkit):
             for name in dirs + files:
                 path = os.path.join(top, name)
-                if not os.path.islink(path):
-                    os.chmod(path, dir_mode if name in dirs or name == ".shim" else file_mode)
+                if not os.path.islink(path) and (path == shim or name in dirs or not (
+                        os.path.lexists(shim) and os.path.samefile(path, shim))):
+                    os.chmod(path, dir_mode if name in dirs or path == shim else file_mode)
         os.chmod(self.toolkit, dir_mode)
+
+    def _state(self):
+        """The toolkit's tree_state, each name still linked to bin/.shim
+        recorded as such: a write through one of them changes .shim."""
+        state = tree_state(self.toolkit)
+        shim = state.get(os.path.join("bin", ".shim"))
+        return {path: ("a link to bin/.shim",) if shim and fingerprint == shim and
+                path != os.path.join("bin", ".shim") else fingerprint
+                for path, fingerprint in state.items()}
 
     def changes(self):
         """What the script changed in the toolkit, as <toolkit>/<path>."""
-        return ["<toolkit>/" + p for p in state_changes(self.state, tree_state(self.toolkit))]
+        return ["<toolkit>/" + p for p in state_changes(self.state, self._state())]
 
     def close(self):
         import shutil
