@@ -4228,20 +4228,32 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    timed_out = False
+    # A blocking wait, the time limit kept by a timer: Popen.wait(timeout)
+    # polls, and notices the exit up to 50 ms late.
+    timed_out = []
+
+    def expire():
+        if child.poll() is None:  # not ended as the time ran out
+            timed_out.append(True)
+            _stop(child)
+
+    timer = threading.Timer(timeout, expire) if timeout is not None else None
     try:
-        try:
-            returncode = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            returncode = _stop(child)
+        if timer is not None:
+            timer.start()
+        returncode = child.wait()
     except BaseException:
         _stop(child)
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
     _signal_group(child, signal.SIGKILL)  # what the child left running in its group
     reader.join(5)
     child.stdout.close()
-    return ChildOutcome(returncode, timed_out, time.monotonic() - start, first[0] if first else None)
+    return ChildOutcome(returncode, bool(timed_out), time.monotonic() - start,
+                        first[0] if first else None)
 
 
 def _stop(child):
