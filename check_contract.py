@@ -4612,10 +4612,13 @@ set -x
 # those mounts (the script, root there, cannot undo them).  Without, it
 # becomes the subreaper of all the script starts.  When the script ends, or
 # on SIGTERM, it kills every process left below it.  A script that cannot
-# be started has its reason written to the config's "status" file.
+# be started has its reason written to the config's "status" file.  The
+# config comes marshalled (the launcher is this interpreter) and the signal
+# module is _signal: importing json and signal (re, enum) would add half
+# again to the launcher's start-up, which every run of a script pays.
 TRACE_LAUNCHER = r"""
-import ctypes, json, os, signal, sys
-config = json.loads(sys.argv[1])
+import _signal as signal, ctypes, marshal, os, sys
+config = marshal.loads(bytes.fromhex(sys.argv[1]))
 libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER = 0x20000, 0x10000000, 36
@@ -4925,7 +4928,8 @@ def machine_nvcc_version():
 def launcher_command(unshare, config):
     """The command that runs config's script from TRACE_LAUNCHER, in
     namespaces when unshare is given."""
-    command = [sys.executable, "-I", "-S", "-c", TRACE_LAUNCHER, json.dumps(config)]
+    import marshal
+    command = [sys.executable, "-I", "-S", "-c", TRACE_LAUNCHER, marshal.dumps(config).hex()]
     return [unshare] + list(UNSHARE_OPTIONS) + command if unshare else command
 
 
