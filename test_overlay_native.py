@@ -59,6 +59,8 @@ KERNELS = {
 
 CALL_B = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
           "lib.run_b.restype = ctypes.c_double; print(lib.run_b())")
+# What runs a probe that needs only the standard library: no site start-up.
+PROBE_PYTHON = "%s -S" % sys.executable
 
 
 # The probes import modules from the project tree, whose bytecode cache would
@@ -258,7 +260,7 @@ class CProjectTest(OverlayTestCase):
                               universal_newlines=True)
 
     def output(self) -> str:
-        return subprocess.run([sys.executable, "-c", CALL_B, self.lib], stdout=subprocess.PIPE,
+        return subprocess.run([sys.executable, "-S", "-c", CALL_B, self.lib], stdout=subprocess.PIPE,
                               universal_newlines=True, check=True).stdout.strip()
 
     def p(self, relative: str) -> str:
@@ -931,7 +933,7 @@ class CProjectTest(OverlayTestCase):
 
     def test_trial_runs_reference_and_candidate_alternately_and_always_reverts(self) -> None:
         before = tree_state(self.proj)
-        trial = self.trial("--repeat", "2", "--json", "--", sys.executable, "-c", CALL_B,
+        trial = self.trial("--repeat", "2", "--json", "--", sys.executable, "-S", "-c", CALL_B,
                            self.lib)
         out, err = trial.communicate(timeout=120)
         self.assertEqual(trial.returncode, 0, err)
@@ -949,7 +951,7 @@ class CProjectTest(OverlayTestCase):
 
     def test_trial_names_the_failed_step_in_its_exit_status_and_reverts(self) -> None:
         before = tree_state(self.proj)
-        check = "%s -c '%s' %s | grep -qx 4.0" % (sys.executable, CALL_B, self.lib)
+        check = "%s -c '%s' %s | grep -qx 4.0" % (PROBE_PYTHON, CALL_B, self.lib)
         trial = self.trial("--", "sh", "-c", check)
         out, err = trial.communicate(timeout=120)
         self.assertEqual(trial.returncode, 13, err)
@@ -973,7 +975,7 @@ class CProjectTest(OverlayTestCase):
     def test_trial_stopped_by_sigterm_or_sigint_reverts_first(self) -> None:
         before = tree_state(self.proj)
         slow = "%s -c '%s' %s | grep -qx 4.0 || { echo the candidate waits >&2; exec sleep 30; }" % (
-            sys.executable, CALL_B, self.lib)
+            PROBE_PYTHON, CALL_B, self.lib)
         for signum, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
             trial = self.trial("--", "sh", "-c", slow, start_new_session=True)
             for line in trial.stderr:
@@ -4884,7 +4886,7 @@ class TrialTest(OverlayTestCase):
         self.diff = os.path.join(self.tmp, "seven.diff")
         write_text_file(self.diff, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n"
                                    "-int b(void) { return K; }\n+int b(void) { return 7; }\n")
-        self.probe = [sys.executable, "-c", "import ctypes, sys; print(ctypes.CDLL(sys.argv[1])"
+        self.probe = [sys.executable, "-S", "-c", "import ctypes, sys; print(ctypes.CDLL(sys.argv[1])"
                                             ".b())", self.lib]
         self.before = tree_state(self.proj)
 
