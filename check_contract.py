@@ -4227,7 +4227,6 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
             stream.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     # A blocking wait, the time limit kept by a timer: Popen.wait(timeout)
     # polls, and notices the exit up to 50 ms late.
     timed_out = []
@@ -4239,6 +4238,7 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
 
     timer = threading.Timer(timeout, expire) if timeout is not None else None
     try:
+        reader.start()
         if timer is not None:
             timer.start()
         returncode = child.wait()
@@ -4248,7 +4248,8 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
     finally:
         if timer is not None:
             timer.cancel()
-            timer.join()
+            if timer.is_alive():  # started, and perhaps stopping the child
+                timer.join()
     _signal_group(child, signal.SIGKILL)  # what the child left running in its group
     reader.join(5)
     child.stdout.close()
