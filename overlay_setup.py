@@ -3108,6 +3108,8 @@ def stop_process_group(pgid: int, process: Optional[subprocess.Popen] = None) ->
             if process is not None:
                 process.poll()
             if not group_alive(pgid):
+                if process is not None:
+                    process.wait()  # dead or a zombie by now: reaped at once
                 return
             time.sleep(0.05)
 
@@ -3190,6 +3192,7 @@ def stream_build(command: str, cwd: str, timeout: Optional[float],
             return follow_build(process, start, timeout)
         except BaseException:
             stop_process_group(process.pid, process)
+            process.stdout.close()
             raise
     finally:
         if gate_write >= 0:

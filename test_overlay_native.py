@@ -4437,7 +4437,7 @@ class BuildProcessTest(OverlayTestCase):
         for name, number in (("SIGTERM", signal.SIGTERM), ("SIGHUP", signal.SIGHUP)):
             with self.subTest(signal=name):
                 shutil.rmtree(self.state, ignore_errors=True)
-                result = run_tool(self.add_args("kill -%s $PPID; sleep 1; echo late > late.o"
+                result = forked_tool(self.add_args("kill -%s $PPID; sleep 1; echo late > late.o"
                                                 % name[3:]), own=True)
                 self.assertEqual(result.returncode, 128 + number, result.stderr)
                 self.assertEqual(result.stderr, "overlay_setup: stopped by %s; the build was "
