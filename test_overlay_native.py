@@ -221,26 +221,32 @@ class OverlayTestCase(unittest.TestCase):
         return directory
 
     def kill_during_build(self, args: list) -> None:
-        """Run the tool and SIGKILL it once its build command runs (a process
-        of the build's group other than the shell that waits to start it)."""
-        env = dict(os.environ)
-        env.pop("OVERLAY_STATE", None)
-        tool = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" --owner-pid $$', sys.executable,
-                                 TOOL, "--state", self.state] + args, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """Run the tool (its own owner, in a fork: see forked_tool) and SIGKILL
+        it once its build command runs (a process of the build's group other
+        than the shell that waits to start it)."""
+        with open(os.devnull, "w") as devnull:
+            tool = fork_tool(["--state", self.state] + args, None, True, devnull.fileno(),
+                             devnull.fileno())
         journal = os.path.join(self.state, "journal.json")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and tool.poll() is None:
+        building = False
+        while not building and time.monotonic() < deadline:
+            done, status = os.waitpid(tool, os.WNOHANG)
+            if done:
+                self.fail("the run ended (exit status %d) before its build was seen running"
+                          % os.waitstatus_to_exitcode(status))
             try:
                 entries = read_json(journal)["entries"]
             except (OSError, ValueError):
                 entries = []
             process = entries and (entries[-1].get("build") or {}).get("process")
-            if process and build_command_runs(process["pid"]):
-                break
-            time.sleep(0.005)
-        tool.kill()
-        self.assertEqual(tool.wait(), -9, "the build finished before the kill")
+            building = bool(process) and build_command_runs(process["pid"])
+            if not building:
+                time.sleep(0.005)
+        os.kill(tool, signal.SIGKILL)
+        status = os.waitstatus_to_exitcode(os.waitpid(tool, 0)[1])
+        self.assertTrue(building, "no build was seen running within a minute")
+        self.assertEqual(status, -9, "the build finished before the kill")
 
 
 class CProjectTest(OverlayTestCase):
@@ -1247,7 +1253,7 @@ class CrashIsACrashTest(OverlayTestCase):
         self.assertOk(self.tool(*self.apply_args(os.path.join(self.tmp, "fast.c"))))
         self.assertOk(self.tool("add-native", "--source", os.path.join(self.pkg, "Makefile"),
                                 "--patched", os.path.join(self.tmp, "fast.c"), "--no-build"))
-        killed = run_tool(["--state", self.state, "revert"], env={"OVERLAY_TEST_KILL_AT": "3"})
+        killed = forked_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_KILL_AT": "3"})
         self.assertEqual(killed.returncode, -9, killed)
         self.assertNotEqual(tree_state(self.pkg), self.before)
         rc, out, err = call("gc-stale", "--root", self.tmp)
@@ -1545,7 +1551,7 @@ class PreExistingFileTest(MadePackageTest):
     def killed_while_its_build_rewrote_a_version_file(self, signal_name: str,
                                                        status: int) -> None:
         before = self.link_step_runs("printf 'version = ' > _version.py")  # half written
-        killed = run_tool(["--state", self.state, "add-native", "--source",
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.pkg, "k.c"), "--patched",
                            os.path.join(self.tmp, "fast.c"), "--build-cmd",
                            "make && kill -%s $PPID" % signal_name, "--build-cwd", self.pkg],
@@ -2189,35 +2195,40 @@ def forked_tool(args: list, env: dict = None, own: bool = False) -> subprocess.C
     return forked_tools([args], env, own)[0]
 
 
-def forked_tools(runs: list, env: dict = None, own: bool = False) -> list:
-    """forked_tool for each argument list of `runs`, all running at once."""
+def fork_tool(args: list, env: dict, own: bool, out: int, err: int) -> int:
+    """Start forked_tool's run with its output to the descriptors out and
+    err, and return its pid: the caller reaps it."""
     sys.stdout.flush()
     sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the run: it never returns into the test runner
+        status = 70
+        try:
+            os.dup2(out, 1)
+            os.dup2(err, 2)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            os.environ.pop("OVERLAY_STATE", None)
+            os.environ.update(env or {})
+            status = overlay_setup.main(args + (["--owner-pid", str(os.getpid())] if own else []))
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                traceback.print_exc()
+                sys.stderr.flush()
+        finally:
+            os._exit(status)
+    return pid
+
+
+def forked_tools(runs: list, env: dict = None, own: bool = False) -> list:
+    """forked_tool for each argument list of `runs`, all running at once."""
     with contextlib.ExitStack() as files:
         started = []
         for args in runs:
             out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
-            pid = os.fork()
-            if pid == 0:  # the run: it never returns into the test runner
-                status = 70
-                try:
-                    os.dup2(out.fileno(), 1)
-                    os.dup2(err.fileno(), 2)
-                    sys.stdout = open(1, "w", closefd=False)
-                    sys.stderr = open(2, "w", closefd=False)
-                    os.environ.pop("OVERLAY_STATE", None)
-                    os.environ.update(env or {})
-                    status = overlay_setup.main(args + (["--owner-pid", str(os.getpid())]
-                                                        if own else []))
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                except BaseException:
-                    with contextlib.suppress(BaseException):
-                        traceback.print_exc()
-                        sys.stderr.flush()
-                finally:
-                    os._exit(status)
-            started.append((args, pid, out, err))
+            started.append((args, fork_tool(args, env, own, out.fileno(), err.fileno()), out, err))
         done = []
         for args, pid, out, err in started:
             status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
@@ -3384,8 +3395,8 @@ class GcStaleTest(OverlayTestCase):
         args = ["--state", self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
                 "--patched", os.path.join(self.proj, "fast.c"), "--no-build"]
         if owner is None:
-            return run_tool(args, own=True)
-        return run_tool(args + ["--owner-pid", str(owner)])
+            return forked_tool(args, own=True)
+        return forked_tool(args + ["--owner-pid", str(owner)])
 
     def test_default_owner_is_the_session_so_timeout_and_a_shell_per_command_survive(self) -> None:
         # An agent starting each command in a fresh shell under `timeout`:
@@ -3480,7 +3491,7 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), self.original)
 
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
-        killed = run_tool(["--state", self.state, "add-native", "--source",
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.proj, "k.c"), "--patched",
                            os.path.join(self.proj, "fast.c"), "--build-cmd", "kill -9 $PPID",
                            "--build-cwd", self.proj], own=True)
@@ -3508,7 +3519,7 @@ class GcStaleTest(OverlayTestCase):
 
     def test_build_left_running_by_a_killed_run_is_stopped_before_the_revert(self) -> None:
         late = os.path.join(self.proj, "late.o")
-        killed = run_tool(["--state", self.state, "add-native", "--source",
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.proj, "k.c"), "--patched",
                            os.path.join(self.proj, "fast.c"), "--build-cmd",
                            "sleep 0.5; kill -9 $PPID; sleep 1; echo late > late.o",
@@ -3525,7 +3536,7 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), self.original)
 
     def test_status_tells_owner_tool_and_a_build_left_running_apart(self) -> None:
-        killed = run_tool(["--state", self.state, "add-native", "--source",
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.proj, "k.c"), "--patched",
                            os.path.join(self.proj, "fast.c"), "--build-cmd",
                            "sleep 0.3; kill -9 $PPID; exec sleep 30", "--build-cwd", self.proj],
@@ -3586,7 +3597,7 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(tree_state(self.proj), self.original)
 
     def test_files_changed_after_a_run_killed_in_its_build_are_moved_aside(self) -> None:
-        killed = run_tool(["--state", self.state, "add-native", "--source",
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
                            os.path.join(self.proj, "k.c"), "--patched",
                            os.path.join(self.proj, "fast.c"), "--build-cmd",
                            "echo obj > made.o; kill -9 $PPID", "--build-cwd", self.proj], own=True)
@@ -4204,7 +4215,7 @@ class InstallFileSafetyTest(OverlayTestCase):
         self.assertOk(self.add("--invalidate-cache", cache, "--no-build",
                                "--owner-pid", str(os.getpid())))
         # the 1st write journals that a revert begins, the 2nd restores the source
-        failed = run_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": "2"})
+        failed = forked_tool(["--state", self.state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": "2"})
         self.assertEqual((failed.returncode, failed.stdout), (1, ""))
         self.assertEqual(failed.stderr, "overlay_setup: E601 could not write %s (No space left on "
                                         "device) while reverting; the journal keeps what is left: "
