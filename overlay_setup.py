@@ -5310,8 +5310,26 @@ class CommandLineError(UsageError):
 
 
 class Parser(argparse.ArgumentParser):
+    # What the usage line says beyond argparse's: trial's command after `--`
+    # (main() cuts it off before parsing), and that one of --build-cmd and
+    # --no-build is required except with --dry-run, which argparse cannot
+    # express.  Made when shown, not for every command on every run.
+    usage_tail = ""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise CommandLineError("E100", message)  # one line, not argparse's usage dump
+
+    def format_usage(self) -> str:
+        return self._shown(super().format_usage())
+
+    def format_help(self) -> str:
+        return self._shown(super().format_help())
+
+    def _shown(self, text: str) -> str:
+        usage, blank, rest = text.partition("\n\n")
+        usage = usage.rstrip("\n").replace("[--build-cmd CMD | --no-build]",
+                                           "(--build-cmd CMD | --no-build)") + self.usage_tail
+        return usage + ("\n\n" + rest if blank else "\n")
 
 
 def add_format(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -5427,8 +5445,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--repeat", type=int, default=1, metavar="N",
                      help="rounds of reference run, apply, candidate run, revert (default: 1)")
     add_format(sub, "text: a summary; json: one object (default: text)")
-    # main() cuts COMMAND off after `--` before parsing, so argparse cannot show it itself.
-    sub.usage = sub.format_usage().split(": ", 1)[1].rstrip() + " -- COMMAND [ARG...]"
+    sub.usage_tail = " -- COMMAND [ARG...]"
     command("verify-native", "check that every tracked artifact was rebuilt")
     sub = command("status", "show what is applied")
     add_format(sub, "text: one line per item; json: the journal as JSON (default: text)")
@@ -5442,11 +5459,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("gc-stale", "revert overlays whose owner is gone")
     sub.add_argument("--root", metavar="DIR", help="where to look (default: the current directory)")
     sub.add_argument("--dry-run", action="store_true", help="only report what would be reverted")
-    # One of --build-cmd and --no-build is required except with --dry-run,
-    # which argparse cannot express: the usage line says it instead.
-    for sub in commands.choices.values():
-        usage = sub.format_usage()[len("usage: "):].rstrip("\n")
-        sub.usage = usage.replace("[--build-cmd CMD | --no-build]", "(--build-cmd CMD | --no-build)")
     return parser
 
 
