@@ -4732,10 +4732,15 @@ def normalise_shown(text):
 @unittest.skipUnless(shutil.which("git") and shutil.which("cc") and shutil.which("make"),
                      "the walkthrough needs git, cc and make")
 class RepositoryTest(unittest.TestCase):
+    # Echoed before and after the walkthrough's `apply ... --dry-run`, so that
+    # one run of the walkthrough shows what that command printed.
+    DRY_RUN_MARK = "@@ the output of the dry run begins or ends here @@"
+    walkthrough_output = None  # one run for the class: it takes seconds
 
-    def run_shown(self, document, heading=None):
-        script, expected = shown_shell(document, heading)
-        self.assertGreater(len(expected), 3)
+    def run_in_clone(self, script, document):
+        """Run `script` with bash in a fresh copy of the repository and return
+        its output (stdout and stderr); it must succeed and leave the copy
+        as it was."""
         with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
             copy_of_repository(clone)
             # overlay_setup.py records applied overlays under $XDG_STATE_HOME
@@ -4744,16 +4749,41 @@ class RepositoryTest(unittest.TestCase):
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   universal_newlines=True, timeout=600)
             self.assertEqual(proc.returncode, 0, proc.stdout)
-            lines = iter(normalise_shown(proc.stdout).splitlines())
-            for want in map(normalise_shown, expected):
-                self.assertTrue(any(want == line for line in lines),
-                                "output lacks the line %r (in this order):\n%s" % (want, proc.stdout))
             status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True,
                                     stdout=subprocess.PIPE, universal_newlines=True).stdout
             self.assertEqual(status, "", "the commands of %s left the clone changed" % document)
+            return proc.stdout
+
+    def assertShown(self, expected, output):
+        self.assertGreater(len(expected), 3)
+        lines = iter(normalise_shown(output).splitlines())
+        for want in map(normalise_shown, expected):
+            self.assertTrue(any(want == line for line in lines),
+                            "output lacks the line %r (in this order):\n%s" % (want, output))
+
+    def run_shown(self, document, heading=None):
+        script, expected = shown_shell(document, heading)
+        self.assertShown(expected, self.run_in_clone(script, document))
+
+    def dry_run_span(self, script):
+        """Where the walkthrough's `apply ... --dry-run` command starts and ends."""
+        start = script.index("python3 overlay_setup.py apply")
+        return start, script.index("--dry-run\n", start) + len("--dry-run\n")
+
+    def walkthrough(self):
+        """The README walkthrough's output, the dry run's between two
+        DRY_RUN_MARK lines; run once for the class, as run_shown runs it."""
+        if RepositoryTest.walkthrough_output is None:
+            script = shown_shell("README.md", "## Walkthrough")[0]
+            start, end = self.dry_run_span(script)
+            mark = "echo '%s'\n" % self.DRY_RUN_MARK
+            RepositoryTest.walkthrough_output = self.run_in_clone(
+                script[:start] + mark + script[start:end] + mark + script[end:], "README.md")
+        return RepositoryTest.walkthrough_output
 
     def test_readme_walkthrough_runs_as_written(self):
-        self.run_shown("README.md", "## Walkthrough")
+        output = self.walkthrough().replace(self.DRY_RUN_MARK + "\n", "")
+        self.assertShown(shown_shell("README.md", "## Walkthrough")[1], output)
 
     def test_check_contract_reference_commands_run_as_written(self):
         self.run_shown("docs/check_contract.md")
@@ -4763,19 +4793,13 @@ class RepositoryTest(unittest.TestCase):
             shown, total = map(int, re.search(r"Below, (\d+) of the (\d+)\s+lines `--dry-run` "
                                               r"prints", f.read()).groups())
         script = shown_shell("README.md", "## Walkthrough")[0]
-        start = script.index("python3 overlay_setup.py apply")
-        end = script.index("--dry-run\n", start) + len("--dry-run\n")
+        start, end = self.dry_run_span(script)
         promised = re.match(r"(?:#   .*\n)*", script[end:]).group(0)
         self.assertEqual(promised.count("\n"), shown)
-        with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
-            copy_of_repository(clone)
-            proc = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", "trap 'rm -rf \"$demo\"' EXIT\n"
-                 "{ %s} >/dev/null\n%s" % (script[:start], script[start:end])], cwd=clone,
-                env=terminal_env(XDG_STATE_HOME=home), stdout=subprocess.PIPE,
-                universal_newlines=True, timeout=120)
-        self.assertEqual(proc.returncode, 0, proc.stdout)
-        self.assertEqual(len(proc.stdout.splitlines()), total, proc.stdout)
+        before, begins, rest = self.walkthrough().partition(self.DRY_RUN_MARK + "\n")
+        printed, ends, after = rest.partition(self.DRY_RUN_MARK + "\n")
+        self.assertTrue(begins and ends, self.walkthrough())
+        self.assertEqual(len(printed.splitlines()), total, printed)
 
     def test_every_shell_block_of_the_readme_is_the_walkthrough(self):
         # The tests above run every ```sh block: none may sit outside what they run.
