@@ -4615,8 +4615,8 @@ set -x
 # on SIGTERM, it kills every process left below it.  A script that cannot
 # be started has its reason written to the config's "status" file.  The
 # config comes marshalled (the launcher is this interpreter) and the signal
-# module is _signal: importing json and signal (re, enum) would add half
-# again to the launcher's start-up, which every run of a script pays.
+# module is _signal: importing json and signal (re, enum) would add a third
+# to the launcher's start-up, which every run of a script pays.
 TRACE_LAUNCHER = r"""
 import _signal as signal, ctypes, marshal, os, sys
 config = marshal.loads(bytes.fromhex(sys.argv[1]))
@@ -4806,9 +4806,10 @@ class Shims:
         for top, dirs, files in os.walk(self.toolkit):
             for name in dirs + files:
                 path = os.path.join(top, name)
-                if not os.path.islink(path) and (path == shim or name in dirs or not (
-                        os.path.lexists(shim) and os.path.samefile(path, shim))):
-                    os.chmod(path, dir_mode if name in dirs or path == shim else file_mode)
+                if os.path.islink(path) or path != shim and os.path.lexists(shim) and \
+                        os.path.samefile(path, shim):
+                    continue  # a compiler name is .shim itself: .shim's mode is its mode
+                os.chmod(path, dir_mode if name in dirs or path == shim else file_mode)
         os.chmod(self.toolkit, dir_mode)
 
     def _state(self):
