@@ -4729,6 +4729,40 @@ def normalise_shown(text):
     return re.sub(r"(/tmp/[A-Za-z0-9_-]+\.)[A-Za-z0-9]{6}\b", r"\1XXXXXX", text)
 
 
+def run_in_clone(test, script, document):
+    """Run `script` with bash in a fresh copy of the repository and return
+    its output (stdout and stderr); the test fails unless it succeeds and
+    leaves the copy as it was."""
+    with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
+        copy_of_repository(clone)
+        # overlay_setup.py records applied overlays under $XDG_STATE_HOME
+        env = terminal_env(XDG_STATE_HOME=home)
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True, timeout=600)
+        test.assertEqual(proc.returncode, 0, proc.stdout)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True,
+                                stdout=subprocess.PIPE, universal_newlines=True).stdout
+        test.assertEqual(status, "", "the commands of %s left the clone changed" % document)
+        return proc.stdout
+
+
+def assert_shown(test, expected, output):
+    """The output lines a document promises are in the output, in order."""
+    test.assertGreater(len(expected), 3)
+    lines = iter(normalise_shown(output).splitlines())
+    for want in map(normalise_shown, expected):
+        test.assertTrue(any(want == line for line in lines),
+                        "output lacks the line %r (in this order):\n%s" % (want, output))
+
+
+def run_shown(test, document, heading=None):
+    """Run the ```sh blocks of `document` (see shown_shell) in a copy of the
+    repository: they succeed and print the lines they promise."""
+    script, expected = shown_shell(document, heading)
+    assert_shown(test, expected, run_in_clone(test, script, document))
+
+
 @unittest.skipUnless(shutil.which("git") and shutil.which("cc") and shutil.which("make"),
                      "the walkthrough needs git, cc and make")
 class RepositoryTest(unittest.TestCase):
@@ -4736,34 +4770,6 @@ class RepositoryTest(unittest.TestCase):
     # one run of the walkthrough shows what that command printed.
     DRY_RUN_MARK = "@@ the output of the dry run begins or ends here @@"
     walkthrough_output = None  # one run for the class: it takes seconds
-
-    def run_in_clone(self, script, document):
-        """Run `script` with bash in a fresh copy of the repository and return
-        its output (stdout and stderr); it must succeed and leave the copy
-        as it was."""
-        with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
-            copy_of_repository(clone)
-            # overlay_setup.py records applied overlays under $XDG_STATE_HOME
-            env = terminal_env(XDG_STATE_HOME=home)
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  universal_newlines=True, timeout=600)
-            self.assertEqual(proc.returncode, 0, proc.stdout)
-            status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True,
-                                    stdout=subprocess.PIPE, universal_newlines=True).stdout
-            self.assertEqual(status, "", "the commands of %s left the clone changed" % document)
-            return proc.stdout
-
-    def assertShown(self, expected, output):
-        self.assertGreater(len(expected), 3)
-        lines = iter(normalise_shown(output).splitlines())
-        for want in map(normalise_shown, expected):
-            self.assertTrue(any(want == line for line in lines),
-                            "output lacks the line %r (in this order):\n%s" % (want, output))
-
-    def run_shown(self, document, heading=None):
-        script, expected = shown_shell(document, heading)
-        self.assertShown(expected, self.run_in_clone(script, document))
 
     def dry_run_span(self, script):
         """Where the walkthrough's `apply ... --dry-run` command starts and ends."""
@@ -4777,16 +4783,16 @@ class RepositoryTest(unittest.TestCase):
             script = shown_shell("README.md", "## Walkthrough")[0]
             start, end = self.dry_run_span(script)
             mark = "echo '%s'\n" % self.DRY_RUN_MARK
-            RepositoryTest.walkthrough_output = self.run_in_clone(
-                script[:start] + mark + script[start:end] + mark + script[end:], "README.md")
+            RepositoryTest.walkthrough_output = run_in_clone(
+                self, script[:start] + mark + script[start:end] + mark + script[end:], "README.md")
         return RepositoryTest.walkthrough_output
 
     def test_readme_walkthrough_runs_as_written(self):
         output = self.walkthrough().replace(self.DRY_RUN_MARK + "\n", "")
-        self.assertShown(shown_shell("README.md", "## Walkthrough")[1], output)
+        assert_shown(self, shown_shell("README.md", "## Walkthrough")[1], output)
 
     def test_check_contract_reference_commands_run_as_written(self):
-        self.run_shown("docs/check_contract.md")
+        run_shown(self, "docs/check_contract.md")
 
     def test_the_readme_counts_the_lines_dry_run_prints(self):
         with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:

@@ -4858,7 +4858,7 @@ class OverlayDocsTest(unittest.TestCase):
     from test_check_contract.py, whose readers of the docs they use)."""
 
     def test_overlay_examples_run_as_written(self):
-        test_check_contract.RepositoryTest.run_shown(self, "docs/overlay_setup.md")
+        test_check_contract.run_shown(self, "docs/overlay_setup.md")
 
     def test_every_uncoded_failure_line_is_one_the_docs_name(self):
         docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
