@@ -1552,10 +1552,10 @@ class PreExistingFileTest(MadePackageTest):
                                                        status: int) -> None:
         before = self.link_step_runs("printf 'version = ' > _version.py")  # half written
         killed = forked_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.pkg, "k.c"), "--patched",
-                           os.path.join(self.tmp, "fast.c"), "--build-cmd",
-                           "make && kill -%s $PPID" % signal_name, "--build-cwd", self.pkg],
-                          own=True)
+                              os.path.join(self.pkg, "k.c"), "--patched",
+                              os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                              "make && kill -%s $PPID" % signal_name, "--build-cwd", self.pkg],
+                             own=True)
         self.assertEqual(killed.returncode, status, killed.stderr)
         self.assertEqual(read_text(self.version), "version = ")
         aside = os.path.join(self.state, "leftovers", "1")
@@ -3492,9 +3492,9 @@ class GcStaleTest(OverlayTestCase):
 
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
         killed = forked_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.proj, "k.c"), "--patched",
-                           os.path.join(self.proj, "fast.c"), "--build-cmd", "kill -9 $PPID",
-                           "--build-cwd", self.proj], own=True)
+                              os.path.join(self.proj, "k.c"), "--patched",
+                              os.path.join(self.proj, "fast.c"), "--build-cmd", "kill -9 $PPID",
+                              "--build-cwd", self.proj], own=True)
         self.assertEqual(killed.returncode, -9)
         live_state = os.path.join(self.tmp, "sub", ".overlay")
         live_proj = os.path.join(self.tmp, "live")
@@ -3520,11 +3520,11 @@ class GcStaleTest(OverlayTestCase):
     def test_build_left_running_by_a_killed_run_is_stopped_before_the_revert(self) -> None:
         late = os.path.join(self.proj, "late.o")
         killed = forked_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.proj, "k.c"), "--patched",
-                           os.path.join(self.proj, "fast.c"), "--build-cmd",
-                           "sleep 0.5; kill -9 $PPID; sleep 1; echo late > late.o",
-                           "--build-cwd", self.proj],
-                          own=True)
+                              os.path.join(self.proj, "k.c"), "--patched",
+                              os.path.join(self.proj, "fast.c"), "--build-cmd",
+                              "sleep 0.5; kill -9 $PPID; sleep 1; echo late > late.o",
+                              "--build-cwd", self.proj],
+                             own=True)
         self.assertEqual(killed.returncode, -9)
         rc, out, err = call("gc-stale")
         self.assertEqual(rc, 0, err)
@@ -3537,10 +3537,10 @@ class GcStaleTest(OverlayTestCase):
 
     def test_status_tells_owner_tool_and_a_build_left_running_apart(self) -> None:
         killed = forked_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.proj, "k.c"), "--patched",
-                           os.path.join(self.proj, "fast.c"), "--build-cmd",
-                           "sleep 0.3; kill -9 $PPID; exec sleep 30", "--build-cwd", self.proj],
-                          own=True)
+                              os.path.join(self.proj, "k.c"), "--patched",
+                              os.path.join(self.proj, "fast.c"), "--build-cmd",
+                              "sleep 0.3; kill -9 $PPID; exec sleep 30", "--build-cwd", self.proj],
+                             own=True)
         self.assertEqual(killed.returncode, -9)
         build = read_json(os.path.join(self.state, "journal.json"))["entries"][0]["build"]
         pid = build["process"]["pid"]
@@ -3598,9 +3598,9 @@ class GcStaleTest(OverlayTestCase):
 
     def test_files_changed_after_a_run_killed_in_its_build_are_moved_aside(self) -> None:
         killed = forked_tool(["--state", self.state, "add-native", "--source",
-                           os.path.join(self.proj, "k.c"), "--patched",
-                           os.path.join(self.proj, "fast.c"), "--build-cmd",
-                           "echo obj > made.o; kill -9 $PPID", "--build-cwd", self.proj], own=True)
+                              os.path.join(self.proj, "k.c"), "--patched",
+                              os.path.join(self.proj, "fast.c"), "--build-cmd",
+                              "echo obj > made.o; kill -9 $PPID", "--build-cwd", self.proj], own=True)
         self.assertEqual(killed.returncode, -9)
         write_tree(self.proj, {"mywork.c": "work\n"})  # the caller's own, after the crash
         rc, out, err = call("gc-stale")
