@@ -4229,11 +4229,11 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
     reader = threading.Thread(target=pump, daemon=True)
     # A blocking wait, the time limit kept by a timer: Popen.wait(timeout)
     # polls, and notices the exit up to 50 ms late.
-    timed_out = []
+    timed_out = threading.Event()
 
     def expire():
         if child.poll() is None:  # not ended as the time ran out
-            timed_out.append(True)
+            timed_out.set()
             _stop(child)
 
     timer = threading.Timer(timeout, expire) if timeout is not None else None
@@ -4253,7 +4253,7 @@ def run_streaming(command, cwd, timeout, stream, env=None, show=None):
     _signal_group(child, signal.SIGKILL)  # what the child left running in its group
     reader.join(5)
     child.stdout.close()
-    return ChildOutcome(returncode, bool(timed_out), time.monotonic() - start,
+    return ChildOutcome(returncode, timed_out.is_set(), time.monotonic() - start,
                         first[0] if first else None)
 
 

@@ -4802,8 +4802,8 @@ class RepositoryTest(unittest.TestCase):
         start, end = self.dry_run_span(script)
         promised = re.match(r"(?:#   .*\n)*", script[end:]).group(0)
         self.assertEqual(promised.count("\n"), shown)
-        before, begins, rest = self.walkthrough().partition(self.DRY_RUN_MARK + "\n")
-        printed, ends, after = rest.partition(self.DRY_RUN_MARK + "\n")
+        _, begins, rest = self.walkthrough().partition(self.DRY_RUN_MARK + "\n")
+        printed, ends, _ = rest.partition(self.DRY_RUN_MARK + "\n")
         self.assertTrue(begins and ends, self.walkthrough())
         self.assertEqual(len(printed.splitlines()), total, printed)
 
