@@ -4857,6 +4857,7 @@ def tree_state(root):
     root, links not followed.  The inode change time is in it: no write,
     chmod or rename leaves it as it was, even with the times put back."""
     state = {}
+    start = len(os.path.join(root, ""))  # os.walk's paths are root's joined with the rest
     for top, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(top, name)
@@ -4865,9 +4866,20 @@ def tree_state(root):
             except OSError:
                 continue
             # A directory changes when its entries do; those are listed themselves.
-            state[os.path.relpath(path, root)] = (info.st_mode,) if stat.S_ISDIR(info.st_mode) else (
+            state[path[start:]] = (info.st_mode,) if stat.S_ISDIR(info.st_mode) else (
                 info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
     return state
+
+
+def copy_state(copy):
+    """What a run's copy of the snapshot is: the directory itself and its
+    tree_state.  A run that leaves both as they were when the copy was made
+    left every file as it was, so the next run may have the same copy."""
+    try:
+        info = os.lstat(copy)
+    except OSError:
+        return None
+    return info.st_mode, info.st_ino, tree_state(copy)
 
 
 def state_changes(before, after):
@@ -4949,6 +4961,9 @@ class TraceSession:
         self.top = os.path.realpath(tempfile.mkdtemp(prefix="check-contract-trace-"))
         self.snapshot = os.path.join(self.top, "snapshot")
         self.run_dir = os.path.join(self.top, "run")
+        # The runs' copy of the snapshot, kept between runs that leave it as
+        # it was made (copy_state) and made again after one that does not.
+        self.copy, self.copy_state = os.path.join(self.top, "repo"), None
         self.toolkit = os.path.join(self.top, "toolkit")
         self.shims = None
         os.mkdir(self.snapshot)
@@ -5227,17 +5242,21 @@ def written_files(out):
 
 def trace_script(session, backend, arch, timeout, stream):
     """Run the backend's build script under the session's shims, `<script>
-    <out>` or, with arch, `<script> <out> <arch>`, on a fresh copy of the
-    snapshot, and return the Trace of that run."""
+    <out>` or, with arch, `<script> <out> <arch>`, on a copy of the snapshot
+    as it was made (the last run's, where that run left it so; see
+    copy_state), and return the Trace of that run."""
     import shutil
-    top = session.run_dir
-    copy, out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
-        "repo", "out", "home", "tmp", "calls", "xtrace", "status"))
+    top, copy = session.run_dir, session.copy
+    out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
+        "out", "home", "tmp", "calls", "xtrace", "status"))
     try:
         os.mkdir(top)
         for path in (home, tmp, log):
             os.mkdir(path)
-        shutil.copytree(session.snapshot, copy, symlinks=True)
+        if session.copy_state is None or copy_state(copy) != session.copy_state:
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(session.snapshot, copy, symlinks=True)
+            session.copy_state = copy_state(copy)
         if session.shims is None:  # the shims name the same log and xtrace paths every run
             session.shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
         shims = session.shims
@@ -5282,6 +5301,7 @@ def trace_script(session, backend, arch, timeout, stream):
             os.mkdir(session.snapshot)
             copy_repository(session.root, session.snapshot)
             session.snapshot_state = tree_state(session.snapshot)
+            session.copy_state = None
         checkout = tree_state(session.root)
         trace.changed = state_changes(session.checkout, checkout)
         session.checkout = checkout

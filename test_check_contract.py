@@ -3603,6 +3603,21 @@ class TraceIsolationTest(TreeTest):
         self.assertIn("] x\\r::error file=a::forged\\x1b[2J\n", out)
         self.assertNotIn("\r", out)
 
+    def test_what_a_run_does_to_its_copy_never_reaches_the_next_run(self):
+        # Runs that leave their copy as it was share it: a's rewrite of b's
+        # source keeps its size, inode and time, and only its change time
+        # tells; a's second run and b's runs each find the files as they are
+        # in the checkout.
+        self.backend('b=$here/../b\n[ ! -e "$b/planted" ] && grep -q "VERSION 1" "$b/k.cu" || exit 5\n'
+                     'touch "$b/planted"\nref=$(mktemp)\ntouch -r "$b/k.cu" "$ref"\n'
+                     'printf "#define K_ABI_VERSION 9\\n" > "$b/k.cu"\ntouch -r "$ref" "$b/k.cu"\n'
+                     'rm "$b/planted"\n', name="a")
+        self.backend('[ ! -e "$here/planted" ] && grep -q "VERSION 1" "$here/k.cu" || exit 5\n',
+                     name="b")
+        rc, report, err = self.trace()
+        self.assertEqual(self.outcomes(report), {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
+        self.assertEqual(rc, 0, err)
+
 
 class TraceLauncherIsolationTest(TraceIsolationTest):
     ENV = {"CHECK_CONTRACT_NO_NAMESPACES": "1"}
