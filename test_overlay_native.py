@@ -2274,6 +2274,14 @@ class CrashMatrixTest(unittest.TestCase):
     on /dev/shm where that is another filesystem, so the tar snapshot path is
     crashed too.  Each run is a fork of this process (forked_tool)."""
 
+    @classmethod
+    def setUpClass(cls) -> None:
+        # Each apply names the patch's .py file by running --python: a venv
+        # without site-packages starts without this interpreter's .pth files.
+        cls.venv = tempfile.mkdtemp(prefix="overlay-crash-venv-")
+        cls.addClassCleanup(shutil.rmtree, cls.venv, True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", cls.venv], check=True)
+
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="overlay-crash-")
         self.shm_base = tempfile.mkdtemp(prefix="overlay-crash-",
@@ -2312,6 +2320,7 @@ class CrashMatrixTest(unittest.TestCase):
             "--- /dev/null\n+++ b/src/new.c\n@@ -0,0 +1 @@\n+int n;\n"
             "--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-X = 1\n+X = 2\n")})
         return ["--state", state, "apply", patch, "--root", root,
+                "--python", os.path.join(self.venv, "bin", "python"),
                 "--artifact", os.path.join(root, "build/k.so"),
                 "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
                 "--build-cmd", CRASH_BUILD_WAIT + "cp src/k.c build/k.so && echo t > stray.o",
