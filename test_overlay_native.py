@@ -2160,7 +2160,7 @@ class PythonOverlayTest(OverlayTestCase):
             "first\n" % (self.state, self.state)))
 
 
-def crash_fixture(root: str, shm: str) -> None:
+def crash_fixture(root: str, other: str) -> None:
     """Tree for the crash matrices: a source, an artifact the build rewrites, a
     same-filesystem cache (renamed aside), a cross-filesystem one (tar
     snapshot) and a Python module."""
@@ -2173,10 +2173,10 @@ def crash_fixture(root: str, shm: str) -> None:
     for name in ("src/k.c", "build/k.so", "pkg/m.py"):
         with contextlib.suppress(OSError):  # where the filesystem keeps user xattrs
             os.setxattr(os.path.join(root, name), "user.crash", b"kept")
-    write_tree(shm, {"x": "shm cache\n", "d/y": "Y\n"})
-    os.symlink("d/y", os.path.join(shm, "ly"))
+    write_tree(other, {"x": "other cache\n", "d/y": "Y\n"})
+    os.symlink("d/y", os.path.join(other, "ly"))
     past = time.time() - 3600
-    for base in (root, shm):
+    for base in (root, other):
         for directory, dirs, files in os.walk(base, topdown=False):
             for name in files + dirs:
                 os.utime(os.path.join(directory, name), (past, past), follow_symlinks=False)
@@ -2271,7 +2271,7 @@ CRASH_BUILD_WAIT = 'sleep "${CRASH_BUILD_DELAY:-0}" && '
 class CrashMatrixTest(unittest.TestCase):
     """SIGKILL at every mutation point, ENOSPC at every write: always recoverable,
     whole (content, mode, mtime, xattrs, link counts).  The second cache lives
-    on /dev/shm where that is another filesystem, so the tar snapshot path is
+    on another filesystem where there is one, so the tar snapshot path is
     crashed too.  Each run is a fork of this process (forked_tool)."""
 
     @classmethod
@@ -2283,35 +2283,39 @@ class CrashMatrixTest(unittest.TestCase):
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", cls.venv], check=True)
 
     def setUp(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="overlay-crash-")
-        self.shm_base = tempfile.mkdtemp(prefix="overlay-crash-",
-                                         dir="/dev/shm" if shm_available() else self.tmp)
+        # The trees are on /dev/shm where that is another filesystem than the
+        # temporary directory, which then holds the second cache: the matrix's
+        # thousands of small files are not made on a disk, where ext4 without
+        # a journal searches past every inode freed in the last minute or more.
+        other = shm_available()
+        self.tmp = tempfile.mkdtemp(prefix="overlay-crash-", dir="/dev/shm" if other else None)
+        self.other_base = tempfile.mkdtemp(prefix="overlay-crash-", dir=None if other else self.tmp)
         self.addCleanup(shutil.rmtree, self.tmp, True)
-        self.addCleanup(shutil.rmtree, self.shm_base, True)
+        self.addCleanup(shutil.rmtree, self.other_base, True)
         self.round = 0
 
     def fresh(self) -> tuple:
         self.round += 1
         root = os.path.join(self.tmp, "r%d" % self.round, "tree")
-        shm = os.path.join(self.shm_base, "r%d" % self.round)
+        other = os.path.join(self.other_base, "r%d" % self.round)
         os.makedirs(os.path.dirname(root))
-        crash_fixture(root, shm)
+        crash_fixture(root, other)
         on_python_path(self, root)
         state = os.path.join(os.path.dirname(root), "state")
-        return root, shm, state, (full_tree(root), full_tree(shm))
+        return root, other, state, (full_tree(root), full_tree(other))
 
-    def add_native_args(self, root: str, shm: str, state: str) -> list:
+    def add_native_args(self, root: str, other: str, state: str) -> list:
         patched = os.path.join(os.path.dirname(root), "k_fast.c")
         write_tree(os.path.dirname(root), {"k_fast.c": "int k(void) { return 7; }\n"})
         return ["--state", state, "add-native", "--source", os.path.join(root, "src/k.c"),
                 "--patched", patched, "--artifact", os.path.join(root, "build/k.so"),
                 "--artifact", os.path.join(root, "build/new.so"),
-                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
+                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", other,
                 "--build-cmd", CRASH_BUILD_WAIT + "cp src/k.c build/k.so && cp src/k.c build/new.so "
                                "&& mkdir -p cache && echo x > cache/fresh && echo t > stray.o",
                 "--build-cwd", root]
 
-    def apply_args(self, root: str, shm: str, state: str) -> list:
+    def apply_args(self, root: str, other: str, state: str) -> list:
         patch = os.path.join(os.path.dirname(root), "p.diff")
         write_tree(os.path.dirname(root), {"p.diff": (
             "--- a/src/k.c\n+++ b/src/k.c\n@@ -1 +1 @@\n-int k(void) { return 4; }\n"
@@ -2322,12 +2326,12 @@ class CrashMatrixTest(unittest.TestCase):
         return ["--state", state, "apply", patch, "--root", root,
                 "--python", os.path.join(self.venv, "bin", "python"),
                 "--artifact", os.path.join(root, "build/k.so"),
-                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", shm,
+                "--invalidate-cache", os.path.join(root, "cache"), "--invalidate-cache", other,
                 "--build-cmd", CRASH_BUILD_WAIT + "cp src/k.c build/k.so && echo t > stray.o",
                 "--build-cwd", root]
 
-    def assertRestored(self, root: str, shm: str, expected: tuple, context: str) -> None:
-        self.assertEqual((full_tree(root), full_tree(shm)), expected, context)
+    def assertRestored(self, root: str, other: str, expected: tuple, context: str) -> None:
+        self.assertEqual((full_tree(root), full_tree(other)), expected, context)
         served = os.path.join(os.path.dirname(root), "state", "site", "overlay.json")
         if os.path.exists(served):
             self.assertFalse(read_json(served)["enabled"], "Python overlay still on: " + context)
@@ -2343,50 +2347,50 @@ class CrashMatrixTest(unittest.TestCase):
         while True:
             point += 1
             self.assertLess(point, 300)
-            root, shm, state, expected = self.fresh()
+            root, other, state, expected = self.fresh()
             slow = {"CRASH_BUILD_DELAY": "0.3"} if window is None else {}
-            result = forked_tool(make_args(root, shm, state),
+            result = forked_tool(make_args(root, other, state),
                                  dict(slow, OVERLAY_TEST_KILL_AT=str(point)), own=True)
             if result.returncode == 0:
                 forked_tool(["--state", state, "revert"]).check_returncode()
-                self.assertRestored(root, shm, expected, "completed run")
+                self.assertRestored(root, other, expected, "completed run")
                 self.assertIsNotNone(window, "no kill point after the build started")
                 return point
             self.assertEqual(result.returncode, -9, result.stderr)
             in_build = "building in" in result.stdout
-            self.recover(root, shm, state, expected, "killed at point %d" % point, in_build)
+            self.recover(root, other, state, expected, "killed at point %d" % point, in_build)
             if in_build and window is None:
                 window = point
                 for name in ("TERM", "HUP", "INT"):
-                    root, shm, state, expected = self.fresh()
-                    result = forked_tool(make_args(root, shm, state),
+                    root, other, state, expected = self.fresh()
+                    result = forked_tool(make_args(root, other, state),
                                          dict(slow, OVERLAY_TEST_KILL_AT=str(point),
                                               OVERLAY_TEST_KILL_SIGNAL=name), own=True)
                     number = getattr(signal, "SIG" + name)
                     self.assertEqual(result.returncode, 128 + number, result.stderr)
                     self.assertEqual(processes_working_in(root), [],
                                      "the build outlived the run stopped by SIG" + name)
-                    self.recover(root, shm, state, expected, "SIG%s at point %d" % (name, point),
+                    self.recover(root, other, state, expected, "SIG%s at point %d" % (name, point),
                                  True)
 
-    def recover(self, root: str, shm: str, state: str, expected: tuple, context: str,
+    def recover(self, root: str, other: str, state: str, expected: tuple, context: str,
                 in_build: bool) -> None:
         gc = forked_tool(["gc-stale", "--root", os.path.dirname(root)])
         self.assertEqual(gc.returncode, 0, gc.stderr)
         if in_build:
             self.assertEqual(wait_for_no_process_in(root), [], "a build outlived gc-stale: " + context)
-        self.assertRestored(root, shm, expected, context)
+        self.assertRestored(root, other, expected, context)
         again = forked_tool(["--state", state, "revert"])
         self.assertEqual(again.returncode, 0, again.stderr)
-        self.assertRestored(root, shm, expected, "revert after gc, " + context)
+        self.assertRestored(root, other, expected, "revert after gc, " + context)
 
     def enospc_matrix(self, make_args) -> int:
         write = 0
         while True:
             write += 1
             self.assertLess(write, 300)
-            root, shm, state, expected = self.fresh()
-            result = forked_tool(make_args(root, shm, state),
+            root, other, state, expected = self.fresh()
+            result = forked_tool(make_args(root, other, state),
                                  {"OVERLAY_TEST_ENOSPC_AT": str(write)}, own=True)
             if result.returncode == 0:
                 forked_tool(["--state", state, "revert"]).check_returncode()
@@ -2400,7 +2404,7 @@ class CrashMatrixTest(unittest.TestCase):
             self.assertNotIn("Traceback", result.stderr)
             fixed = forked_tool(["--state", state, "revert"])
             self.assertEqual(fixed.returncode, 0, fixed.stderr)
-            self.assertRestored(root, shm, expected, "ENOSPC at write %d" % write)
+            self.assertRestored(root, other, expected, "ENOSPC at write %d" % write)
 
     def test_kill_at_every_point_of_add_native_is_recovered_by_gc_stale(self) -> None:
         self.assertGreater(self.kill_matrix(self.add_native_args), 10)
@@ -2413,16 +2417,16 @@ class CrashMatrixTest(unittest.TestCase):
         while True:
             point += 1
             self.assertLess(point, 300)
-            root, shm, state, expected = self.fresh()
-            forked_tool(self.apply_args(root, shm, state), own=True).check_returncode()
+            root, other, state, expected = self.fresh()
+            forked_tool(self.apply_args(root, other, state), own=True).check_returncode()
             result = forked_tool(["--state", state, "revert"], {"OVERLAY_TEST_KILL_AT": str(point)})
             if result.returncode == 0:
-                self.assertRestored(root, shm, expected, "completed revert")
+                self.assertRestored(root, other, expected, "completed revert")
                 break
             self.assertEqual(result.returncode, -9, result.stderr)
             gc = forked_tool(["gc-stale", "--root", os.path.dirname(root)])
             self.assertEqual(gc.returncode, 0, gc.stderr)
-            self.assertRestored(root, shm, expected, "revert killed at point %d" % point)
+            self.assertRestored(root, other, expected, "revert killed at point %d" % point)
         self.assertGreater(point, 10)
 
     def test_no_space_at_every_write_of_add_native_and_apply_is_recoverable(self) -> None:
@@ -2434,8 +2438,8 @@ class CrashMatrixTest(unittest.TestCase):
         while True:
             write += 1
             self.assertLess(write, 300)
-            root, shm, state, expected = self.fresh()
-            forked_tool(self.add_native_args(root, shm, state), own=True).check_returncode()
+            root, other, state, expected = self.fresh()
+            forked_tool(self.add_native_args(root, other, state), own=True).check_returncode()
             result = forked_tool(["--state", state, "revert"], {"OVERLAY_TEST_ENOSPC_AT": str(write)})
             if result.returncode == 0:
                 break
@@ -2444,7 +2448,7 @@ class CrashMatrixTest(unittest.TestCase):
                           "left: fix the cause and run `overlay_setup.py --state %s revert` again"
                           % state, result.stderr)
             forked_tool(["--state", state, "revert"]).check_returncode()
-            self.assertRestored(root, shm, expected, "revert ENOSPC at write %d" % write)
+            self.assertRestored(root, other, expected, "revert ENOSPC at write %d" % write)
         self.assertGreater(write, 3)
 
 
