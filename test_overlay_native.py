@@ -223,10 +223,11 @@ class OverlayTestCase(unittest.TestCase):
     def kill_during_build(self, args: list) -> None:
         """Run the tool (its own owner, in a fork: see forked_tool) and SIGKILL
         it once its build command runs (a process of the build's group other
-        than the shell that waits to start it)."""
+        than the shell that waits to start it).  The build is given 0.3 s more
+        (TEST_BUILD_DELAY, see MAKE_PROJECT) for the kill to land in."""
         with open(os.devnull, "w") as devnull:
-            tool = fork_tool(["--state", self.state] + args, None, True, devnull.fileno(),
-                             devnull.fileno())
+            tool = fork_tool(["--state", self.state] + args, {"TEST_BUILD_DELAY": "0.3"}, True,
+                             devnull.fileno(), devnull.fileno())
         journal = os.path.join(self.state, "journal.json")
         deadline = time.monotonic() + 60
         building = False
@@ -2458,9 +2459,12 @@ LIB_SOURCES = {
     "b.c": '#include "k.h"\nint b(void) { return K; }\n',
 }
 
+# The builds of these projects sleep $TEST_BUILD_DELAY seconds (none unless
+# it is set) before they link: kill_during_build sets it, so that its kill
+# lands in a build that is still running.
 MAKE_PROJECT = dict(LIB_SOURCES, Makefile=(
     "libk.so: a.o b.o\n"
-    "\tsleep 0.3\n"  # a build that takes real time, so a kill lands in it
+    "\tsleep $${TEST_BUILD_DELAY:-0}\n"
     "\t$(CC) -shared -o $@ a.o b.o\n"
     "%.o: %.c k.h\n"
     "\t$(CC) -O1 -fPIC -MMD -c -o $@ $<\n"))
@@ -2471,7 +2475,7 @@ NINJA_PROJECT = dict(LIB_SOURCES, **{"build.ninja": (
     "  depfile = $out.d\n"
     "  deps = gcc\n"
     "rule link\n"
-    "  command = sleep 0.3 && gcc -shared $in -o $out\n"
+    "  command = sleep $${TEST_BUILD_DELAY:-0} && gcc -shared $in -o $out\n"
     "build a.o: cc a.c\n"
     "build b.o: cc b.c\n"
     "build libk.so: link a.o b.o\n")})
@@ -2480,7 +2484,8 @@ CMAKE_PROJECT = dict(LIB_SOURCES, **{"CMakeLists.txt": (
     "cmake_minimum_required(VERSION 3.13)\n"
     "project(k C)\n"
     "add_library(k SHARED a.c b.c)\n"
-    "add_custom_command(TARGET k POST_BUILD COMMAND sleep 0.3)\n")})
+    "add_custom_command(TARGET k POST_BUILD COMMAND sh -c \"sleep \\${TEST_BUILD_DELAY:-0}\" "
+    "VERBATIM)\n")})
 
 EXTENSION_PROJECT = {
     "pkg/__init__.py": "",
@@ -2937,7 +2942,7 @@ class RealBuildSystemTest(OverlayTestCase):
         # names them, so `make -q` never remakes them if revert removed them.
         files = dict(LIB_SOURCES, Makefile=(
             "libk.so.1.0: a.o b.o\n"
-            "\tsleep 0.3\n"
+            "\tsleep $${TEST_BUILD_DELAY:-0}\n"
             "\t$(CC) -shared -Wl,-soname,libk.so.1 -o $@ a.o b.o\n"
             "\trm -f libk.so libk.so.1\n"
             "\tln -s $@ libk.so\n"
