@@ -2555,9 +2555,7 @@ def editable_venv(test_class: type, projects: dict) -> str:
     for directory, files in sorted(projects.items()):
         write_tree(os.path.join(base, directory), files)
         editable += ["-e", directory]
-    # Not --upgrade: that asks the index for the newest setuptools even where
-    # the one this interpreter has will do.
-    for args in (["setuptools>=64"], ["--no-build-isolation"] + editable):
+    for args in (["--upgrade", "setuptools>=64"], ["--no-build-isolation"] + editable):
         done = quiet([python, "-m", "pip", "install", "-q"] + args, base)
         if done.returncode:
             raise unittest.SkipTest("pip cannot install a project editable in a venv here: "
