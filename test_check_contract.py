@@ -3468,12 +3468,14 @@ class TraceIsolationTest(TreeTest):
     ENV = {}
     NAMESPACES = True
 
-    def setUp(self):
-        super().setUp()
-        with tempfile.TemporaryDirectory() as top:
-            problem = check_contract.namespace_problem(top)
-        if self.NAMESPACES and problem is not None:
-            self.skipTest("no namespaces here: %s" % problem)
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        if cls.NAMESPACES:
+            with tempfile.TemporaryDirectory() as top:
+                problem = check_contract.namespace_problem(top)
+            if problem is not None:
+                raise unittest.SkipTest("no namespaces here: %s" % problem)
 
     def trace(self, *args):
         rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"] + list(args),
