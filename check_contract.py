@@ -4871,6 +4871,25 @@ def tree_state(root):
     return state
 
 
+def remove_tree(path):
+    """Remove path and everything below it, as a build script left it: each
+    directory it took its owner's permissions from gets them back first
+    (by lstat: a link is never followed)."""
+    import shutil
+
+    def unlock(directory):
+        try:
+            if stat.S_ISDIR(os.lstat(directory).st_mode):
+                os.chmod(directory, stat.S_IRWXU)
+        except OSError:
+            pass
+    unlock(path)
+    for top, dirs, _ in os.walk(path):  # each directory is unlocked before it is listed
+        for name in dirs:
+            unlock(os.path.join(top, name))
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def copy_state(copy):
     """What a run's copy of the snapshot is: the directory itself and its
     tree_state.  A run that leaves both as they were when the copy was made
@@ -4990,10 +5009,9 @@ class TraceSession:
                 "with what it was" % self.problem)
 
     def close(self):
-        import shutil
         if self.shims is not None:
             self.shims.close()
-        shutil.rmtree(self.top, ignore_errors=True)
+        remove_tree(self.top)
 
 
 def repository_files(root):
@@ -5254,7 +5272,7 @@ def trace_script(session, backend, arch, timeout, stream):
         for path in (home, tmp, log):
             os.mkdir(path)
         if session.copy_state is None or copy_state(copy) != session.copy_state:
-            shutil.rmtree(copy, ignore_errors=True)
+            remove_tree(copy)
             shutil.copytree(session.snapshot, copy, symlinks=True)
             session.copy_state = copy_state(copy)
         if session.shims is None:  # the shims name the same log and xtrace paths every run
@@ -5297,7 +5315,7 @@ def trace_script(session, backend, arch, timeout, stream):
         snapshot = tree_state(session.snapshot)
         if snapshot != session.snapshot_state:
             trace.tampered.append("the trace's copy of the repository")
-            shutil.rmtree(session.snapshot)
+            remove_tree(session.snapshot)
             os.mkdir(session.snapshot)
             copy_repository(session.root, session.snapshot)
             session.snapshot_state = tree_state(session.snapshot)
@@ -5307,7 +5325,7 @@ def trace_script(session, backend, arch, timeout, stream):
         session.checkout = checkout
         return trace
     finally:
-        shutil.rmtree(top, ignore_errors=True)
+        remove_tree(top)
 
 
 def traced_facts(trace):

@@ -3620,6 +3620,36 @@ class TraceIsolationTest(TreeTest):
         self.assertEqual(self.outcomes(report), {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
         self.assertEqual(rc, 0, err)
 
+    def test_directories_a_script_locked_are_removed_without_the_power_to_override_modes(self):
+        # chmod 000 on directories of the script's copy, output and home stops
+        # a checker that cannot override file modes, as on a CI runner that is
+        # not root: where the tests are root, setpriv takes that power away.
+        # The next run still gets a copy of its own, and nothing is left.
+        without = []
+        if os.geteuid() == 0:
+            if shutil.which("setpriv") is None:
+                self.skipTest("the tests run as root, and there is no setpriv to run without "
+                              "CAP_DAC_OVERRIDE")
+            without = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+        self.backend('lock() {\n  mkdir -p "$1/sub" && touch "$1/sub/f" && chmod 000 "$1/sub" "$1"\n}\n'
+                     'lock "$1/locked"\nlock "$HOME/locked"\nlock "$here/locked"\n', name="a")
+        self.backend('[ ! -e "$here/../a/locked" ] || exit 5\n', name="b")
+        scratch = tempfile.mkdtemp(prefix="check-contract-locked-")
+        self.addCleanup(check_contract.remove_tree, scratch)
+        home, tmp = os.path.join(scratch, "home"), os.path.join(scratch, "tmp")
+        os.mkdir(home)
+        os.mkdir(tmp)
+        env = dict(self.ENV, PATH=os.environ["PATH"], HOME=home, TMPDIR=tmp)
+        done = subprocess.run(without + [sys.executable, CHECKER, "--root", self.root, "trace",
+                                         "--format", "json"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertEqual(self.outcomes(json.loads(done.stdout)),
+                         {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
+        self.assertEqual(os.listdir(tmp), [])
+
 
 class TraceLauncherIsolationTest(TraceIsolationTest):
     ENV = {"CHECK_CONTRACT_NO_NAMESPACES": "1"}
