@@ -4873,17 +4873,28 @@ def tree_state(root):
 
 def remove_tree(path):
     """Remove path and everything below it, as a build script left it: each
-    directory it took its owner's permissions from gets them back first
-    (by lstat: a link is never followed)."""
+    directory it took its owner's permissions from gets them back first.
+    Nothing is followed through a link: one standing at path goes itself."""
     import shutil
 
-    def unlock(directory):
+    def unlock(entry):
+        """Whether entry is a directory (by lstat), now open to its owner."""
         try:
-            if stat.S_ISDIR(os.lstat(directory).st_mode):
-                os.chmod(directory, stat.S_IRWXU)
+            if not stat.S_ISDIR(os.lstat(entry).st_mode):
+                return False
+        except OSError:
+            return False
+        try:
+            os.chmod(entry, stat.S_IRWXU)
         except OSError:
             pass
-    unlock(path)
+        return True
+    if not unlock(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
     for top, dirs, _ in os.walk(path):  # each directory is unlocked before it is listed
         for name in dirs:
             unlock(os.path.join(top, name))

@@ -3650,6 +3650,23 @@ class TraceIsolationTest(TreeTest):
                          {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
         self.assertEqual(os.listdir(tmp), [])
 
+    def test_a_link_left_in_place_of_the_copy_is_removed_not_followed(self):
+        # When the script ends, its copy is a link to a directory of the
+        # checker's user: the next run gets a copy, and the directory and
+        # the modes below it are as they were.
+        victim = tempfile.mkdtemp(prefix="check-contract-victim-")
+        self.addCleanup(check_contract.remove_tree, victim)
+        os.mkdir(os.path.join(victim, "kept"), 0o500)
+        self.backend('top=$(cd "$here/../../../.." && pwd)\n'
+                     'trap \'mv "$top/repo" "$top/moved" && ln -s %s "$top/repo"\' EXIT\n' % victim,
+                     name="a")
+        self.backend('[ ! -L "$here/../../../../../repo" ] || exit 5\n', name="b")
+        rc, report, err = self.trace()
+        self.assertEqual(self.outcomes(report), {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(os.listdir(victim), ["kept"])
+        self.assertEqual(os.stat(os.path.join(victim, "kept")).st_mode & 0o7777, 0o500)
+
 
 class TraceLauncherIsolationTest(TraceIsolationTest):
     ENV = {"CHECK_CONTRACT_NO_NAMESPACES": "1"}
