@@ -3660,7 +3660,7 @@ class TraceIsolationTest(TreeTest):
         self.backend('top=$(cd "$here/../../../.." && pwd)\n'
                      'trap \'mv "$top/repo" "$top/moved" && ln -s %s "$top/repo"\' EXIT\n' % victim,
                      name="a")
-        self.backend('[ ! -L "$here/../../../../../repo" ] || exit 5\n', name="b")
+        self.backend('[ ! -L "$here/../../../../repo" ] || exit 5\n', name="b")
         rc, report, err = self.trace()
         self.assertEqual(self.outcomes(report), {"cuda/a": ("passed", []), "cuda/b": ("passed", [])})
         self.assertEqual(rc, 0, err)
