@@ -4800,6 +4800,19 @@ def normalise_shown(text):
     return re.sub(r"(/tmp/[A-Za-z0-9_-]+\.)[A-Za-z0-9]{6}\b", r"\1XXXXXX", text)
 
 
+def this_python_first(path):
+    """PATH with the directory of the interpreter running the tests first,
+    where its `python3` is that interpreter: the documents' `python3 ...`
+    commands then run under the Python being tested, not under whatever
+    PATH finds first (a version manager's shim, which also costs a shell
+    script per start)."""
+    directory = os.path.dirname(sys.executable)
+    named = os.path.join(directory, "python3")
+    if os.path.isfile(named) and os.path.samefile(named, sys.executable):
+        return directory + os.pathsep + path
+    return path
+
+
 def run_in_clone(test, script, document):
     """Run `script` with bash in a fresh copy of the repository and return
     its output (stdout and stderr); the test fails unless it succeeds and
@@ -4807,7 +4820,7 @@ def run_in_clone(test, script, document):
     with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
         copy_of_repository(clone)
         # overlay_setup.py records applied overlays under $XDG_STATE_HOME
-        env = terminal_env(XDG_STATE_HOME=home)
+        env = terminal_env(XDG_STATE_HOME=home, PATH=this_python_first(os.environ["PATH"]))
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               universal_newlines=True, timeout=600)
