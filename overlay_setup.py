@@ -5346,7 +5346,19 @@ def resolve_format(args: argparse.Namespace) -> None:
         args.format = "json"
 
 
-def build_parser() -> argparse.ArgumentParser:
+class UnnamedCommand:
+    """Stands in for the parser of a command the command line does not name
+    (build_parser's `only`): what is added to it is dropped."""
+
+    def add_argument(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def add_mutually_exclusive_group(self) -> "UnnamedCommand":
+        return self
+
+
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command-line parser; with `only`, one that knows that command alone."""
     state_help = ("state directory (default: $OVERLAY_STATE, else the current directory's own "
                   "under $XDG_STATE_HOME/overlay_setup/)")
     parser = Parser(
@@ -5359,6 +5371,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
 
     def command(name: str, help_text: str, owner: bool = False) -> argparse.ArgumentParser:
+        if only not in (None, name):
+            return UnnamedCommand()  # type: ignore[return-value]
         sub = commands.add_parser(name, help=help_text, description=help_text,
                                   epilog="example:\n  " + COMMAND_EXAMPLES[name],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -5472,6 +5486,22 @@ def command_hint(message: str) -> str:
     return '; did you mean "%s"?' % near[0] if near else ""
 
 
+def named_command(argv: List[str]) -> Optional[str]:
+    """The command of a command line that names it first, after any --state
+    DIR: a parser that knows that command alone reads such a line as the
+    whole parser does.  None for any other line (--help, --version, an
+    abbreviated --state, no command or an unknown one)."""
+    rest = list(argv)
+    while rest:
+        if rest[0] == "--state" and len(rest) > 1:
+            del rest[:2]
+        elif rest[0].startswith("--state="):
+            del rest[0]
+        else:
+            break
+    return rest[0] if rest and rest[0] in COMMANDS else None
+
+
 COMMANDS = {"init": cmd_init, "add-python": cmd_add_python, "rebind": cmd_rebind,
             "env": cmd_env, "add-native": cmd_add_native, "apply": cmd_apply,
             "update": cmd_update, "trial": cmd_trial, "verify-native": cmd_verify_native,
@@ -5484,8 +5514,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is escaped
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(named_command(argv))
     trial_command = None
     if "trial" in argv and "--" in argv[argv.index("trial"):]:
         cut = argv.index("--", argv.index("trial"))  # the command trial measures

@@ -4,6 +4,7 @@ for tar snapshots.  No GPU needed."""
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import difflib
@@ -4876,6 +4877,37 @@ class OverlayDocsTest(unittest.TestCase):
 
     def test_overlay_examples_run_as_written(self):
         test_check_contract.run_shown(self, "docs/overlay_setup.md")
+
+    def test_the_parser_of_the_named_command_alone_reads_a_line_as_the_whole_parser(self):
+        # main() builds the parser of the command a line names first (after
+        # any --state DIR) and no other; it must read such a line, its usage
+        # errors and --help included, as the parser of every command does.
+        def read(parser: argparse.ArgumentParser, argv: list) -> tuple:
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    return ("parsed", vars(parser.parse_args(argv)))
+            except overlay_setup.CommandLineError as exc:
+                return ("error", exc.message)
+            except SystemExit as exc:
+                return ("exit", exc.code, out.getvalue())
+
+        lines = [["apply", "p.diff", "--build-cmd", "make", "-p", "0"],
+                 ["--state", "apply", "status", "--json"], ["--state=s", "revert", "--all"],
+                 ["--state", "s", "trial", "p", "--no-build", "--repeat", "x"],
+                 ["init", "--owner-pid", "1", "--state", "t"], ["status", "--bogus"],
+                 ["add-native", "--source", "a"], ["--state", "--state", "env"],
+                 ["add-native", "--source", "a", "--patched", "b", "--no-build", "--build-cmd", "c"],
+                 ["update", "--entry", "2"]] + [[name, "--help"] for name in overlay_setup.COMMANDS]
+        for argv in lines:
+            with self.subTest(argv=argv):
+                only = overlay_setup.named_command(argv)
+                self.assertIn(only, overlay_setup.COMMANDS)
+                self.assertEqual(read(overlay_setup.build_parser(only), argv),
+                                 read(overlay_setup.build_parser(), argv))
+        for argv in (["--stat", "apply", "status"], ["--help"], ["--version"], [], ["aply"],
+                     ["--state", "apply"]):
+            self.assertIsNone(overlay_setup.named_command(argv), argv)
 
     def test_every_uncoded_failure_line_is_one_the_docs_name(self):
         docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
