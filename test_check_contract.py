@@ -4907,6 +4907,35 @@ class RepositoryTest(unittest.TestCase):
             for flag in re.findall(r"--[a-z][a-z-]*", args):
                 self.assertIn(flag, usage, script)
 
+    def test_the_test_files_run_at_once_and_fail_as_a_whole(self):
+        # .ci/unittest_at_once.py runs the first half of the test command: the
+        # second module's listing comes whole after the first's, and a failure
+        # of either is the exit status, whichever order they are named in.
+        with tempfile.TemporaryDirectory() as tmp:
+            write_tree(tmp, {
+                "slow_ok.py": "import time, unittest\nclass A(unittest.TestCase):\n"
+                              "    def test_a(self):\n        time.sleep(0.3)\n",
+                "quick_fail.py": "import unittest\nclass B(unittest.TestCase):\n"
+                                 "    def test_b(self):\n        self.fail('b failed')\n"})
+
+            def run(*modules):
+                return subprocess.run([sys.executable, os.path.join(HERE, ".ci", "unittest_at_once.py")]
+                                      + list(modules), cwd=tmp, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, universal_newlines=True)
+            done = run("slow_ok", "quick_fail")
+            self.assertEqual(done.returncode, 1, done.stdout)
+            first, second = done.stdout.split("test_b (", 1)
+            self.assertIn("test_a (", first)
+            self.assertIn("Ran 1 test in ", first)
+            self.assertTrue(first.rstrip().endswith("\nOK"), done.stdout)
+            self.assertIn("AssertionError: b failed\n", second)
+            self.assertTrue(second.rstrip().endswith("\nFAILED (failures=1)"), done.stdout)
+            self.assertEqual(run("quick_fail", "slow_ok").returncode, 1)
+            done = run("slow_ok", "slow_ok")
+            self.assertEqual((done.returncode, done.stdout.count("\nOK\n")), (0, 2), done.stdout)
+            self.assertEqual((run().returncode, run().stdout), (
+                2, "usage: python3 .ci/unittest_at_once.py MODULE [MODULE ...]\n"))
+
     def test_readme_fits_in_15_kb(self):
         self.assertLessEqual(os.path.getsize(os.path.join(HERE, "README.md")), 15000)
 
