@@ -29,12 +29,18 @@ def setUpModule():
     if not NVCC:
         raise unittest.SkipTest("nvcc not found on PATH (set NVCC to build the CUDA backend)")
     build_dir = tempfile.TemporaryDirectory(prefix="llmops-cuda-build-")
+    running = []  # both builds at once: they share nothing
     for label, arch in (("fat", None), ("single", SINGLE_ARCH)):
         out_dir = os.path.join(build_dir.name, label)
         command = [os.path.join(BACKEND_DIR, "build.sh"), out_dir] + ([arch] if arch else [])
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                universal_newlines=True)
-        builds[label] = (result, os.path.join(out_dir, parity.LIBRARY_NAME))
+        log = tempfile.TemporaryFile("w+")
+        running.append((label, command, log, os.path.join(out_dir, parity.LIBRARY_NAME),
+                        subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+    for label, command, log, library, build in running:
+        with log:
+            returncode = build.wait()
+            log.seek(0)
+            builds[label] = (subprocess.CompletedProcess(command, returncode, log.read()), library)
 
 
 def tearDownModule():
