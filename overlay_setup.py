@@ -3146,15 +3146,21 @@ def session_members(sid: int) -> List[int]:
 def group_alive(pgid: int) -> bool:
     """Whether a process other than a zombie is in the process group or in
     the session it leads (from /proc where there is one: a zombie nobody
-    reaped still counts for kill)."""
-    processes = live_process_stats()
-    if processes is None:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return any(str(pgid) in (fields[2], fields[3]) for _, fields in processes)
+    reaped still counts for kill).  /proc is read twice before the answer is
+    no: one reading misses a process forked while it ran by a parent that
+    exited before its turn came, such as the assembler a compiler driver
+    starts as it is stopped, which would write its object after the revert."""
+    for _ in range(2):
+        processes = live_process_stats()
+        if processes is None:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return False
+            return True
+        if any(str(pgid) in (fields[2], fields[3]) for _, fields in processes):
+            return True
+    return False
 
 
 # The build's shell waits for one line on its stdin (a pipe from this process)

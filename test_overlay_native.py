@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 import unittest
+import unittest.mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "overlay_setup.py")
@@ -4462,6 +4463,18 @@ class BuildProcessTest(OverlayTestCase):
         self.assertEqual(wait_for_no_process_in(self.proj), [])
         self.assertFalse(os.path.exists(self.late))
         self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_a_process_one_reading_of_proc_missed_is_still_the_build(self) -> None:
+        # One reading of /proc misses a process forked while it ran by a
+        # parent gone before its turn (the assembler a compiler driver starts
+        # as it is stopped): the build is gone only when a second reading
+        # finds none of it either.
+        member = ["S", "1", "4242", "4242"]  # state, ppid, process group, session
+        readings = iter([[], [(4243, member)], [], [(4243, member)], [], []])
+        with unittest.mock.patch.object(overlay_setup, "live_process_stats",
+                                        lambda: next(readings)):
+            self.assertEqual([overlay_setup.group_alive(4242) for _ in range(3)],
+                             [True, True, False])
 
     def test_sigterm_and_sighup_stop_the_build_with_the_run(self) -> None:
         for name, number in (("SIGTERM", signal.SIGTERM), ("SIGHUP", signal.SIGHUP)):
