@@ -4933,7 +4933,8 @@ class RepositoryTest(unittest.TestCase):
             self.assertEqual(run("quick_fail", "slow_ok").returncode, 1)
             done = run("slow_ok", "slow_ok")
             self.assertEqual((done.returncode, done.stdout.count("\nOK\n")), (0, 2), done.stdout)
-            self.assertEqual((run().returncode, run().stdout), (
+            done = run()
+            self.assertEqual((done.returncode, done.stdout), (
                 2, "usage: python3 .ci/unittest_at_once.py MODULE [MODULE ...]\n"))
 
     def test_readme_fits_in_15_kb(self):
