@@ -4855,7 +4855,9 @@ def shim_names():
 def tree_state(root):
     """{path relative to root: its lstat fingerprint} for everything under
     root, links not followed.  The inode change time is in it: no write,
-    chmod or rename leaves it as it was, even with the times put back."""
+    chmod or rename leaves it as it was, even with the times put back.  So is
+    the link count, which a link made or removed elsewhere changes, and with
+    it the change time (see checkout_changes)."""
     state = {}
     start = len(os.path.join(root, ""))  # os.walk's paths are root's joined with the rest
     for top, dirs, files in os.walk(root):
@@ -4867,7 +4869,8 @@ def tree_state(root):
                 continue
             # A directory changes when its entries do; those are listed themselves.
             state[path[start:]] = (info.st_mode,) if stat.S_ISDIR(info.st_mode) else (
-                info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
+                info.st_mode, info.st_size, info.st_mtime_ns, info.st_ino, info.st_nlink,
+                info.st_ctime_ns)
     return state
 
 
@@ -4915,6 +4918,18 @@ def copy_state(copy):
 def state_changes(before, after):
     """The paths added, removed or changed between two tree_states."""
     return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
+def checkout_changes(before, after):
+    """state_changes, less the files whose only change is their link count
+    and the change time that goes with it.  A link to a file of the checkout
+    made or removed outside it does that: `git clone` of a local path links
+    the objects of .git, and every clone made or removed beside it changes
+    them all."""
+    def same_file(old, new):
+        return len(old) == len(new) == 6 and old[:4] == new[:4] and old[4] != new[4]
+    return [p for p in state_changes(before, after)
+            if not (p in before and p in after and same_file(before[p], after[p]))]
 
 
 def namespace_problem(top):
@@ -4999,7 +5014,6 @@ class TraceSession:
         os.mkdir(self.snapshot)
         copy_repository(repo.root, self.snapshot)
         self.snapshot_state = tree_state(self.snapshot)
-        self.checkout = tree_state(repo.root)
         home = os.path.realpath(os.path.expanduser("~"))
         self.hidden = [os.path.realpath(repo.root), self.snapshot] + ([home] if home != "/" else [])
         holding = [h for h in self.hidden[:1] + self.hidden[2:]
@@ -5008,6 +5022,8 @@ class TraceSession:
             "the repository" if holding[0] == self.hidden[0] else "your home")
             if holding else namespace_problem(self.top))
         self.unshare = shutil.which("unshare") if self.problem is None else None
+        # Compared after each run where the script can reach it: without namespaces.
+        self.checkout = tree_state(repo.root) if self.unshare is None else None
         self.nvcc_version = machine_nvcc_version()
 
     def describe(self):
@@ -5331,9 +5347,10 @@ def trace_script(session, backend, arch, timeout, stream):
             copy_repository(session.root, session.snapshot)
             session.snapshot_state = tree_state(session.snapshot)
             session.copy_state = None
-        checkout = tree_state(session.root)
-        trace.changed = state_changes(session.checkout, checkout)
-        session.checkout = checkout
+        if session.checkout is not None:  # the script could reach the checkout
+            checkout = tree_state(session.root)
+            trace.changed = checkout_changes(session.checkout, checkout)
+            session.checkout = checkout
         return trace
     finally:
         remove_tree(top)

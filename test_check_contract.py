@@ -3053,6 +3053,16 @@ def ends(pid, timeout=60):
         time.sleep(0.05)
 
 
+def appears(path, timeout=60):
+    """Whether path exists within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class BuildTierTest(TreeTest):
     def build(self, *args, env=None):
         return run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
@@ -3551,6 +3561,42 @@ class TraceIsolationTest(TreeTest):
             self.assertEqual(found["cuda/a"], ("failed", self.in_both_runs(
                 "X002", "the script changed the checkout: backends/cuda/a/k.cu, stamp; a build "
                 "script must write only into its <output-dir> argument and temporary files")))
+
+    def test_a_hard_link_to_a_checkout_file_is_no_change_of_it(self):
+        # A link made or removed elsewhere changes a file's link count and change
+        # time, not its bytes: a local `git clone` shares the objects of .git so.
+        elsewhere = tempfile.mkdtemp(prefix="check-contract-links-")
+        self.addCleanup(check_contract.remove_tree, elsewhere)
+        self.backend("ln %s %s/link 2>/dev/null\n" % (self.path("backends/cuda/k/k.cu"), elsewhere))
+        rc, report, err = self.trace()
+        self.assertEqual((rc, self.outcomes(report)), (0, {"cuda/k": ("passed", [])}), err)
+        self.assertEqual(os.path.exists(os.path.join(elsewhere, "link")), not self.NAMESPACES)
+
+    def test_a_change_to_the_checkout_while_the_script_runs_is_its_only_where_it_can_reach_it(self):
+        # Another process edits the checkout during the first run.  In namespaces the
+        # script cannot see the checkout, so the change is not the script's.
+        shared = tempfile.mkdtemp(prefix="check-contract-shared-")
+        self.addCleanup(check_contract.remove_tree, shared)
+        self.tree({"notes.txt": "a\n"})
+        self.backend('touch %s/started\nwhile [ ! -e %s/go ]; do sleep 0.05; done\n'
+                     % (shared, shared))
+        checker = subprocess.Popen([sys.executable, CHECKER, "--root", self.root, "trace",
+                                    "--format", "json"], env=dict(os.environ, **self.ENV),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   universal_newlines=True)
+        self.addCleanup(checker.kill)
+        self.assertTrue(appears(os.path.join(shared, "started")), "the script never started")
+        with open(self.path("notes.txt"), "a") as notes:
+            notes.write("b\n")
+        open(os.path.join(shared, "go"), "w").close()
+        out, err = checker.communicate(timeout=120)
+        found = self.outcomes(json.loads(out))["cuda/k"]
+        if self.NAMESPACES:
+            self.assertEqual((checker.returncode, found), (0, ("passed", [])), err)
+        else:
+            self.assertEqual((checker.returncode, found), (1, ("failed", self.in_both_runs(
+                "X002", "the script changed the checkout: notes.txt; a build script must write "
+                "only into its <output-dir> argument and temporary files")[1:])), err)
 
     def test_processes_the_script_sends_off_die_with_it(self):
         marker = "check-contract-orphan-%d" % os.getpid()
