@@ -3584,11 +3584,13 @@ class TraceIsolationTest(TreeTest):
                                     "--format", "json"], env=dict(os.environ, **self.ENV),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    universal_newlines=True)
+        go = os.path.join(shared, "go")
         self.addCleanup(checker.kill)
+        self.addCleanup(lambda: open(go, "w").close())  # first: a script left waiting ends
         self.assertTrue(appears(os.path.join(shared, "started")), "the script never started")
         with open(self.path("notes.txt"), "a") as notes:
             notes.write("b\n")
-        open(os.path.join(shared, "go"), "w").close()
+        open(go, "w").close()
         out, err = checker.communicate(timeout=120)
         found = self.outcomes(json.loads(out))["cuda/k"]
         if self.NAMESPACES:
