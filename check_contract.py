@@ -105,9 +105,10 @@ Diagnostic codes (stable; never reused):
                      output missing, R004 output is not an ELF shared object,
                      R005 ABI symbol not exported, R006 loaded ABI version
                      differs, R007 library cannot be loaded here (warning),
-                     R008 fatbinary SASS targets differ from the manifest,
-                     R009 backend not buildable, R010 an exported name
-                     without the backend's prefix
+                     R008 the targets in the library (CUDA SASS, HIP code
+                     objects) differ from the manifest, R009 backend not
+                     buildable, R010 an exported name without the backend's
+                     prefix, R011 the HIP targets cannot be verified (warning)
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
@@ -4139,6 +4140,94 @@ def cuda_targets(shared):
     return sass, ptx
 
 
+# HIP code objects sit in clang offload bundles in the section .hip_fatbin:
+# one bundle per translation unit (one for the library with -fgpu-rdc), with
+# zeros between them up to the next 4096 boundary.  A bundle is the magic, a
+# u64 entry count, then per entry (unaligned) a u64 offset from the bundle's
+# start, a u64 size, a u64 id length and the id, as
+# "hipv4-amdgcn-amd-amdhsa--gfx90a:xnack+" (older ROCm: "hip-amdgcn-amd-
+# amdhsa-gfx906"), beside an empty "host-..." entry.  Newer ROCm may compress
+# a bundle: "CCOB", a u16 version, a u16 method (0 zlib, 1 zstd), the sizes
+# of its version (below), a u64 hash, then the compressed bundle.  Only ids
+# are read: the id is what the HIP runtime matches against the GPU.
+BUNDLE_MAGIC = b"__CLANG_OFFLOAD_BUNDLE__"
+COMPRESSED_BUNDLE_MAGIC = b"CCOB"
+# Version -> its sizes: (uncompressed), (total, uncompressed), both u64 from 3.
+COMPRESSED_BUNDLE_SIZES = {1: "<I", 2: "<II", 3: "<QQ"}
+COMPRESSION_ZLIB, COMPRESSION_ZSTD = 0, 1
+HIP_BUNDLE_ID_RE = re.compile(r"hip(?:v4)?-amdgcn-amd-amdhsa-(?:[a-z0-9_]*-)?(gfx.+)\Z")
+
+
+def hip_targets(shared):
+    """The target ids ("gfx90a", "gfx90a:xnack+") of the code objects in the
+    library's offload bundles; BinaryError when one cannot be read."""
+    if ".hip_fatbin" not in shared.sections:
+        if not shared.sections:
+            raise BinaryError("it has no section headers, so its .hip_fatbin cannot be found")
+        return set()
+    data = shared.data
+    start, size = shared.sections[".hip_fatbin"]
+    pos, end = start, start + size
+    targets = set()
+    while pos < end:
+        if data.startswith(BUNDLE_MAGIC, pos):
+            ids, pos = _bundle_ids(data, pos, end, pos)
+        elif data.startswith(COMPRESSED_BUNDLE_MAGIC, pos):
+            ids, pos = _compressed_bundle_ids(data, pos, end)
+        else:
+            raise BinaryError("no offload bundle at offset %d, in its .hip_fatbin" % pos)
+        for entry in ids:
+            if not entry.startswith("host-"):
+                match = HIP_BUNDLE_ID_RE.match(entry)
+                targets.add(match.group(1) if match else entry)
+        while pos < end and data[pos] == 0:  # the padding up to the next bundle
+            pos += 1
+    return targets
+
+
+def _bundle_ids(data, start, end, at):
+    """(ids, where the bundle ends) of the uncompressed bundle at start;
+    `at` is where the library holds it, for the message."""
+    (count,) = _unpack("<Q", data, start + len(BUNDLE_MAGIC), "offload bundle")
+    pos, stop, ids = start + len(BUNDLE_MAGIC) + 8, start, []
+    for _ in range(count):
+        offset, size, length = _unpack("<QQQ", data, pos, "offload bundle entry")
+        pos += 24 + length
+        if pos > end or start + offset + size > end:
+            raise BinaryError("a truncated offload bundle at offset %d" % at)
+        ids.append(data[pos - length:pos].decode("latin-1"))
+        stop = max(stop, start + offset + size)
+    return ids, max(pos, stop)
+
+
+def _compressed_bundle_ids(data, start, end):
+    """(ids, where it ends) of the compressed bundle at start."""
+    import struct
+    import zlib
+    version, method = _unpack("<HH", data, start + 4, "compressed offload bundle")
+    if version not in COMPRESSED_BUNDLE_SIZES:
+        raise BinaryError("a compressed offload bundle of version %d, which this checker cannot "
+                          "read" % version)
+    sizes = _unpack(COMPRESSED_BUNDLE_SIZES[version], data, start + 8, "compressed offload bundle")
+    if method == COMPRESSION_ZSTD:
+        raise BinaryError("its offload bundle is compressed with zstd, which Python's standard "
+                          "library cannot read")
+    if method != COMPRESSION_ZLIB:
+        raise BinaryError("its offload bundle is compressed by method %d, which this checker "
+                          "does not know" % method)
+    payload = start + 8 + struct.calcsize(COMPRESSED_BUNDLE_SIZES[version]) + 8
+    stop = min(end, start + sizes[0]) if len(sizes) == 2 else end
+    inflater = zlib.decompressobj()
+    try:
+        bundle = inflater.decompress(data[payload:stop])
+    except zlib.error:
+        bundle = b""
+    if not inflater.eof or not bundle.startswith(BUNDLE_MAGIC):
+        raise BinaryError("the zlib-compressed offload bundle at offset %d does not decompress "
+                          "to a bundle" % start)
+    return _bundle_ids(bundle, 0, len(bundle), start)[0], stop - len(inflater.unused_data)
+
+
 # Loads a library in a child process (a crashing constructor must not take the
 # checker down) and prints what its version function returns.
 LOAD_SNIPPET = """
@@ -4355,11 +4444,16 @@ def inspect_library(backend, path, arch, report):
     foreign = sorted(s for s in shared.dynamic_symbols
                      if not s.startswith(prefix + "_") and s not in LINKER_SYMBOLS)
     if foreign:
+        # hipcc exports a __global__ kernel's host-side handle whatever the
+        # default visibility; only internal linkage keeps it in.
+        how = ("put each __global__ kernel in an anonymous namespace or make it static; "
+               "-fvisibility=hidden does not hide a kernel's handle under hipcc"
+               if backend.platform == "hip" else "-fvisibility=hidden, and "
+               "__attribute__((visibility(\"default\"))) on the ABI's functions")
         report("error", "R010", "%s exports %d name(s) without the prefix %s_ (%s%s), which the C "
-               "ABI gives every name; hide them (-fvisibility=hidden, and "
-               "__attribute__((visibility(\"default\"))) on the ABI's functions)"
+               "ABI gives every name; hide them (%s)"
                % (output, len(foreign), prefix, ", ".join(foreign[:5]),
-                  ", ..." if len(foreign) > 5 else ""))
+                  ", ..." if len(foreign) > 5 else "", how))
     if prefix + "_abi_version" in shared.dynamic_symbols:
         done = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, path, prefix + "_abi_version"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
@@ -4375,15 +4469,31 @@ def inspect_library(backend, path, arch, report):
             summary.append("%s_abi_version() = %s" % (prefix, said))
     if backend.platform == "cuda":
         sass, ptx = cuda_targets(shared)
-        expected = {arch} if arch is not None else set(backend.architectures or ())
-        if sass != expected:
-            report("error", "R008", "the fatbinary of %s holds SASS for %s but %s"
-                   % (output, ", ".join(sorted(sass)) or "no architecture",
-                      "--arch is %s" % arch if arch is not None else
-                      "build.architectures is %s" % ", ".join(sorted(expected))))
+        check_targets("the fatbinary of %s holds SASS for" % output, sass, backend, arch, report)
         summary.append("SASS %s" % ", ".join(sorted(sass)) + (
             "; PTX %s" % ", ".join(sorted(ptx)) if ptx else ""))
+    elif backend.platform == "hip":
+        try:
+            targets = hip_targets(shared)
+        except BinaryError as exc:
+            report("warning", "R011", "cannot verify the gfx targets of %s: %s" % (output, exc))
+            summary.append("gfx targets not verified")
+        else:
+            check_targets("the offload bundles of %s hold code objects for" % output, targets,
+                          backend, arch, report)
+            summary.append("gfx targets %s" % ", ".join(sorted(targets)))
     return "; ".join(summary)
+
+
+def check_targets(holds, found, backend, arch, report):
+    """R008: the targets found in the library against --arch, or else
+    build.architectures; `holds` says where they were found."""
+    expected = {arch} if arch is not None else set(backend.architectures or ())
+    if found != expected:
+        report("error", "R008", "%s %s but %s"
+               % (holds, ", ".join(sorted(found)) or "no architecture",
+                  "--arch is %s" % arch if arch is not None else
+                  "build.architectures is %s" % ", ".join(sorted(expected))))
 
 
 def test_backend(repo, run, backend, args, stream):
@@ -6151,8 +6261,9 @@ def add_build_parser(sub, common, formatter):
                            description="Run each buildable backend's build script (skipped when its "
                            "toolchain is missing), then check that build.output is an ELF shared "
                            "object exporting <prefix>_abi_version and <prefix>_error_string, that "
-                           "<prefix>_abi_version() returns abi_version, and for cuda that the "
-                           "fatbinary holds SASS for exactly build.architectures.",
+                           "<prefix>_abi_version() returns abi_version, and that its GPU code is for "
+                           "exactly build.architectures (cuda: the SASS in its fatbinary; hip: the "
+                           "code objects in its offload bundles).",
                            epilog="examples:\n"
                            "  python3 check_contract.py build\n"
                            "  python3 check_contract.py build cuda/llm_ops --arch 90 --out /tmp/out\n"

@@ -3235,6 +3235,333 @@ class CudaBuildTierTest(TreeTest):
                       "build.architectures is 80\n", out)
 
 
+def offload_bundle(entries):
+    """A clang offload bundle of (id, code object) entries, laid out as clang
+    lays it out: the header table, then each code object 4096-aligned."""
+    import struct
+    header = len(check_contract.BUNDLE_MAGIC) + 8 + sum(24 + len(i) for i, _ in entries)
+    table, objects, offset = [], b"", header
+    for entry_id, code in entries:
+        if code:
+            offset = (offset + 4095) & ~4095
+        table.append(struct.pack("<QQQ", offset, len(code), len(entry_id)) + entry_id.encode())
+        objects += b"\0" * (offset - header - len(objects)) + code
+        offset += len(code)
+    return check_contract.BUNDLE_MAGIC + struct.pack("<Q", len(entries)) + b"".join(table) + objects
+
+
+def hip_bundle(*targets):
+    """A bundle for the targets, with the empty host entry hipcc writes."""
+    code = b"\x7fELF\x02\x01\x01@" + b"\xaa" * 56  # the reader reads ids, not code objects
+    return offload_bundle([("hipv4-amdgcn-amd-amdhsa--" + t, code) for t in targets]
+                          + [("host-x86_64-unknown-linux", b"")])
+
+
+def compressed_bundle(bundle, method, version=2):
+    """A CCOB header and the bundle compressed: zlib, or zstd as a frame of
+    one raw (stored) block, which any zstd decoder reads."""
+    import hashlib
+    import struct
+    import zlib
+    if method == check_contract.COMPRESSION_ZLIB:
+        payload = zlib.compress(bundle)
+    else:
+        payload = (struct.pack("<IBI", 0xFD2FB528, 0xA0, len(bundle))
+                   + struct.pack("<I", (len(bundle) << 3) | 1)[:3] + bundle)
+    digest = hashlib.md5(bundle).digest()[:8]
+    header = 4 + 4 + struct.calcsize(check_contract.COMPRESSED_BUNDLE_SIZES[version]) + 8
+    sizes = {1: (len(bundle),), 2: (header + len(payload), len(bundle)),
+             3: (header + len(payload), len(bundle))}[version]
+    return (check_contract.COMPRESSED_BUNDLE_MAGIC + struct.pack("<HH", version, method)
+            + struct.pack(check_contract.COMPRESSED_BUNDLE_SIZES[version], *sizes) + digest + payload)
+
+
+def hip_fatbin(*bundles):
+    """The bundles as they sit in .hip_fatbin: each at a 4096 boundary."""
+    section = b""
+    for bundle in bundles:
+        section += b"\0" * (-len(section) % 4096) + bundle
+    return section
+
+
+def hip_fatbin_library(section, before=b"\x7fELF host code"):
+    """A SharedObject holding the section after some other bytes."""
+    return check_contract.SharedObject(before + section, {".hip_fatbin": (len(before), len(section))},
+                                       set())
+
+
+def clang_offload_bundler():
+    """clang's bundler, the independent reader of offload bundles, or None."""
+    import glob
+    found = shutil.which("clang-offload-bundler")
+    return found or next(iter(sorted(glob.glob("/usr/lib/llvm-*/bin/clang-offload-bundler"),
+                                     reverse=True)), None)
+
+
+def bundler_targets(shared, tool):
+    """What clang-offload-bundler --list says the .hip_fatbin of the library
+    holds, bundle by bundle (it lists one bundle per input), host entries left out."""
+    offset, size = shared.sections[".hip_fatbin"]
+    section = shared.data[offset:offset + size]
+    starts = [m.start() for m in re.finditer(re.escape(check_contract.BUNDLE_MAGIC), section)]
+    targets = set()
+    with tempfile.TemporaryDirectory(prefix="check-contract-bundles-") as scratch:
+        for index, start in enumerate(starts):
+            path = os.path.join(scratch, "%d.bundle" % index)
+            with open(path, "wb") as handle:
+                handle.write(section[start:(starts[index + 1:] or [len(section)])[0]])
+            listed = subprocess.run([tool, "--list", "--type=o", "--input=" + path],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    universal_newlines=True, check=True).stdout
+            targets.update(line.split("--", 1)[1] for line in listed.split()
+                           if not line.startswith("host-"))
+    return targets
+
+
+class HipBundleReaderTest(unittest.TestCase):
+    """The offload bundle reader on bundles written here: no compiler needed."""
+
+    def test_several_bundles_with_features_are_read(self):
+        library = hip_fatbin_library(hip_fatbin(hip_bundle("gfx90a:xnack+", "gfx1030"),
+                                                hip_bundle("gfx940:sramecc+:xnack-", "gfx1030")))
+        self.assertEqual(check_contract.hip_targets(library),
+                         {"gfx90a:xnack+", "gfx1030", "gfx940:sramecc+:xnack-"})
+
+    def test_old_rocm_ids_and_generic_targets_are_read(self):
+        library = hip_fatbin_library(offload_bundle([
+            ("hip-amdgcn-amd-amdhsa-gfx906", b"x"), ("hipv4-amdgcn-amd-amdhsa--gfx11-generic", b"y"),
+            ("host-x86_64-unknown-linux-gnu", b"")]))
+        self.assertEqual(check_contract.hip_targets(library), {"gfx906", "gfx11-generic"})
+
+    def test_a_zlib_compressed_bundle_is_read_in_every_header_version(self):
+        for version in (1, 2, 3):
+            with self.subTest(version=version):
+                compressed = compressed_bundle(hip_bundle("gfx90a", "gfx1030"),
+                                               check_contract.COMPRESSION_ZLIB, version)
+                library = hip_fatbin_library(hip_fatbin(compressed, hip_bundle("gfx940")))
+                self.assertEqual(check_contract.hip_targets(library), {"gfx90a", "gfx1030", "gfx940"})
+
+    @unittest.skipUnless(shutil.which("zstd"), "zstd is not installed, so the zstd frame written "
+                         "here cannot be checked against a real decoder")
+    def test_the_zstd_frame_written_here_is_real(self):
+        bundle = hip_bundle("gfx90a")
+        frame = compressed_bundle(bundle, check_contract.COMPRESSION_ZSTD)[4 + 4 + 8 + 8:]
+        done = subprocess.run(["zstd", "-d", "-c"], input=frame, stdout=subprocess.PIPE, check=True)
+        self.assertEqual(done.stdout, bundle)
+
+    def test_a_zstd_compressed_bundle_cannot_be_verified(self):
+        library = hip_fatbin_library(hip_fatbin(
+            hip_bundle("gfx90a"),
+            compressed_bundle(hip_bundle("gfx1030"), check_contract.COMPRESSION_ZSTD)))
+        with self.assertRaises(check_contract.BinaryError) as raised:
+            check_contract.hip_targets(library)
+        self.assertEqual(str(raised.exception), "its offload bundle is compressed with zstd, which "
+                         "Python's standard library cannot read")
+
+    def test_damaged_bundles_cannot_be_verified(self):
+        bundle = hip_bundle("gfx90a")
+        zlib_bundle = compressed_bundle(bundle, check_contract.COMPRESSION_ZLIB)
+        for section, message in (
+                (bundle[:-10], "a truncated offload bundle at offset 14"),
+                (bundle + b"\0" * 7 + b"junk", "no offload bundle at offset %d, in its .hip_fatbin"
+                 % (14 + len(bundle) + 7)),
+                (zlib_bundle[:-6], "the zlib-compressed offload bundle at offset 14 does not "
+                 "decompress to a bundle"),
+                (zlib_bundle[:4] + b"\x09\x00" + zlib_bundle[6:],
+                 "a compressed offload bundle of version 9, which this checker cannot read"),
+                (zlib_bundle[:6] + b"\x07\x00" + zlib_bundle[8:],
+                 "its offload bundle is compressed by method 7, which this checker does not know")):
+            with self.subTest(message=message):
+                with self.assertRaises(check_contract.BinaryError) as raised:
+                    check_contract.hip_targets(hip_fatbin_library(section))
+                self.assertEqual(str(raised.exception), message)
+
+    def test_a_library_without_section_headers_cannot_be_verified(self):
+        library = check_contract.SharedObject(hip_bundle("gfx90a"), {}, set())
+        with self.assertRaises(check_contract.BinaryError) as raised:
+            check_contract.hip_targets(library)
+        self.assertEqual(str(raised.exception), "it has no section headers, so its .hip_fatbin "
+                         "cannot be found")
+
+    def test_a_library_without_hip_code_holds_no_target(self):
+        library = check_contract.SharedObject(b"\x7fELF", {".text": (0, 4)}, set())
+        self.assertEqual(check_contract.hip_targets(library), set())
+
+    def test_the_bundles_written_here_are_what_clang_offload_bundler_lists(self):
+        tool = clang_offload_bundler()
+        if tool is None:
+            self.skipTest("clang-offload-bundler is not installed (it comes with hipcc's clang)")
+        library = hip_fatbin_library(hip_fatbin(hip_bundle("gfx90a:xnack+", "gfx1030"),
+                                                hip_bundle("gfx940:sramecc-:xnack-")))
+        self.assertEqual(bundler_targets(library, tool), check_contract.hip_targets(library))
+
+    def test_a_library_whose_bundles_cannot_be_read_passes_with_a_warning_that_says_so(self):
+        # The library is a C one holding the section, built by a stand-in for
+        # hipcc that drops the target flags and runs cc: no HIP compiler needed.
+        if not shutil.which("cc"):
+            self.skipTest("cc is not installed")
+        section = hip_fatbin(hip_bundle("gfx90a"),
+                             compressed_bundle(hip_bundle("gfx90a"), check_contract.COMPRESSION_ZSTD))
+        root = tempfile.mkdtemp(prefix="check-contract-")
+        self.addCleanup(shutil.rmtree, root, True)
+        write_tree(root, {
+            "backends/hip/zs/zs.backend.json": {
+                "name": "zs", "abi_version": 1, "status": "experimental", "sources": ["zs.c"],
+                "build": {"script": "build.sh", "output": "libzs.so", "architectures": ["gfx90a"]}},
+            "backends/hip/zs/zs.c": (
+                "#define ZS_ABI_VERSION 1\nunsigned zs_abi_version(void) { return ZS_ABI_VERSION; }\n"
+                "const char* zs_error_string(int code) { return \"ok\"; }\n"
+                "__attribute__((section(\".hip_fatbin\"), aligned(4096), used)) const unsigned char "
+                "zs_fatbin[] = {%s};\n" % ",".join(str(b) for b in section)),
+            "backends/hip/zs/build.sh": Executable(
+                '#!/bin/sh\nmkdir -p "$1"\n'
+                '"${HIPCC:-hipcc}" -shared -fPIC --offload-arch=gfx90a -o "$1/libzs.so" '
+                '"$(dirname "$0")/zs.c"\n'),
+            "cc-for-hipcc": Executable('#!/bin/sh\nfor a; do shift; case $a in --offload-arch=*) ;; '
+                                       '*) set -- "$@" "$a" ;; esac; done\nexec cc "$@"\n')})
+        rc, out, err = run_main(["--repo-root", root, "build", "--out", os.path.join(root, "out")],
+                                env={"HIPCC": os.path.join(root, "cc-for-hipcc")})
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn("\nbackends/hip/zs/build.sh: [warning] R011 hip/zs: cannot verify the gfx "
+                      "targets of libzs.so: its offload bundle is compressed with zstd, which "
+                      "Python's standard library cannot read\n", out)
+        self.assertRegex(out, r"\npassed hip/zs: exports zs_abi_version and zs_error_string; "
+                              r"zs_abi_version\(\) = 1; gfx targets not verified \(")
+
+
+HIPCC = shutil.which("hipcc")
+
+TINY_HIP = """#include <cstdint>
+#include <hip/hip_runtime.h>
+#define GPUTINY_ABI_VERSION 1
+#define GPUTINY_API extern "C" __attribute__((visibility("default")))
+GPUTINY_API uint32_t gputiny_abi_version(void) { return GPUTINY_ABI_VERSION; }
+GPUTINY_API const char* gputiny_error_string(int code) { return code ? "bad argument" : "ok"; }
+namespace {
+__global__ void zero(float* x) { x[threadIdx.x] = 0.0f; }
+}
+GPUTINY_API int gputiny_zero(float* x, hipStream_t stream) {
+    hipLaunchKernelGGL(zero, dim3(1), dim3(32), 0, stream, x);
+    return hipGetLastError() == hipSuccess ? 0 : 1000;
+}
+"""
+
+TWICE_HIP = """#include <hip/hip_runtime.h>
+namespace {
+__global__ void twice(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2.0f; }
+}
+extern "C" __attribute__((visibility("default"))) int gputiny_twice(float* x, int n, hipStream_t stream) {
+    hipLaunchKernelGGL(twice, dim3(1), dim3(32), 0, stream, x, n);
+    return hipGetLastError() == hipSuccess ? 0 : 1000;
+}
+"""
+
+HIP_BUILD = Executable("""#!/bin/bash
+set -euo pipefail
+if [ $# -ge 2 ]; then
+  targets=(--offload-arch="$2")
+else
+  targets=(--offload-arch=gfx90a:xnack+ --offload-arch=gfx1030)
+fi
+mkdir -p "$1"
+cd "$(dirname "$0")"
+HIP_PLATFORM=amd "${HIPCC:-hipcc}" -fPIC -shared -fvisibility=hidden "${targets[@]}" \\
+    tiny.hip twice.hip -o "$1/libgputiny.so"
+""")
+
+
+@unittest.skipUnless(HIPCC, "hipcc is not installed (apt-get install --no-install-recommends "
+                     "hipcc), so no HIP fixture can be built")
+class HipBuildTierTest(TreeTest):
+    """The build tier on a real hipcc build (no GPU needed): the gfx targets
+    in the library's offload bundles against the manifest."""
+
+    def setUp(self):
+        super().setUp()
+        self.tree({
+            "backends/hip/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental",
+                "sources": ["tiny.hip", "twice.hip"],
+                "build": {"script": "build.sh", "output": "libgputiny.so",
+                          "architectures": ["gfx90a:xnack+", "gfx1030"]}},
+            "backends/hip/gputiny/tiny.hip": TINY_HIP,
+            "backends/hip/gputiny/twice.hip": TWICE_HIP,
+            "backends/hip/gputiny/build.sh": HIP_BUILD})
+
+    def build(self, *args, env=None):
+        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
+                        env=env)
+
+    def library(self):
+        return check_contract.read_shared_object(self.path("out/hip/gputiny/libgputiny.so"))
+
+    def test_targets_with_features_match_the_manifest_and_are_named(self):
+        rc, out, err = self.build()
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertRegex(out, r"\npassed hip/gputiny: exports gputiny_abi_version and "
+                              r"gputiny_error_string; gputiny_abi_version\(\) = 1; "
+                              r"gfx targets gfx1030, gfx90a:xnack\+ \(")
+
+    def test_a_single_target_build_is_held_to_its_arch(self):
+        rc, out, err = self.build("--arch", "gfx940")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertRegex(out, r"\npassed hip/gputiny: .*; gfx targets gfx940 \(")
+
+    def test_a_compiler_that_adds_a_target_is_an_error_naming_it(self):
+        wrapper = self.path("hipcc-plus-gfx940")
+        with open(wrapper, "w") as handle:
+            handle.write('#!/bin/sh\nexec "%s" "$@" --offload-arch=gfx940\n' % HIPCC)
+        os.chmod(wrapper, 0o755)
+        rc, out, err = self.build(env={"HIPCC": wrapper})
+        self.assertEqual(rc, 1, out)
+        self.assertIn("\nbackends/hip/gputiny/build.sh: [error] R008 hip/gputiny: the offload "
+                      "bundles of libgputiny.so hold code objects for gfx1030, gfx90a:xnack+, "
+                      "gfx940 but build.architectures is gfx1030, gfx90a:xnack+\n", out)
+
+    def test_a_manifest_target_the_library_lacks_is_an_error_naming_it(self):
+        # The script's reader would see the drift too (B006): here the script
+        # reads its targets from a file, so only the library can tell.
+        self.tree({"backends/hip/gputiny/build.sh": Executable(str(HIP_BUILD).replace(
+            "targets=(--offload-arch=gfx90a:xnack+ --offload-arch=gfx1030)",
+            'mapfile -t targets < "$(dirname "$0")/targets.txt"')),
+            "backends/hip/gputiny/targets.txt": "--offload-arch=gfx90a:xnack+\n",
+            "backends/hip/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental",
+                "sources": ["tiny.hip", "twice.hip"],
+                "build": {"script": "build.sh", "output": "libgputiny.so",
+                          "architectures": ["gfx90a:xnack+", "gfx1030"]},
+                "ignore": {"B017": "the targets come from targets.txt"}}})
+        rc, out, err = self.build()
+        self.assertEqual(rc, 1, out)
+        self.assertIn("\nbackends/hip/gputiny/build.sh: [error] R008 hip/gputiny: the offload "
+                      "bundles of libgputiny.so hold code objects for gfx90a:xnack+ but "
+                      "build.architectures is gfx1030, gfx90a:xnack+\n", out)
+
+    def test_a_kernel_with_external_linkage_is_exported_despite_hidden_visibility(self):
+        self.tree({"backends/hip/gputiny/twice.hip": TWICE_HIP.replace("namespace {\n", "").replace(
+            "}\nextern", "extern")})
+        rc, out, err = self.build("--format", "json")
+        self.assertEqual(rc, 1, out)
+        self.assertEqual([(i["code"], i["message"]) for i in json.loads(out)["results"][0]["issues"]], [
+            ("R010", "libgputiny.so exports 1 name(s) without the prefix gputiny_ (_Z5twicePfi), "
+             "which the C ABI gives every name; hide them (put each __global__ kernel in an "
+             "anonymous namespace or make it static; -fvisibility=hidden does not hide a kernel's "
+             "handle under hipcc)")])
+
+    def test_the_reader_agrees_with_clang_offload_bundler(self):
+        tool = clang_offload_bundler()
+        if tool is None:
+            self.skipTest("clang-offload-bundler is not installed (it comes with hipcc's clang)")
+        for arch in (None, "gfx940:sramecc+:xnack-"):
+            with self.subTest(arch=arch):
+                rc, out, err = self.build(*(["--arch", arch] if arch else []))
+                self.assertEqual(rc, 0, out)
+                library = self.library()
+                self.assertEqual(bundler_targets(library, tool), check_contract.hip_targets(library))
+                self.assertEqual(len(re.findall(re.escape(check_contract.BUNDLE_MAGIC),
+                                                library.data)), 2)  # one per source
+
+
 def tree_digest(root):
     """Every path under root with its type, mode and content (or link target)."""
     digest = {}
