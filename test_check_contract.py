@@ -2593,9 +2593,13 @@ class NoTracebackTest(TreeTest):
 class WorkflowTest(TreeTest):
     def plan_step(self):
         """The shell of ci.yml's `plan` job step that lists the compile matrix."""
+        return self.step_shell("      - id: list")
+
+    def step_shell(self, first_line):
+        """The shell of the ci.yml step whose first line is first_line."""
         with open(os.path.join(HERE, ".github", "workflows", "ci.yml"), encoding="utf-8") as handle:
             lines = handle.read().split("\n")
-        start = lines.index("      - id: list") + 2
+        start = lines.index(first_line) + 2
         self.assertEqual(lines[start - 1].strip(), "run: |")
         block = []
         for line in lines[start:]:
@@ -2628,6 +2632,32 @@ class WorkflowTest(TreeTest):
         out, outputs = self.run_plan(demo_files())
         self.assertEqual(outputs[-1], "any=true")
         self.assertEqual(json.loads(outputs[0][len("matrix="):])["include"][0]["name"], "demo")
+
+    def hip_step(self, files):
+        """Run the shell of ci.yml's compile-hip step that builds every HIP backend."""
+        shell = self.step_shell("      - name: Build and inspect every HIP backend")
+        self.tree(files)
+        shutil.copy(CHECKER, self.path("check_contract.py"))
+        bin_dir = self.path("bin")
+        os.makedirs(bin_dir)
+        os.symlink(sys.executable, os.path.join(bin_dir, "python3"))
+        return subprocess.run(["bash", "-e", "-c", shell], cwd=self.root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                              env=terminal_env(PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+
+    def test_the_hip_job_builds_the_hip_backends_only(self):
+        planned = demo_manifest(name="gpu", platform="hip", status="planned",
+                                build={"script": "build.sh", "output": "libgpu.so",
+                                       "architectures": ["gfx90a"]})
+        done = self.hip_step(demo_files(**{"backends/hip/gpu/gpu.backend.json": planned}))
+        self.assertEqual((done.returncode, done.stdout),
+                         (0, "skipped hip/gpu: status is planned\n"
+                             "0 backend(s) passed, 0 failed, 1 skipped\n"))
+
+    def test_the_hip_job_without_hip_backends_is_noticed(self):
+        done = self.hip_step(demo_files())
+        self.assertEqual((done.returncode, done.stdout),
+                         (0, "::notice title=compile-hip::no HIP backend to build\n"))
 
 
 class WorkflowCredentialsTest(unittest.TestCase):
