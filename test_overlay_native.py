@@ -2471,6 +2471,35 @@ MAKE_PROJECT = dict(LIB_SOURCES, Makefile=(
     "%.o: %.c k.h\n"
     "\t$(CC) -O1 -fPIC -MMD -c -o $@ $<\n"))
 
+# An AMD GPU package as aiter and Composable Kernel ship them: .hip sources
+# that hipcc compiles for gfx targets (no GPU needed to build), by make.
+HIP_KERNEL = ("#include <hip/hip_runtime.h>\n#include \"k.h\"\n"
+              "namespace { __global__ void scale(float* x) { x[threadIdx.x] *= K; } }\n"
+              "extern \"C\" int %s(float* x) {\n"
+              "    hipLaunchKernelGGL(scale, dim3(1), dim3(64), 0, 0, x);\n"
+              "    return hipGetLastError() == hipSuccess ? 0 : 1;\n}\n")
+HIP_PROJECT = {
+    "k.h": "#define K 4\n",
+    "a.hip": HIP_KERNEL % "a",
+    "b.hip": HIP_KERNEL % "b",
+    "Makefile": (
+        "export HIP_PLATFORM = amd\n"
+        "HIPCC ?= hipcc\n"
+        "ARCH = --offload-arch=gfx90a --offload-arch=gfx1030\n"
+        "libk.so: a.o b.o\n"
+        "\tsleep $${TEST_BUILD_DELAY:-0}\n"
+        "\t$(HIPCC) -shared $(ARCH) -o $@ a.o b.o\n"
+        "%.o: %.hip k.h\n"
+        "\t$(HIPCC) $(ARCH) -O1 -fPIC -c -o $@ $<\n"),
+}
+
+
+def hip_targets(library: str) -> set:
+    """The gfx targets in a library's offload bundles, as check_contract.py's build tier reads them."""
+    checker = test_check_contract.check_contract
+    return checker.hip_targets(checker.read_shared_object(library))
+
+
 NINJA_PROJECT = dict(LIB_SOURCES, **{"build.ninja": (
     "rule cc\n"
     "  command = gcc -O1 -fPIC -MMD -MF $out.d -c $in -o $out\n"
@@ -2861,6 +2890,21 @@ class RealBuildSystemTest(OverlayTestCase):
         files = {"kernels/" + name: text for name, text in MAKE_PROJECT.items()}
         files["Makefile"] = "all:\n\t$(MAKE) -C kernels\n"
         self.make_round_trips(files, under="kernels")
+
+    @unittest.skipUnless(shutil.which("hipcc"), "hipcc is not installed (apt-get install "
+                         "--no-install-recommends hipcc), so no HIP package can be built")
+    def test_make_with_hipcc(self) -> None:
+        # The patched kernel's code objects are in the library's offload
+        # bundles: apply must change them, and revert give back every byte.
+        proj = self.project(HIP_PROJECT)
+        quiet(["make"], proj).check_returncode()
+        library = os.path.join(proj, "libk.so")
+        before = hip_targets(library)
+        self.assertEqual(before, {"gfx90a", "gfx1030"})
+        self.round_trips(proj, os.path.join(proj, "b.hip"),
+                         HIP_KERNEL.replace("*= K", "*= K + 3.0f") % "b", library, "make", proj,
+                         lambda: quiet(["make", "-q"], proj).returncode == 0)
+        self.assertEqual(hip_targets(library), before)
 
     def test_ninja(self) -> None:
         proj = self.project(NINJA_PROJECT)
