@@ -4469,7 +4469,8 @@ def inspect_library(backend, path, arch, report):
             summary.append("%s_abi_version() = %s" % (prefix, said))
     if backend.platform == "cuda":
         sass, ptx = cuda_targets(shared)
-        check_library_targets("the fatbinary of %s holds SASS for" % output, sass, backend, arch, report)
+        check_library_targets("the fatbinary of %s holds SASS for" % output, sass, backend, arch,
+                              report)
         summary.append("SASS %s" % ", ".join(sorted(sass)) + (
             "; PTX %s" % ", ".join(sorted(ptx)) if ptx else ""))
     elif backend.platform == "hip":
@@ -4479,8 +4480,8 @@ def inspect_library(backend, path, arch, report):
             report("warning", "R011", "cannot verify the gfx targets of %s: %s" % (output, exc))
             summary.append("gfx targets not verified")
         else:
-            check_library_targets("the offload bundles of %s hold code objects for" % output, targets,
-                          backend, arch, report)
+            check_library_targets("the offload bundles of %s hold code objects for" % output,
+                                  targets, backend, arch, report)
             summary.append("gfx targets %s" % ", ".join(sorted(targets)))
     return "; ".join(summary)
 
