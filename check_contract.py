@@ -4156,6 +4156,7 @@ COMPRESSED_BUNDLE_MAGIC = b"CCOB"
 COMPRESSED_BUNDLE_SIZES = {1: "<I", 2: "<II", 3: "<QQ"}
 COMPRESSION_ZLIB, COMPRESSION_ZSTD = 0, 1
 HIP_BUNDLE_ID_RE = re.compile(r"hip(?:v4)?-amdgcn-amd-amdhsa-(?:[a-z0-9_]*-)?(gfx.+)\Z")
+ZEROS_RE = re.compile(b"\0*")
 
 
 def hip_targets(shared):
@@ -4180,8 +4181,7 @@ def hip_targets(shared):
             if not entry.startswith("host-"):
                 match = HIP_BUNDLE_ID_RE.match(entry)
                 targets.add(match.group(1) if match else entry)
-        while pos < end and data[pos] == 0:  # the padding up to the next bundle
-            pos += 1
+        pos = ZEROS_RE.match(data, pos, end).end()  # the padding up to the next bundle
     return targets
 
 
@@ -4372,7 +4372,7 @@ def tier_stream(args):
 
 
 def build_backend(repo, run, backend, args, stream):
-    """R001-R009: build one backend and inspect what it wrote."""
+    """R001-R011: build one backend and inspect what it wrote."""
     import shutil
     key = backend.key
     if backend.status == "planned":
