@@ -3519,8 +3519,15 @@ class HipBuildTierTest(TreeTest):
             "backends/hip/gputiny/build.sh": HIP_BUILD})
 
     def build(self, *args, env=None):
-        return run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
-                        env=env)
+        """Run the build tier; where clang-offload-bundler is installed, every
+        library built is also read by it, and the two readers must agree."""
+        result = run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
+                          env=env)
+        tool = clang_offload_bundler()
+        if tool is not None and os.path.isfile(self.path("out/hip/gputiny/libgputiny.so")):
+            library = self.library()
+            self.assertEqual(bundler_targets(library, tool), check_contract.hip_targets(library))
+        return result
 
     def library(self):
         return check_contract.read_shared_object(self.path("out/hip/gputiny/libgputiny.so"))
@@ -3582,14 +3589,12 @@ class HipBuildTierTest(TreeTest):
         tool = clang_offload_bundler()
         if tool is None:
             self.skipTest("clang-offload-bundler is not installed (it comes with hipcc's clang)")
-        for arch in (None, "gfx940:sramecc+:xnack-"):
-            with self.subTest(arch=arch):
-                rc, out, err = self.build(*(["--arch", arch] if arch else []))
-                self.assertEqual(rc, 0, out)
-                library = self.library()
-                self.assertEqual(bundler_targets(library, tool), check_contract.hip_targets(library))
-                self.assertEqual(len(re.findall(re.escape(check_contract.BUNDLE_MAGIC),
-                                                library.data)), 2)  # one per source
+        rc, out, err = self.build("--arch", "gfx940:sramecc+:xnack-")
+        self.assertEqual(rc, 0, out)
+        library = self.library()
+        self.assertEqual(bundler_targets(library, tool), {"gfx940:sramecc+:xnack-"})
+        self.assertEqual(len(re.findall(re.escape(check_contract.BUNDLE_MAGIC), library.data)),
+                         2)  # one bundle per source
 
 
 def tree_digest(root):

@@ -2495,9 +2495,15 @@ HIP_PROJECT = {
 
 
 def hip_targets(library: str) -> set:
-    """The gfx targets in a library's offload bundles, as check_contract.py's build tier reads them."""
+    """The gfx targets in a library's offload bundles, as check_contract.py's
+    build tier reads them, and as clang-offload-bundler does where it is installed."""
     checker = test_check_contract.check_contract
-    return checker.hip_targets(checker.read_shared_object(library))
+    shared = checker.read_shared_object(library)
+    targets = checker.hip_targets(shared)
+    tool = test_check_contract.clang_offload_bundler()
+    if tool is not None:
+        assert test_check_contract.bundler_targets(shared, tool) == targets, library
+    return targets
 
 
 NINJA_PROJECT = dict(LIB_SOURCES, **{"build.ninja": (
