@@ -108,7 +108,7 @@ Diagnostic codes (stable; never reused):
                      R008 the targets in the library (CUDA SASS, HIP code
                      objects) differ from the manifest, R009 backend not
                      buildable, R010 an exported name without the backend's
-                     prefix, R011 the HIP targets cannot be verified (warning)
+                     prefix, R011 the targets cannot be verified (warning)
     U  test tier     U001 tests failed, U002 no tests beside the kernels
                      (warning), U003 tests timed out
     P  parity tier   P001 reference entrypoint failed, P002 timed out
@@ -4018,15 +4018,20 @@ REPORTERS = {"text": report_text, "json": report_json, "github": report_github,
 # 0xBA55ED50; each entry in it has a kind (1 PTX, 2 SASS), the target number
 # as the u32 at entry offset 28, and flags at offset 40 (0x100000 marks an
 # arch-specific target such as "90a", 0x200000 a family target such as
-# "100f").  Only headers are read, so compressed payloads do not matter.  A
-# library built by nvcc carries more than one container listing the same
-# targets; the union is what the library runs on.
+# "100f").  A SASS entry's payload is a cubin, an ELF file: it is a target
+# only when its symbol table holds a function, since nvcc's link step adds a
+# cubin for its default architecture (the device-link stub, sm_75 with CUDA
+# 13) that holds no kernel.  A compressed payload (nvcc -Xfatbin
+# -compress-all, zstd) cannot be read here: its target is sealed, neither
+# proved nor disproved.  A library built by nvcc carries more than one
+# container listing the same targets; the union is what the library runs on.
 
 ELF_MAGIC = b"\x7fELF"
 # What the linker itself defines in a shared object, whatever its sources.
 LINKER_SYMBOLS = frozenset(("_init", "_fini", "_edata", "_end", "__bss_start"))
 ELF_TYPE_SHARED = 3
-SECTION_DYNSYM = 11
+SECTION_SYMTAB, SECTION_DYNSYM = 2, 11
+SYMBOL_FUNCTION = 2
 FATBIN_MAGIC = 0xBA55ED50
 FATBIN_KIND_PTX = 1
 FATBIN_KIND_SASS = 2
@@ -4108,8 +4113,32 @@ def _fatbin_containers(data, start, end):
         pos = (pos + header_size + size + 7) & ~7
 
 
+def cubin_has_code(data, start, end):
+    """Whether the cubin (an ELF file) at data[start:end] defines a
+    function; None when it is no ELF file this can read (compressed)."""
+    import struct
+    if data[start:start + 6] != ELF_MAGIC + b"\x02\x01" or end - start < 64:
+        return None
+    (section_offset,) = struct.unpack_from("<Q", data, start + 40)
+    entry_size, count = struct.unpack_from("<HH", data, start + 58)
+    for index in range(count):
+        at = start + section_offset + index * entry_size
+        if at + 64 > end:
+            return None
+        _, kind, _, _, offset, size, _, _, _, entsize = struct.unpack_from("<IIQQQQIIQQ", data, at)
+        if kind != SECTION_SYMTAB or entsize < 24 or start + offset + size > end:
+            continue
+        for base in range(start + offset, start + offset + size - entsize + 1, entsize):
+            info, _, section = struct.unpack_from("<BBH", data, base + 4)
+            if info & 0xF == SYMBOL_FUNCTION and section != 0:
+                return True
+    return False
+
+
 def cuda_targets(shared):
-    """(sass, ptx): the sets of targets ("80", "90a") in the library's fatbinaries."""
+    """(sass, ptx, sealed): the sets of targets ("80", "90a") in the
+    library's fatbinaries: machine code with kernels in it, PTX, and
+    compressed machine code that cannot be read."""
     import struct
     data = shared.data
     if ".nv_fatbin" in shared.sections:
@@ -4121,7 +4150,7 @@ def cuda_targets(shared):
         while pos != -1:
             regions.append((pos, len(data)))
             pos = data.find(magic, pos + 4)
-    sass, ptx = set(), set()
+    sass, ptx, sealed = set(), set(), set()
     for start, end in regions:
         for base, header_size, size in _fatbin_containers(data, start, end):
             pos, stop = base + header_size, base + header_size + size
@@ -4133,11 +4162,13 @@ def cuda_targets(shared):
                     break
                 suffix = "a" if flags & FATBIN_ARCH_SPECIFIC else "f" if flags & FATBIN_FAMILY else ""
                 if kind == FATBIN_KIND_SASS:
-                    sass.add("%d%s" % (target, suffix))
+                    code = cubin_has_code(data, pos + entry_size, min(stop, pos + entry_size + payload))
+                    if code is not False:
+                        (sass if code else sealed).add("%d%s" % (target, suffix))
                 elif kind == FATBIN_KIND_PTX:
                     ptx.add("%d%s" % (target, suffix))
                 pos += entry_size + payload
-    return sass, ptx
+    return sass, ptx, sealed - sass
 
 
 # HIP code objects sit in clang offload bundles in the section .hip_fatbin:
@@ -4468,9 +4499,15 @@ def inspect_library(backend, path, arch, report):
         else:
             summary.append("%s_abi_version() = %s" % (prefix, said))
     if backend.platform == "cuda":
-        sass, ptx = cuda_targets(shared)
+        sass, ptx, sealed = cuda_targets(shared)
+        expected = {arch} if arch is not None else set(backend.architectures or ())
+        sass |= sealed & expected
         check_library_targets("the fatbinary of %s holds SASS for" % output, sass, backend, arch,
                               report)
+        if sealed - expected:
+            report("warning", "R011", "cannot tell whether the compressed SASS for %s in %s holds "
+                   "kernels or only nvcc's device-link stub; build with nvcc -compress-mode=none to "
+                   "have it read" % (", ".join(sorted(sealed - expected)), output))
         summary.append("SASS %s" % ", ".join(sorted(sass)) + (
             "; PTX %s" % ", ".join(sorted(ptx)) if ptx else ""))
     elif backend.platform == "hip":

@@ -3264,6 +3264,32 @@ class CudaBuildTierTest(TreeTest):
                       "libgputiny.so holds SASS for 75, 80 but "
                       "build.architectures is 80\n", out)
 
+    def test_the_device_link_stub_of_a_link_step_is_no_target(self):
+        # nvcc's link step adds a cubin for its default architecture (sm_75
+        # with CUDA 13) that holds no kernel: the library runs only on 80.
+        self.tree({"backends/cuda/gputiny/build.sh": Executable(
+            '#!/bin/bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+            'nvcc -c -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_80,code=sm_80 '
+            'tiny.cu -o "$1/tiny.o"\nnvcc -shared "$1/tiny.o" -o "$1/libgputiny.so"\n')})
+        rc, out, err = self.build("")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("; SASS 80 (", out)
+        shared = check_contract.read_shared_object(self.path("out/cuda/gputiny/libgputiny.so"))
+        self.assertEqual(check_contract.cuda_targets(shared), ({"80"}, set(), set()))
+
+    def test_a_compressed_cubin_outside_the_manifest_cannot_be_told(self):
+        self.tree({"backends/cuda/gputiny/build.sh": Executable(
+            '#!/bin/bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
+            'nvcc -c -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_80,code=sm_80 '
+            'tiny.cu -o "$1/tiny.o"\nnvcc -shared -Xfatbin -compress-all "$1/tiny.o" '
+            '-o "$1/libgputiny.so"\n')})
+        rc, out, err = self.build("")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("\nbackends/cuda/gputiny/build.sh: [warning] R011 cuda/gputiny: cannot tell "
+                      "whether the compressed SASS for 75 in libgputiny.so holds kernels or only "
+                      "nvcc's device-link stub; build with nvcc -compress-mode=none to have it "
+                      "read\n", out)
+
 
 def offload_bundle(entries):
     """A clang offload bundle of (id, code object) entries, laid out as clang

@@ -103,9 +103,10 @@ class BuildTest(unittest.TestCase):
         fat_run, single_run = json.loads(result.stdout)["results"][0]["runs"]
         for label, run in (("fat", fat_run), ("single", single_run)):
             self.assertEqual(builds[label][0].returncode, 0, builds[label][0].stdout)
-            sass, ptx = check_contract.cuda_targets(check_contract.read_shared_object(builds[label][1]))
+            sass, ptx, sealed = check_contract.cuda_targets(check_contract.read_shared_object(builds[label][1]))
             self.assertEqual((run["landed"], set(run["targets"]), set(run["ptx"])),
                              (parity.LIBRARY_NAME, sass, ptx), label)
+            self.assertEqual(sealed, set(), label)
         self.assertEqual(set(fat_run["targets"]), {str(a) for a in manifest()["build"]["architectures"]})
 
     def test_missing_output_dir_is_a_usage_error(self):
