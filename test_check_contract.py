@@ -1013,6 +1013,25 @@ class BuildScriptTest(TreeTest):
         self.tree(demo_files(manifest, **{"backends/cpu/demo/build.sh": "not executable"}))
         self.assertClean()
 
+class ShebangTest(TreeTest):
+    """B014: `#!/usr/bin/env` needs the interpreter's name after it."""
+
+    def test_a_bare_env_line_names_no_interpreter(self):
+        for first in ("#!/usr/bin/env", "#!/usr/bin/env   "):
+            with self.subTest(first=first):
+                self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+                    CPU_BUILD.replace("#!/usr/bin/env bash", first))}))
+                self.assertIssue("B014", "build script build.sh starts with #!/usr/bin/env, an "
+                                 "interpreter that is not on a standard system, so ./build.sh "
+                                 "cannot run; start it with #!/usr/bin/env bash")
+
+    def test_env_with_an_interpreter_is_clean(self):
+        for first in ("#!/usr/bin/env bash", "#!/bin/bash"):
+            with self.subTest(first=first):
+                self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
+                    CPU_BUILD.replace("#!/usr/bin/env bash", first))}))
+                self.assertClean()
+
 
 class CompilerCallTest(unittest.TestCase):
     """compiler_call(): what one compiler call builds, from its argv."""
@@ -1337,6 +1356,30 @@ class ScriptReaderTest(TreeTest):
                                              '    done\n  done\ndone\n')
         self.assertEqual([what for line, what in reader.unfollowed],
                          ["functions nested deeper than 32 calls", "more than 20000 commands to follow"])
+
+class PositionalParametersTest(TreeTest):
+    """`set -- ARGS` gives the script new positional parameters: $1 is the
+    first word after `--`, which is not one of them."""
+
+    def test_set_with_a_double_dash_resets_the_parameters_to_what_follows_it(self):
+        facts = check_contract.ScriptReader(
+            'set -- "$1" 90\nnvcc -shared -arch=sm_$2 ops.cu -o "$1/libfat.so"\n').facts()
+        self.assertEqual(([show(o) for call in facts.calls for o in call.outputs],
+                          [arch for call in facts.calls for arch in call.sass]),
+                         (["$1/libfat.so"], ["90"]))
+
+    def test_a_script_that_sets_its_target_with_set_is_clean(self):
+        files = fat_files(architectures=[90], default_arch=90)
+        files["backends/cuda/fat/build.sh"] = Executable(
+            '#!/usr/bin/env bash\nset -- "$1" 90\nnvcc -O3 -shared -arch=sm_$2 ops.cu -o "$1/libfat.so"\n')
+        self.tree(files)
+        self.assertClean()
+
+    def test_set_without_a_double_dash_keeps_the_parameters(self):
+        facts = check_contract.ScriptReader(
+            'set -eux\nnvcc -shared -arch=sm_${2:-80} ops.cu -o "$1/libfat.so"\n').facts()
+        self.assertEqual([show(o) for call in facts.calls for o in call.outputs], ["$1/libfat.so"])
+
 
 class ReaderTableTest(unittest.TestCase):
     def test_every_construct_the_reader_reads_names_a_test_that_exists(self):
@@ -2067,6 +2110,94 @@ class FormatsTest(TreeTest):
                  "artifactLocation": {"uri": "backends/cpu/demo/build.sh", "uriBaseId": "%SRCROOT%"},
                  "region": {"startLine": 2}}}],
              "suppressions": [{"kind": "external", "justification": "built by make; proved by trace"}]}])
+
+class ReportOrderTest(TreeTest):
+    """Every format lists the findings in one order, by backend, path, line,
+    code and message, whatever order the checks found them in, and each with
+    its own level."""
+
+    def setUp(self):
+        super().setUp()
+        manifest = {"zebra": 1}
+        manifest.update(demo_manifest(colour=1))
+        files = demo_files(manifest, **{"backends/cpu/demo/b.c": "",
+                                        "backends/cpu/demo/ops.h": OPS_H.replace("VERSION 1", "VERSION 2")})
+        files.update(("backends/cpu/alpha/" + p.split("/")[-1].replace("demo.", "alpha."), c)
+                     for p, c in demo_files(demo_manifest(name="alpha"), **{"backends/cpu/demo/x.c": ""}).items())
+        self.tree(files)
+        text = json.dumps(manifest, indent=2)
+        self.lines = {key: manifest_line(text, '"%s"' % key) for key in ("zebra", "colour")}
+        self.undeclared = ("kernel source %s is not declared in sources; add it, or list it in excluded "
+                           "if it is not part of the library")
+        self.abi = "abi_version is 1 but ops.h defines DEMO_ABI_VERSION 2 (line 4); make them equal"
+
+    def test_text(self):
+        rc, out, err = self.check()
+        self.assertEqual((rc, err), (1, ""))
+        self.assertEqual(out, (
+            "backends/cpu/alpha/x.c: [error] S004 cpu/alpha: %s\n"
+            "backends/cpu/demo/b.c: [error] S004 cpu/demo: %s\n"
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M003 cpu/demo: unknown key \"zebra\"\n"
+            "backends/cpu/demo/demo.backend.json:%d: [warning] M003 cpu/demo: unknown key \"colour\"\n"
+            "backends/cpu/demo/ops.h:4: [error] A001 cpu/demo: %s\n"
+            "checked cpu/alpha: status=validated abi=1\n"
+            "checked cpu/demo: status=validated abi=1\n"
+            "2 backend(s), 3 error(s), 2 warning(s)\n"
+            % (self.undeclared % "x.c", self.undeclared % "b.c", self.lines["zebra"],
+               self.lines["colour"], self.abi)))
+
+    def test_json(self):
+        rc, issues = self.issues()
+        self.assertEqual(rc, 1)
+        self.assertEqual([(i["level"], i["code"], i["backend"], i["path"], i["line"]) for i in issues], [
+            ("error", "S004", "cpu/alpha", "backends/cpu/alpha/x.c", None),
+            ("error", "S004", "cpu/demo", "backends/cpu/demo/b.c", None),
+            ("warning", "M003", "cpu/demo", "backends/cpu/demo/demo.backend.json", self.lines["zebra"]),
+            ("warning", "M003", "cpu/demo", "backends/cpu/demo/demo.backend.json", self.lines["colour"]),
+            ("error", "A001", "cpu/demo", "backends/cpu/demo/ops.h", 4)])
+
+    def test_github(self):
+        rc, out, err = self.check("--format", "github")
+        self.assertEqual((rc, err), (1, ""))
+        self.assertEqual(out, (
+            "::error file=backends/cpu/alpha/x.c,title=S004::cpu/alpha: %s\n"
+            "::error file=backends/cpu/demo/b.c,title=S004::cpu/demo: %s\n"
+            "::warning file=backends/cpu/demo/demo.backend.json,line=%d,title=M003::cpu/demo: "
+            "unknown key \"zebra\"\n"
+            "::warning file=backends/cpu/demo/demo.backend.json,line=%d,title=M003::cpu/demo: "
+            "unknown key \"colour\"\n"
+            "::error file=backends/cpu/demo/ops.h,line=4,title=A001::cpu/demo: %s\n"
+            "2 backend(s), 3 error(s), 2 warning(s)\n"
+            % (self.undeclared % "x.c", self.undeclared % "b.c", self.lines["zebra"],
+               self.lines["colour"], self.abi)))
+
+    def test_sarif(self):
+        rc, out, err = self.check("--format", "sarif")
+        self.assertEqual((rc, err), (1, ""))
+        (run,) = json.loads(out)["runs"]
+        self.assertEqual([(r["level"], r["ruleId"], r["locations"][0]["physicalLocation"][
+            "artifactLocation"]["uri"], r["locations"][0]["physicalLocation"].get("region"))
+            for r in run["results"]], [
+            ("error", "S004", "backends/cpu/alpha/x.c", None),
+            ("error", "S004", "backends/cpu/demo/b.c", None),
+            ("warning", "M003", "backends/cpu/demo/demo.backend.json", {"startLine": self.lines["zebra"]}),
+            ("warning", "M003", "backends/cpu/demo/demo.backend.json", {"startLine": self.lines["colour"]}),
+            ("error", "A001", "backends/cpu/demo/ops.h", {"startLine": 4})])
+
+
+class AnnotationEscapingTest(TreeTest):
+    """GitHub reads `%`, CR and LF as escapes in an annotation's message, and
+    `:` and `,` too in its properties (file=): each is written escaped, `%`
+    first so that the escapes themselves are not escaped again."""
+
+    def test_a_file_name_with_every_character_github_reads(self):
+        self.tree(demo_files(**{"backends/cpu/demo/a%0A,b:c\r\n.c": ""}))
+        rc, out, err = self.check("--format", "github")
+        self.assertEqual((rc, err), (1, ""))
+        self.assertEqual(out.splitlines(True)[0],
+                         "::error file=backends/cpu/demo/a%250A%2Cb%3Ac%0D%0A.c,title=S004::cpu/demo: "
+                         "kernel source a%250A,b:c%0D%0A.c is not declared in sources; add it, or list "
+                         "it in excluded if it is not part of the library\n")
 
 
 class SuppressionTest(TreeTest):
@@ -3289,6 +3420,90 @@ class CudaBuildTierTest(TreeTest):
                       "whether the compressed SASS for 75 in libgputiny.so holds kernels or only "
                       "nvcc's device-link stub; build with nvcc -compress-mode=none to have it "
                       "read\n", out)
+
+
+def cubin_with_a_kernel():
+    """The least cubin the reader takes for machine code with a kernel: an
+    ELF header, one symbol table section, one function symbol in it."""
+    import struct
+    header = bytearray(64)
+    header[:6] = check_contract.ELF_MAGIC + b"\x02\x01"
+    struct.pack_into("<Q", header, 40, 64)  # the section headers' offset
+    struct.pack_into("<HH", header, 58, 64, 1)  # their size and count
+    section = struct.pack("<IIQQQQIIQQ", 0, check_contract.SECTION_SYMTAB, 0, 0, 128, 24, 0, 0, 8, 24)
+    symbol = struct.pack("<IBBHQQ", 0, 0x10 | check_contract.SYMBOL_FUNCTION, 0, 1, 0, 16)
+    return bytes(header) + section + symbol
+
+
+def fatbin_entry(kind, target, flags=0, payload=None):
+    """One entry of a fatbinary container as nvcc writes it: a 64-byte header
+    (kind, header size, payload size, the target at 28, the flags at 40),
+    then the payload (by default a cubin with a kernel for SASS, text for PTX)."""
+    import struct
+    if payload is None:
+        payload = cubin_with_a_kernel() if kind == check_contract.FATBIN_KIND_SASS else b".version 9.0\n"
+    header = bytearray(64)
+    struct.pack_into("<HHIQ", header, 0, kind, 0x101, len(header), len(payload))
+    struct.pack_into("<I", header, 28, target)
+    struct.pack_into("<Q", header, 40, flags)
+    return bytes(header) + payload
+
+
+def fatbin_container(*entries):
+    import struct
+    body = b"".join(entries)
+    return struct.pack("<IHHQ", check_contract.FATBIN_MAGIC, 1, 16, len(body)) + body
+
+
+def fatbin_section(*containers):
+    """The containers as they sit in .nv_fatbin: each at an 8-byte boundary."""
+    section = b""
+    for container in containers:
+        section += b"\0" * (-len(section) % 8) + container
+    return section
+
+
+class FatbinReaderTest(unittest.TestCase):
+    """The fatbinary reader on containers written here: no compiler needed."""
+
+    SASS, PTX = check_contract.FATBIN_KIND_SASS, check_contract.FATBIN_KIND_PTX
+
+    def targets(self, section, named=True):
+        """What the reader finds in `section`, in a library whose section
+        headers name .nv_fatbin, or (named=False) stripped of them.  The
+        section starts at an 8-byte boundary of the file, as in an ELF file."""
+        before = b"\x7fELF host code!!"
+        sections = {".nv_fatbin": (len(before), len(section))} if named else {}
+        return check_contract.cuda_targets(check_contract.SharedObject(
+            before + section + b"\0" * 8, sections, set()))
+
+    def test_arch_specific_and_family_targets_keep_their_suffix(self):
+        section = fatbin_section(fatbin_container(
+            fatbin_entry(self.SASS, 80), fatbin_entry(self.SASS, 90, check_contract.FATBIN_ARCH_SPECIFIC),
+            fatbin_entry(self.SASS, 100, check_contract.FATBIN_FAMILY),
+            fatbin_entry(self.PTX, 90, check_contract.FATBIN_ARCH_SPECIFIC)))
+        for named in (True, False):
+            with self.subTest(named=named):
+                self.assertEqual(self.targets(section, named), ({"80", "90a", "100f"}, {"90a"}, set()))
+
+    def test_the_container_after_an_odd_sized_one_is_read_at_the_next_8_byte_boundary(self):
+        first = fatbin_container(fatbin_entry(self.SASS, 80, payload=cubin_with_a_kernel() + b"\xaa" * 5))
+        self.assertNotEqual(len(first) % 8, 0)
+        section = fatbin_section(first, fatbin_container(fatbin_entry(self.SASS, 90),
+                                                         fatbin_entry(self.PTX, 90)))
+        self.assertEqual(self.targets(section), ({"80", "90"}, {"90"}, set()))
+
+    @unittest.skipUnless(NVCC, "nvcc is not installed, so no real fatbinary can be made")
+    def test_a_library_nvcc_builds_for_sm_90a_is_read_as_90a(self):
+        root = tempfile.mkdtemp(prefix="check-contract-")
+        self.addCleanup(shutil.rmtree, root, True)
+        write_tree(root, {"tiny.cu": TINY_CU})
+        subprocess.run([NVCC, "-shared", "-Xcompiler", "-fPIC", "-gencode",
+                        "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=[sm_90a,compute_90a]",
+                        os.path.join(root, "tiny.cu"), "-o", os.path.join(root, "libtiny.so")],
+                       check=True, stdout=subprocess.DEVNULL)
+        library = check_contract.read_shared_object(os.path.join(root, "libtiny.so"))
+        self.assertEqual(check_contract.cuda_targets(library), ({"80", "90a"}, {"90a"}, set()))
 
 
 def offload_bundle(entries):
