@@ -2721,94 +2721,310 @@ class NoTracebackTest(TreeTest):
 
 
 
-class WorkflowTest(TreeTest):
-    def plan_step(self):
-        """The shell of ci.yml's `plan` job step that lists the compile matrix."""
-        return self.step_shell("      - id: list")
+WORKFLOWS = os.path.join(HERE, ".github", "workflows")
+CONTRACT_WORKFLOW = os.path.join(WORKFLOWS, "contract.yml")
 
-    def step_shell(self, first_line):
-        """The shell of the ci.yml step whose first line is first_line."""
-        with open(os.path.join(HERE, ".github", "workflows", "ci.yml"), encoding="utf-8") as handle:
-            lines = handle.read().split("\n")
-        start = lines.index(first_line) + 2
-        self.assertEqual(lines[start - 1].strip(), "run: |")
-        block = []
-        for line in lines[start:]:
-            if line.strip() and not line.startswith(" " * 10):
-                break
-            block.append(line[10:])
-        return "\n".join(block)
+
+def workflow_runs(path):
+    """{job: [(step name or id, shell)]}: the `run:` steps of each job of a
+    workflow, in order, read by this project's indentation (jobs at 2
+    spaces, steps at 6, their keys at 8); ReusableWorkflowTest holds the
+    reading to a YAML parser's."""
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    jobs, job, name, in_jobs = {}, None, None, False
+    for n, line in enumerate(lines):
+        if re.match(r"\S", line):
+            job, in_jobs = None, line == "jobs:"
+        elif in_jobs and re.match(r"  [\w-]+:$", line):
+            job = jobs.setdefault(line.strip()[:-1], [])
+        elif job is not None and line.startswith("      - "):
+            name = None
+        m = re.match(r"      [- ] (name|id|run): ?(.*)$", line) if job is not None else None
+        if not m:
+            continue
+        key, value = m.groups()
+        if key != "run":
+            name = name or value
+        elif value == "|":
+            block = []
+            for more in lines[n + 1:]:
+                if more.strip() and not more.startswith(" " * 10):
+                    break
+                block.append(more[10:])
+            job.append((name, "\n".join(block).rstrip("\n") + "\n"))
+        else:
+            job.append((name, value + "\n"))
+    return jobs
+
+
+def run_workflow_job(test, steps, cwd, env):
+    """Run a job's `run:` steps as a GitHub runner does (bash -eo pipefail,
+    GITHUB_ENV read after each step): {step: (exit status, output)} and the
+    outputs the steps wrote; the test fails at the first step that fails."""
+    env = dict(env)
+    results, outputs = {}, {}
+    for name, shell in steps:
+        test.assertNotIn("${{", shell, "%s: an expression in the shell would not run here as on "
+                                       "GitHub; pass it through env" % name)
+        files = {key: os.path.join(env["RUNNER_TEMP"], key.lower()) for key in ("GITHUB_ENV", "GITHUB_OUTPUT")}
+        for path in files.values():
+            open(path, "w").close()
+        done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", shell],
+                              cwd=cwd, env=dict(env, **files), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, universal_newlines=True)
+        results[name] = (done.returncode, done.stdout)
+        test.assertEqual(done.returncode, 0, "step %r: %s" % (name, done.stdout))
+        for key, target in (("GITHUB_ENV", env), ("GITHUB_OUTPUT", outputs)):
+            with open(files[key]) as handle:
+                target.update(line.split("=", 1) for line in handle.read().splitlines())
+    return results, outputs
+
+
+def runner_env(temp, **extra):
+    """The environment of a job on a GitHub runner as far as the workflow's
+    steps read it: `python` (setup-python's) on PATH, GITHUB_ACTIONS, RUNNER_TEMP."""
+    bin_dir = os.path.join(temp, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    for name in ("python", "python3"):
+        if not os.path.lexists(os.path.join(bin_dir, name)):
+            os.symlink(sys.executable, os.path.join(bin_dir, name))
+    return dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], GITHUB_ACTIONS="true",
+                RUNNER_TEMP=temp, **extra)
+
+
+class WorkflowTest(TreeTest):
+    """The steps of the reusable workflow (contract.yml) run here as on a runner."""
+
+    def steps(self, job):
+        return workflow_runs(CONTRACT_WORKFLOW)[job]
+
+    def run_job(self, job, **env):
+        temp = self.path("runner-temp")
+        os.makedirs(temp, exist_ok=True)
+        return run_workflow_job(self, self.steps(job), self.root,
+                                runner_env(temp, ROOT=".", BACKENDS_DIR="backends", TOOL_REPOSITORY="",
+                                           **env))
 
     def run_plan(self, files):
         self.tree(files)
         shutil.copy(CHECKER, self.path("check_contract.py"))
-        bin_dir = self.path("bin")
-        os.makedirs(bin_dir)
-        os.symlink(sys.executable, os.path.join(bin_dir, "python"))
-        output = self.path("github_output")
-        done = subprocess.run(["bash", "-e", "-c", self.plan_step()], cwd=self.root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                              env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
-                                       GITHUB_OUTPUT=output))
-        self.assertEqual(done.returncode, 0, done.stdout)
-        with open(output) as handle:
-            return done.stdout, handle.read().splitlines()
+        results, outputs = self.run_job("plan")
+        return results["list"][1], outputs
 
     def test_empty_compile_matrix_is_noticed(self):
         out, outputs = self.run_plan(demo_files(demo_manifest(status="planned")))
-        self.assertEqual(outputs, ['matrix={"include":[]}', "any=false"])
+        self.assertEqual(outputs, {"matrix": '{"include":[]}', "any": "false"})
         self.assertIn("::notice title=compile::no buildable backend", out)
 
     def test_buildable_backend_makes_a_matrix(self):
         out, outputs = self.run_plan(demo_files())
-        self.assertEqual(outputs[-1], "any=true")
-        self.assertEqual(json.loads(outputs[0][len("matrix="):])["include"][0]["name"], "demo")
+        self.assertEqual(outputs["any"], "true")
+        self.assertEqual(json.loads(outputs["matrix"])["include"][0]["name"], "demo")
 
-    def hip_step(self, files):
-        """Run the shell of ci.yml's compile-hip step that builds every HIP backend."""
-        shell = self.step_shell("      - name: Build and inspect every HIP backend")
-        self.tree(files)
-        shutil.copy(CHECKER, self.path("check_contract.py"))
-        bin_dir = self.path("bin")
-        os.makedirs(bin_dir)
-        os.symlink(sys.executable, os.path.join(bin_dir, "python3"))
-        return subprocess.run(["bash", "-e", "-c", shell], cwd=self.root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                              env=terminal_env(PATH=bin_dir + os.pathsep + os.environ["PATH"]))
-
-    def test_the_hip_job_builds_the_hip_backends_only(self):
-        planned = demo_manifest(name="gpu", platform="hip", status="planned",
-                                build={"script": "build.sh", "output": "libgpu.so",
-                                       "architectures": ["gfx90a"]})
-        done = self.hip_step(demo_files(**{"backends/hip/gpu/gpu.backend.json": planned}))
-        self.assertEqual((done.returncode, done.stdout),
-                         (0, "skipped hip/gpu: status is planned\n"
-                             "0 backend(s) passed, 0 failed, 1 skipped\n"))
-
-    def test_the_hip_job_without_hip_backends_is_noticed(self):
-        done = self.hip_step(demo_files())
-        self.assertEqual((done.returncode, done.stdout),
-                         (0, "::notice title=compile-hip::no HIP backend to build\n"))
+    def test_a_hip_backend_is_in_the_matrix_the_compile_job_builds(self):
+        # One compile job for every platform: a HIP backend gets the HIP image
+        # (and hipcc, where that image lacks it) from its matrix entry.
+        gpu = demo_manifest(name="gpu", platform="hip", status="experimental",
+                            sources=["gpu.h", "k.hip"],
+                            build={"script": "build.sh", "output": "libgpu.so",
+                                   "architectures": ["gfx90a"]})
+        out, outputs = self.run_plan({
+            "backends/hip/gpu/gpu.backend.json": gpu,
+            "backends/hip/gpu/gpu.h": OPS_H.replace("DEMO", "GPU").replace("demo", "gpu"),
+            "backends/hip/gpu/k.hip": '#include "gpu.h"\n',
+            "backends/hip/gpu/build.sh": Executable(
+                '#!/bin/sh\nmkdir -p "$1"\nhipcc --offload-arch=gfx90a -shared -fPIC k.hip '
+                '-o "$1/libgpu.so"\n')})
+        self.assertEqual([(e["platform"], e["name"]) for e in json.loads(outputs["matrix"])["include"]],
+                         [("hip", "gpu")])
+        with open(CONTRACT_WORKFLOW, encoding="utf-8") as handle:
+            image = re.search(r"\n    container:\n      image: (.*)\n", handle.read()).group(1)
+        self.assertIn("matrix.platform == 'hip' && inputs.hip-image", image)
+        tools = dict(self.steps("compile"))["Tools the build tier needs"]
+        self.assertIn('[ "$PLATFORM" != hip ] || command -v hipcc', tools)
 
 
 class WorkflowCredentialsTest(unittest.TestCase):
     def test_no_job_leaves_a_build_script_a_token(self):
         """A traced build script can read .git/config: no checkout persists the
-        token there, and the token reads only."""
-        with open(os.path.join(HERE, ".github", "workflows", "ci.yml"), encoding="utf-8") as handle:
-            lines = handle.read().split("\n")
-        checkouts = [n for n, line in enumerate(lines) if "uses: actions/checkout@" in line]
-        self.assertTrue(checkouts)
-        for n in checkouts:
-            self.assertEqual(lines[n + 1].strip(), "with:", n)
-            self.assertTrue(lines[n + 2].strip().startswith("persist-credentials: false"), n)
-        self.assertEqual(lines[lines.index("permissions:") + 1], "  contents: read")
-        granted = [line.split(":", 1)[1].strip() for line in lines
-                   if re.match(r"\s+(contents|actions|packages|id-token|pull-requests|checks|"
-                               r"statuses|deployments|issues|pages|security-events)\s*:", line)]
-        self.assertEqual(set(granted), {"read"})
-        self.assertEqual([line for line in lines if line.strip().startswith("permissions:")],
-                         ["permissions:"])
+        token there; the token reads only, but where the contract job uploads
+        its SARIF to code scanning."""
+        for name in sorted(os.listdir(WORKFLOWS)):
+            with open(os.path.join(WORKFLOWS, name), encoding="utf-8") as handle:
+                lines = handle.read().split("\n")
+            checkouts = [n for n, line in enumerate(lines) if "uses: actions/checkout@" in line]
+            self.assertTrue(checkouts, name)
+            for n in checkouts:
+                self.assertEqual(lines[n + 1].strip(), "with:", (name, n))
+                self.assertTrue(lines[n + 2].strip().startswith("persist-credentials: false"), (name, n))
+            granted = [(line.split(":", 1)[0].strip(), line.split(":", 1)[1].split("#")[0].strip())
+                       for line in lines
+                       if re.match(r"\s+(contents|actions|packages|id-token|pull-requests|checks|"
+                                   r"statuses|deployments|issues|pages|security-events)\s*:", line)]
+            if name == "ci.yml":
+                self.assertEqual(lines[lines.index("permissions:") + 1], "  contents: read")
+                self.assertEqual(sorted(set(granted)), [("contents", "read"), ("security-events", "write")])
+                at = lines.index("      security-events: write  # the findings as SARIF, for code scanning")
+                self.assertEqual(lines[at - 3:at - 1], ["  contract:", "    permissions:"])
+                self.assertEqual(lines[at + 1], "    uses: ./.github/workflows/contract.yml")
+            else:  # a called workflow narrows what its caller grants: a job running a script reads
+                self.assertEqual(set(granted), {("contents", "read")}, name)
+                for job in ("trace", "plan", "compile"):
+                    at = lines.index("  %s:" % job)
+                    self.assertIn("    permissions:\n      contents: read\n",
+                                  "\n".join(lines[at:lines.index("    steps:", at)]) + "\n", job)
+
+
+def readme_yaml(containing):
+    """The ```yaml block of the README that contains `containing`."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+        blocks = re.findall(r"```yaml\n(.*?)```", handle.read(), re.S)
+    return next(block for block in blocks if containing in block)
+
+
+class ReusableWorkflowTest(unittest.TestCase):
+    """contract.yml as another repository uses it: the workflows and the
+    README's caller validate against GitHub's workflow schema
+    (check-jsonschema, installed from PyPI into a virtual environment once),
+    and the steps its jobs run pass, run here as a runner runs them, on a
+    repository with one CPU backend."""
+
+    venv = skip_reason = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="reusable-workflow-")
+        venv = os.path.join(cls.tmp, "venv")
+        try:
+            subprocess.run([sys.executable, "-m", "venv", venv], check=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            cls.skip_reason = "cannot make a virtual environment for check-jsonschema: %s" % exc
+            return
+        done = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet",
+                               "--disable-pip-version-check", "check-jsonschema"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+        if done.returncode:
+            lines = done.stdout.strip().splitlines() or ["no output"]
+            cls.skip_reason = "check-jsonschema cannot be installed from PyPI: %s" % lines[-1]
+        else:
+            cls.venv = venv
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def validate(self, path):
+        """(exit status, output) of check-jsonschema on the workflow at path."""
+        if self.skip_reason:
+            self.skipTest(self.skip_reason)
+        done = subprocess.run([os.path.join(self.venv, "bin", "check-jsonschema"), "--builtin-schema",
+                               "vendor.github-workflows", path], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, universal_newlines=True)
+        return done.returncode, done.stdout
+
+    def load_yaml(self, path):
+        """The workflow at path as the YAML parser check-jsonschema uses reads it."""
+        self.validate(os.devnull)  # skips where the validator is missing
+        done = subprocess.run([os.path.join(self.venv, "bin", "python"), "-c",
+                               "import json, sys\nfrom ruamel.yaml import YAML\n"
+                               "print(json.dumps(YAML(typ='safe').load(open(sys.argv[1]))))", path],
+                              stdout=subprocess.PIPE, universal_newlines=True, check=True)
+        return json.loads(done.stdout)
+
+    def test_every_workflow_is_valid_against_githubs_schema(self):
+        names = sorted(os.listdir(WORKFLOWS))
+        self.assertEqual(names, ["ci.yml", "contract.yml"])
+        for name in names:
+            with self.subTest(workflow=name):
+                self.assertEqual(self.validate(os.path.join(WORKFLOWS, name)), (0, "ok -- validation done\n"))
+
+    def test_a_workflow_that_breaks_the_schema_is_refused(self):
+        # so that the test above can fail: an input of an unknown type
+        with open(CONTRACT_WORKFLOW, encoding="utf-8") as handle:
+            text = handle.read()
+        broken = os.path.join(self.tmp, "broken.yml")
+        with open(broken, "w", encoding="utf-8") as handle:
+            handle.write(text.replace("type: boolean", "type: bool", 1))
+        rc, out = self.validate(broken)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("Schema validation errors were encountered.", out)
+
+    def test_the_steps_read_here_are_the_steps_yaml_reads(self):
+        for name in sorted(os.listdir(WORKFLOWS)):
+            path = os.path.join(WORKFLOWS, name)
+            jobs = self.load_yaml(path)["jobs"]
+            parsed = {job: [(step.get("name") or step.get("id"), step["run"].rstrip("\n") + "\n")
+                            for step in body.get("steps", ()) if "run" in step]
+                      for job, body in jobs.items()}
+            with self.subTest(workflow=name):
+                self.assertEqual(workflow_runs(path), parsed)
+
+    def caller(self, sha):
+        """The README's calling workflow with its placeholders filled in."""
+        return readme_yaml("contract.yml@").replace("<owner>", "example").replace("<commit>", sha)
+
+    def test_a_repository_calling_the_reusable_workflow_is_valid(self):
+        repo = os.path.join(self.tmp, "caller")
+        sha = "0123456789abcdef0123456789abcdef01234567"
+        write_tree(repo, dict(tiny_files(), **{".github/workflows/kernels.yml": self.caller(sha)}))
+        path = os.path.join(repo, ".github", "workflows", "kernels.yml")
+        self.assertEqual(self.validate(path), (0, "ok -- validation done\n"))
+        job = self.load_yaml(path)["jobs"]["contract"]
+        self.assertEqual(job["uses"], "example/kernel-contract/.github/workflows/contract.yml@" + sha)
+        self.assertEqual(job["with"], {"tool-repository": "example/kernel-contract", "tool-ref": sha})
+        inputs = self.load_yaml(CONTRACT_WORKFLOW)["on"]["workflow_call"]["inputs"]
+        self.assertLessEqual(set(job["with"]), set(inputs))
+        self.assertEqual([name for name, spec in inputs.items() if spec.get("required")], [])
+
+    def test_the_jobs_steps_pass_on_a_repository_with_one_cpu_backend(self):
+        # Each job starts from a fresh checkout of the calling repository and
+        # of the tool (as .kernel-contract), as on GitHub; `uses:` steps
+        # (checkout, setup-python, the SARIF upload) are what this sets up.
+        for tool in ("cc", "make", "git"):
+            if not shutil.which(tool):
+                self.skipTest("the local run of the workflow needs %s" % tool)
+        work = tempfile.mkdtemp(prefix="caller-", dir=self.tmp)
+        repo = os.path.join(work, "repo")
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout.strip() or "0" * 40
+        write_tree(repo, dict(tiny_files(), **{".github/workflows/kernels.yml": self.caller(sha)}))
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+        subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+        subprocess.run(git + ["add", "-A"], cwd=repo, check=True)
+        subprocess.run(git + ["commit", "-qm", "caller"], cwd=repo, check=True)
+        jobs = workflow_runs(CONTRACT_WORKFLOW)
+        self.assertEqual(sorted(jobs), ["compile", "contract", "plan", "trace"])
+
+        def run(job, **env):
+            temp = tempfile.mkdtemp(prefix=job + "-", dir=work)
+            os.makedirs(os.path.join(repo, ".kernel-contract"))
+            shutil.copy(CHECKER, os.path.join(repo, ".kernel-contract", "check_contract.py"))
+            results, outputs = run_workflow_job(self, jobs[job], repo, runner_env(
+                temp, ROOT=".", BACKENDS_DIR="backends", TOOL_REPOSITORY="example/kernel-contract", **env))
+            self.assertFalse(os.path.exists(os.path.join(repo, ".kernel-contract")))
+            return temp, results, outputs
+
+        temp, results, _ = run("contract")
+        self.assertEqual(results["Backend contracts"], (0, "1 backend(s), 0 error(s), 0 warning(s)\n"))
+        with open(os.path.join(temp, "contract.sarif")) as handle:
+            sarif = json.load(handle)
+        self.assertEqual((sarif["version"], sarif["runs"][0]["results"]), ("2.1.0", []))
+        _, results, _ = run("trace")
+        self.assertTrue(results["Build scripts traced"][1].endswith(
+            "1 backend(s) passed, 0 failed, 0 skipped\n"), results)
+        _, _, outputs = run("plan")
+        self.assertEqual(outputs["any"], "true")
+        matrix = json.loads(outputs["matrix"])["include"]
+        self.assertEqual([(m["platform"], m["name"]) for m in matrix], [("cpu", "tiny")])
+        temp, results, _ = run("compile", PLATFORM="cpu", BACKEND="cpu/tiny")
+        self.assertEqual(results["Tools the build tier needs"], (0, ""))
+        self.assertIn("\npassed cpu/tiny: exports tiny_abi_version", results["Build and inspect the binary"][1])
+        self.assertTrue(os.path.isfile(os.path.join(temp, "build", "cpu", "tiny", "libtiny.so")))
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, stdout=subprocess.PIPE,
+                                universal_newlines=True, check=True).stdout
+        self.assertEqual(status, "")
 
 
 # -- Robustness and the schema ---------------------------------------------
