@@ -25,11 +25,11 @@ Usage:
   overlay_setup.py [--state DIR] env [--format text|json] [--json]
   overlay_setup.py [--state DIR] add-native --source PATH --patched FILE
         [--artifact PATH]... [--invalidate-cache DIR]...
-        (--build-cmd CMD | --no-build) [--build-cwd DIR] [--timeout S] [--owner-pid PID]
-        [--protect PATH]... [--no-protect] [--dry-run]
+        (--build-cmd CMD | --no-build) [--build-cwd DIR] [--build-dir DIR]...
+        [--timeout S] [--owner-pid PID] [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] apply PATCH [--root DIR] [-p N] [--artifact PATH]...
         [--invalidate-cache DIR]... (--build-cmd CMD | --no-build)
-        [--build-cwd DIR] [--timeout S] [--owner-pid PID]
+        [--build-cwd DIR] [--build-dir DIR]... [--timeout S] [--owner-pid PID]
         [--protect PATH]... [--no-protect] [--dry-run]
   overlay_setup.py [--state DIR] update [PATCH [--root DIR] [-p N] | --patched FILE]
         [--entry N] [--timeout S] [--owner-pid PID]
@@ -107,7 +107,8 @@ how to fix it):
         directory is too large to scan whole, E111 a .py file the
         interpreter does not import from that file, E120 a path
         another applied overlay holds, E121 state directory inside the build
-        directory, E122 a file of a cache to snapshot has hard links outside it
+        directory, E122 a file of a cache to snapshot has hard links outside it,
+        E123 a build command whose build directories only the shell knows
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -210,6 +211,15 @@ OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process e
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 VCS_FOLDERS = (".git", ".hg", ".svn")
 BUILD_TOOLS = ("make", "gmake", "ninja", "ninja-build", "cmake")  # whose plans can be asked
+# Words that run the command after them where they run: their options that
+# take a value, and how many operands come before the command.
+WRAPPERS = {"nice": ({"-n", "--adjustment"}, 0), "nohup": (set(), 0), "command": (set(), 0),
+            "time": ({"-f", "--format", "-o", "--output"}, 0), "exec": (set(), 0),
+            "stdbuf": ({"-i", "-o", "-e"}, 0), "env": ({"-u", "--unset"}, 0),
+            "timeout": ({"-s", "--signal", "-k", "--kill-after"}, 1),
+            "ionice": ({"-c", "-n", "-p"}, 0), "taskset": (set(), 1), "sudo": ({"-u", "-g"}, 0)}
+SUBSTITUTION = "$SUBSTITUTION"  # what shell_words puts for a $(...) or `...`
+SHELL_KEYWORDS = ("{", "}", "!", "if", "then", "else", "elif", "fi", "do", "done", "while", "until")
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
 # Before each build, the small pre-existing files of the build directory that
@@ -1121,9 +1131,9 @@ class State:
             if build:
                 target(build.get("cwd"), "build directory")
                 inside_roots(build["cwd"])
-                if build.get("tree") is not None:
-                    target(build["tree"], "build directory")
-                    inside_roots(build["tree"])
+                for tree in build_trees(build):
+                    target(tree, "build directory")
+                    inside_roots(tree)
                 for product in (entry.get("untracked") or []) + (
                         entry.get("earlier_untracked") or []):
                     target(product.get("path"), "build product")
@@ -1972,22 +1982,142 @@ def prebuild_scan(state: State, entry: dict, key: str = "scan") -> Optional[dict
 
 
 def build_trees(build: Optional[dict]) -> List[str]:
-    """The directory a build writes into: the build directory of `make -C`,
-    `ninja -C` or `cmake --build` when the command names one, else its
-    working directory.  A file written beside `make -C pkg` (an optimizer's
-    results) is no product of it."""
+    """The directories a build writes into (build_directories, or --build-dir).
+    A file written beside `make -C pkg` (an optimizer's results) is no
+    product of it.  A journal of version 1.0 has one "tree" at most."""
     if not build:
         return []
+    if build.get("trees"):
+        return build["trees"]
     return [build["tree"]] if build.get("tree") else [build["cwd"]]
 
 
-def build_tree_of(command: str, cwd: str) -> Optional[str]:
-    """The build directory the build tool of `command` works in, when that
-    is an existing directory other than `cwd`; else None."""
-    tool = build_tool(command, cwd)
-    if tool is None or tool[2] == cwd or not os.path.isdir(tool[2]):
-        return None
-    return tool[2]
+def cannot_tell(words: str) -> OverlayError:
+    return OverlayError("E123", "cannot tell where the build command writes: `%s` names a "
+                        "directory only the shell knows; nothing was changed: pass --build-dir "
+                        "DIR for each directory it writes in (repeatable)" % words)
+
+
+def shell_words(command: str) -> List[str]:
+    """The words and operators of a shell command line, each $(...) and
+    `...` replaced by one word that stands for what only the shell knows."""
+    previous = None
+    while previous != command:
+        previous = command
+        command = re.sub(r"\$\([^()]*\)|`[^`]*`", "$(...)", command)
+    lexer = shlex.shlex(command.replace("$(...)", SUBSTITUTION), posix=True,
+                        punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = []
+    for word in lexer:
+        if word and all(char in "();<>|&" for char in word):
+            words += re.findall(r"&&|\|\||;;|\|&|[<>]+&?|[();&|]", word)
+        else:
+            words.append(word)
+    return words
+
+
+def build_directories(command: str, cwd: str, found: Optional[List[str]] = None) -> List[str]:
+    """The directories the build command works in, as the shell runs it:
+    each simple command runs where the `cd`, `pushd` and `popd` before it
+    (a subshell's own) left it, after the wrapper words of WRAPPERS; make and
+    ninja in their -C/--directory, `cmake --build` in its directory, an
+    install in its prefix (DESTDIR=, PREFIX=, --prefix).  A script is taken
+    to write where it runs, a `sh -c` string is read the same way.  Where a
+    directory is known only to the shell ($VAR, $(...), `cd -`, eval):
+    E123."""
+    found = [] if found is None else found
+    here, subshells, pushed = cwd, [], []
+    simple: List[str] = []
+    redirected = False
+    for word in shell_words(command) + [";"]:
+        if redirected:  # a redirection's target: no part of the command
+            redirected = False
+        elif word[:1] in ("<", ">"):
+            redirected = True
+        elif word in ("(", ")", ";", "&", "&&", "||", "|", "|&", ";;"):
+            if simple:
+                here = run_directories(simple, here, pushed, found)
+            simple = []
+            if word == "(":
+                subshells.append(here)
+            elif word == ")" and subshells:
+                here = subshells.pop()
+        else:
+            simple.append(word)
+    return found
+
+
+def run_directories(words: List[str], here: str, pushed: List[str], found: List[str]) -> str:
+    """Add the directories the simple command `words`, run in `here`, writes
+    in to `found`; return the directory the next one runs in."""
+    shown = " ".join(words).replace(SUBSTITUTION, "$(...)")
+
+    def place(word: str, base: str) -> str:
+        word = re.sub(r"\$(PWD\b|\{PWD\})", lambda _: here, word)
+        word = os.path.expanduser(re.sub(
+            r"\$(\w+|\{(\w+)\})", lambda m: os.environ.get(m.group(2) or m.group(1), m.group(0)),
+            word))
+        if any(char in word for char in "$`*?["):
+            raise cannot_tell(shown)
+        return os.path.normpath(os.path.join(base, word))
+
+    def add(directory: str) -> None:
+        if directory not in found:
+            found.append(directory)
+
+    while words and (words[0] in SHELL_KEYWORDS or re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0])):
+        words = words[1:]
+    while words and os.path.basename(words[0]) in WRAPPERS:
+        name = os.path.basename(words[0])
+        valued, operands = WRAPPERS[name]
+        words = words[1:]
+        while words and words[0].startswith("-") and len(words[0]) > 1:
+            option = words.pop(0)
+            if option == "--":
+                break
+            if name == "env" and option in ("-C", "--chdir") and words:
+                here = place(words.pop(0), here)
+            elif option in valued and words:
+                words.pop(0)
+        while name == "env" and words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+            words = words[1:]
+        words = words[operands:]
+    if not words:
+        return here
+    name = os.path.basename(words[0])
+    operands = [word for word in words[1:] if not word.startswith("-") or word == "-"]
+    if name in ("cd", "pushd"):
+        if not operands or operands[0] == "-":
+            raise cannot_tell(shown)
+        if name == "pushd":
+            pushed.append(here)
+        return place(operands[0], here)
+    if name == "popd":
+        if not pushed:
+            raise cannot_tell(shown)
+        return pushed.pop()
+    if name in ("eval", "source", "."):
+        raise cannot_tell(shown)
+    if name in ("sh", "bash", "dash", "zsh") and "-c" in words[1:-1]:
+        build_directories(words[words.index("-c") + 1], here, found)
+        return here
+    directory = here
+    for number, word in enumerate(words[1:], 1):
+        value = words[number + 1] if number + 1 < len(words) else None
+        if name in ("make", "gmake", "ninja", "ninja-build") and word in ("-C", "--directory") \
+                and value is not None:
+            directory = place(value, directory)
+        elif name in ("make", "gmake") and re.match(r"^(-C|--directory=).", word):
+            directory = place(re.sub(r"^(-C|--directory=)", "", word), directory)
+        elif name == "cmake" and word in ("--build", "-B") and value is not None:
+            directory = place(value, here)
+        elif re.match(r"^(DESTDIR|PREFIX|prefix|--prefix)=.", word):
+            add(place(word.split("=", 1)[1], here))
+        elif word == "--prefix" and value is not None:
+            add(place(value, here))
+    add(directory)
+    return here
 
 
 def scan_build(state: State, entry: dict) -> Tuple[Dict[str, list], bool]:
@@ -2393,9 +2523,9 @@ def asks_make(build: Optional[dict]) -> bool:
 
 
 def predict_products(build: dict, sources: List[str], excluded: List[str],
-                     ask_make: bool = True) -> Tuple[List[str], str]:
-    """The existing regular files the build may rewrite, and how that was
-    found (nothing for a make build when not `ask_make`)."""
+                     ask_make: bool = True) -> List[Tuple[str, str]]:
+    """[(path, how it was found)] of the existing regular files the build
+    may rewrite (nothing of make's for a make build when not `ask_make`)."""
     tool = build_tool(build["cmd"], build["cwd"])
     if tool is None and os.path.isfile(os.path.join(build["cwd"], "build.ninja")):
         # A command that runs ninja there itself: an import that triggers
@@ -2406,8 +2536,8 @@ def predict_products(build: dict, sources: List[str], excluded: List[str],
     if tool is not None:
         kind, argv, directory = tool
         if kind == "make" and not ask_make:
-            return [], "not asked"
-        if kind == "make":
+            predicted = []
+        elif kind == "make":
             predicted = make_targets(argv, build["cwd"], sources)
             how = "predicted by make -n -W"
         else:
@@ -2415,16 +2545,22 @@ def predict_products(build: dict, sources: List[str], excluded: List[str],
             how = "predicted from ninja's graph"
         if predicted is None:
             how = "found in the build directory (asking %s failed)" % kind
+    trees = build_trees(build)
     if predicted is None:
-        predicted = product_files(build_trees(build)[0], excluded)
+        predicted = product_files(trees[0], excluded)
+    found = [(target, how) for target in predicted]
+    for tree in trees[1:] if tool is None else [tree for tree in trees if tree != tool[2]]:
+        # an install's prefix, a second build folder
+        found += [(target, "found in the build directory") for target in
+                  product_files(tree, excluded)]
     paths = []
     seen = set()
-    for path in [name for target in predicted for name in side_products(target)]:
+    for path, how in [(name, how) for target, how in found for name in side_products(target)]:
         if path not in seen and not any(is_within(path, other) for other in excluded) and \
                 os.path.isfile(path) and not os.path.islink(path):
-            paths.append(path)
+            paths.append((path, how))
             seen.add(path)
-    return paths, how
+    return paths
 
 
 def protected_paths(state: State, sources: List[str], artifacts: List[str], caches: List[str],
@@ -2453,9 +2589,9 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
         {"cmd": "ninja", "cwd": directory} for directory in jit_directories(artifacts, build)]
     predicted: List[Tuple[str, str]] = []
     for one in builds:
-        found, how = predict_products(one, sources, excluded, ask_make)
-        predicted += [(path, how) for path in found if path not in taken]
-        taken.update(found)
+        found = predict_products(one, sources, excluded, ask_make)
+        predicted += [(path, how) for path, how in found if path not in taken]
+        taken.update(path for path, _ in found)
     size = sum(os.lstat(path).st_size for path, _ in predicted)
     if size > PROTECT_BUDGET:
         raise OverlayError("E110", "backing up the %d existing build product(s) the build may "
@@ -4266,8 +4402,21 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
-        build["tree"] = build_tree_of(build["cmd"], build["cwd"])
+        build["trees"] = build_trees_of(args, build["cwd"])
+    elif args.build_dir:
+        raise UsageError("E109", "--build-dir names where --build-cmd writes; pass --build-cmd "
+                         "too, or drop --build-dir")
     return artifacts, caches, build
+
+
+def build_trees_of(args: argparse.Namespace, cwd: str) -> List[str]:
+    """The directories --build-cmd writes in: the --build-dir given, else
+    those build_directories reads from it; one inside another is left out
+    (scanning it is scanning the other)."""
+    trees = [require_abs_normal(path, "--build-dir") for path in args.build_dir] or \
+        build_directories(args.build_cmd, cwd)
+    return sorted(tree for tree in set(trees)
+                  if not any(tree != other and is_within(tree, other) for other in trees))
 
 
 def cmd_add_native(args: argparse.Namespace) -> int:
@@ -4903,13 +5052,13 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
 TRIAL_EXIT = {"reference": 10, "apply": 11, "verify": 12, "candidate": 13, "revert": 14}
 
 
-def trial_watched(root: str, build_cwd: str, build_cmd: Optional[str],
+def trial_watched(root: str, build_cwd: str, trees: List[str],
                   artifacts: List[str]) -> List[str]:
-    """What a trial compares before and after: --root, --build-cwd, the build
-    directory of `make -C`, `ninja -C` or `cmake --build`, and each --artifact
-    outside them (its folder when that holds a build.ninja: a JIT's build
-    directory, which the build rewrites around it)."""
-    watched = {root, build_cwd, build_tree_of(build_cmd or "", build_cwd) or root}
+    """What a trial compares before and after: --root, --build-cwd, the
+    directories the build writes in, and each --artifact outside them (its
+    folder when that holds a build.ninja: a JIT's build directory, which the
+    build rewrites around it)."""
+    watched = {root, build_cwd} | set(trees)
     for artifact in artifacts:
         if not any(is_within(artifact, path) for path in watched):
             folder = os.path.dirname(artifact)
@@ -5016,7 +5165,8 @@ def cmd_trial(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
-    watched = trial_watched(root, build_cwd, args.build_cmd,
+    watched = trial_watched(root, build_cwd, build_trees_of(args, build_cwd)
+                            if args.build_cmd else [],
                             [os.path.normpath(os.path.abspath(path)) for path in args.artifact])
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
@@ -5412,6 +5562,9 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
         build.add_argument("--no-build", action="store_true", help="patch without building")
         sub.add_argument("--build-cwd", metavar="DIR",
                          help="directory the build runs in (default: the current directory)")
+        sub.add_argument("--build-dir", action="append", default=[], metavar="DIR",
+                         help="a directory the build writes in, where the tool cannot tell "
+                              "them from the command (repeatable; default: read from it)")
         sub.add_argument("--timeout", type=float, metavar="S",
                          help="kill the build after S seconds (default: no limit)")
         sub.add_argument("--protect", action="append", default=[], metavar="PATH",

@@ -1432,14 +1432,18 @@ class OwnedFilesTest(MadePackageTest):
         subprocess.run(["make", "-s", "-C", self.pkg, "install", "PREFIX=" + prefix], check=True)
         before = (tree_state(self.pkg), tree_state(prefix))
         build = "make install PREFIX=%s" % prefix
+        # A PREFIX=DIR word names the prefix: watched as a build directory.
         self.assertOk(self.add("--build-cmd", build))
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertTrue(out.endswith(checked(self.pkg) + "reverted %s\n" % self.state), out)
-        self.assertEqual(tree_state(self.pkg), before[0])
-        self.assertNotEqual(tree_state(prefix), before[1], "the prefix is not watched")
-        subprocess.run(["make", "-s", "-C", self.pkg, "-B", "install", "PREFIX=" + prefix],
-                       check=True)
+        self.assertTrue(out.endswith(checked(self.pkg, prefix) + "reverted %s\n" % self.state),
+                        out)
+        self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
+        # A prefix the command does not name is watched by --artifact.
+        write_text_file(os.path.join(self.pkg, "prefix.mk"), "PREFIX = %s\n" % prefix)
+        write_tree(self.pkg, {"Makefile": "include prefix.mk\n" + read_text(
+            os.path.join(self.pkg, "Makefile"))})
+        build = "make install"
         before = (tree_state(self.pkg), tree_state(prefix))
         installed = os.path.join(prefix, "lib", "libk.so")
         self.assertOk(self.add("--build-cmd", build, "--artifact", installed))
@@ -3299,7 +3303,10 @@ class ProtectTest(OverlayTestCase):
             rc, out, err = self.tool("add-native", "--source", self.p("b.c"), "--patched",
                                      self.patched, "--build-cmd", command, "--build-cwd",
                                      self.proj, "--dry-run")
-            self.assertEqual((rc, err), (0, ""), command)
+            self.assertEqual((rc, err), (0, "") if "marker4" not in command else (
+                1, "overlay_setup: E123 cannot tell where the build command writes: `make -C "
+                "$(...)` names a directory only the shell knows; nothing was changed: pass "
+                "--build-dir DIR for each directory it writes in (repeatable)\n"), command)
             self.assertEqual(tree_state(self.proj), before, command)
 
     def test_apply_dry_run_shows_natives_and_python_modules(self) -> None:
@@ -5845,3 +5852,61 @@ class TorchExtensionTest(OverlayTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class BuildDirectoryTest(OverlayTestCase):
+    """The directories a build writes in are found as the shell runs the
+    command (cd, pushd, wrapper words, -C, --directory), with make building
+    out of tree in ../build; where they cannot be told, nothing runs unless
+    --build-dir names them."""
+
+    MAKEFILE = ("VPATH = ../src\nlibk.so: k.o\n\t$(CC) -shared -o $@ k.o\n"
+                "k.o: k.c\n\t$(CC) -O1 -fPIC -c -o $@ $<\n")
+
+    def setUp(self) -> None:
+        super().setUp()
+        proj = self.built_copy(os.path.join(self.tmp, "proj"), {
+            "src/k.c": "double k(void) { return 1.0; }\n", "build/Makefile": self.MAKEFILE},
+            ["make", "-s", "-C", "build"], aged=True)
+        self.src, self.build = os.path.join(proj, "src"), os.path.join(proj, "build")
+        write_text_file(os.path.join(self.tmp, "fast.c"), "double k(void) { return 2.0; }\n")
+        self.before = tree_state(proj)
+        os.chdir(self.src)
+
+    def add(self, command: str, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.src, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), "--artifact",
+                         os.path.join(self.build, "libk.so"), "--build-cmd", command, *extra)
+
+    def test_an_out_of_tree_build_directory_comes_back_whatever_runs_make_there(self) -> None:
+        for number, command in enumerate((
+                "cd ../build && make", "nice -n 5 make -C ../build",
+                        "env CC=cc make --directory=../build", "time -p make -C ../build",
+                        "(cd ../build && make)", "nohup stdbuf -oL make -C ../build",
+                "bash -c 'pushd ../build >/dev/null && make; popd'")):
+            with self.subTest(command=command):
+                self.state = os.path.join(self.tmp, "state%d" % number)
+                rc, out, err = self.add(command)
+                self.assertEqual(rc, 0, (out, err))
+                self.assertIn("backed up 1 build product(s) the build may rewrite: %s"
+                              % os.path.join(self.build, "k.o"), out)
+                rc, out, err = self.tool("revert")
+                self.assertEqual((rc, err), (0, ""), out)
+                self.assertIn(checked(self.build, os.path.join(self.src, "k.c")), out)
+                self.assertEqual(tree_state(os.path.dirname(self.src)), self.before)
+
+    def test_a_build_directory_the_command_hides_is_refused_unless_named(self) -> None:
+        os.environ.pop("OVERLAY_NO_SUCH_DIR", None)
+        command = "cd $OVERLAY_NO_SUCH_DIR/../build && make"
+        message = ("overlay_setup: E123 cannot tell where the build command writes: `cd "
+                   "$OVERLAY_NO_SUCH_DIR/../build` names a directory only the shell knows; "
+                   "nothing was changed: pass --build-dir DIR for each directory it writes in "
+                   "(repeatable)\n")
+        self.assertEqual(self.add(command), (1, "", message))
+        rc, out, err = self.add(command, "--dry-run")
+        self.assertEqual((rc, err), (1, message), out)
+        self.assertEqual(tree_state(os.path.dirname(self.src)), self.before)
+        rc, out, err = self.add("cd $PWD/../build && make", "--build-dir", "../build")
+        self.assertEqual(rc, 0, (out, err))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(os.path.dirname(self.src)), self.before)
