@@ -1251,18 +1251,15 @@ def tool_at(state: State) -> str:
     return "overlay_setup.py --state %s" % shell_quote(state.root)
 
 
-def interrupted(journal: dict) -> Optional[str]:
+def interrupted(state: State, journal: dict) -> Optional[str]:
     """What a run of this tool was doing when it stopped halfway: an entry
     being applied, built or updated, or a revert begun.  Found with the lock
     free, nobody is doing it any more: the entry is stale whoever the owner
     is, as a hot journal nobody holds is rolled back."""
     if journal.get("reverting"):
         return "reverting"
-    for entry in journal["entries"]:
-        if entry["state"] == NativeEntry.APPLYING:
-            return "%s entry %d" % ("building" if (entry["build"] or {}).get("process")
-                                    else "applying", entry["id"])
-    return None
+    return next(filter(None, (entry.interrupted() for entry in native_entries(state, journal))),
+                None)
 
 
 def resolve_owner(owner_pid: Optional[int]) -> dict:
@@ -3435,6 +3432,16 @@ def headers_build_ext_skips(command: str, entry: dict) -> bool:
 # ---------------------------------------------------------------- a native entry's life
 
 
+def journal_field(key: str) -> property:
+    """An entry's journal field as an attribute of NativeEntry."""
+    def read(entry: "NativeEntry") -> object:
+        return entry.record.get(key)
+
+    def write(entry: "NativeEntry", value: object) -> None:
+        entry.record[key] = value
+    return property(read, write)
+
+
 class NativeEntry:
     """One native entry of the journal (`record`, a JSON object in it) and
     the steps of its life, each journaled durably before the install
@@ -3448,8 +3455,25 @@ class NativeEntry:
     BUILD_FAILED = "build-failed"  # its build failed or timed out; the patch stays applied
     BUILT_NOTHING = "build-changed-nothing"  # its build exited 0 but changed no artifact
 
+    # The fields of an entry's journal record, read and written through
+    # these names only (JOURNAL_FIELDS checks their types on load).
+    id = journal_field("id")
+    phase = journal_field("state")
+    sources = journal_field("sources")
+    artifacts = journal_field("artifacts")
+    caches = journal_field("caches")
+    build_record = journal_field("build")  # the build command and its run; None: --no-build
+    untracked = journal_field("untracked")  # None: its last build did not complete
+    protected = journal_field("protected")
+    dirs = journal_field("dirs")
+    jit = journal_field("jit")
+
     def __init__(self, state: State, journal: dict, record: dict):
         self.state, self.journal, self.record = state, journal, record
+        # Upgraded once, here: a journal of version 1.0 lacks these.
+        if record.get("protected") is None:
+            record["protected"] = []
+        record.setdefault("dirs", {})
 
     def enter(self, name: str) -> None:
         """Move to the state `name`, journaled before what it names happens."""
@@ -3725,28 +3749,307 @@ class NativeEntry:
         if entry["build"] is not None:
             self.build()
 
+    # -- revert
+
+    @property
+    def files(self) -> List[dict]:
+        """The file records revert restores: sources, artifacts and the build
+        products backed up before the build."""
+        return self.sources + self.artifacts + self.protected
+
+    def drifted_sources(self) -> List[str]:
+        """Sources changed by someone else after the apply (neither original
+        nor patched).  A source that is gone (a build that removed its
+        directory) is no one's edit: restoring it loses nothing."""
+        changed = []
+        for record in self.sources:
+            current = file_sha256(record["path"])
+            if current is not None and current not in (record.get("sha256"),
+                                                       record.get("patched_sha256"),
+                                                       record.get("previous_patched_sha256")):
+                changed.append(record["path"])
+        return changed
+
+    def check_restorable(self) -> None:
+        """Everything a revert of the entry needs, checked before anything changes."""
+        state = self.state
+        for record in self.files:
+            path = record["path"]
+            if os.path.isdir(path) and not os.path.islink(path):
+                # Someone's directory: a revert never removes one wholesale.
+                raise OverlayError("E504", "%s is now a directory where the overlay %s a file; "
+                                   "nothing was reverted: move it away by hand, then run revert "
+                                   "again" % (path, "restores" if record["present"] else "removes"))
+            if record["present"]:
+                backup = state.state_path(record["backup"])
+                if not os.path.lexists(backup):
+                    raise OverlayError("E503", "the backup of %s is missing from %s; nothing was "
+                                       "changed: restore that file by hand, then remove entry %d "
+                                       "from the journal" % (record["path"], state.root, self.id))
+                if not stat.S_ISREG(os.lstat(backup).st_mode):
+                    raise altered_backup(record["path"], backup, "a regular file (a symlink, "
+                                         "directory or special file)")
+        for path in [record["path"] for record in self.files] + [
+                cache["path"] for cache in self.caches] + [
+                product["path"] for product in self.untracked or []]:
+            link = symlink_on_the_way(path)
+            if link:
+                raise path_changed(path, link,
+                                   "a symlink" if os.path.islink(link) else "no directory")
+        for cache in self.caches:
+            archive = state.state_path(cache["backup"])
+            if not cache["present"] or not os.path.lexists(archive):
+                continue  # absent: put back by an earlier, interrupted revert
+            if cache["method"] == "rename" and not stat.S_ISDIR(os.lstat(archive).st_mode):
+                raise altered_backup(cache["path"], archive, "a directory (a symlink or a file)")
+            if cache["method"] == "tar":
+                if not stat.S_ISREG(os.lstat(archive).st_mode):
+                    raise altered_backup(cache["path"], archive, "a regular file (a symlink, "
+                                         "directory or special file)")
+                with open_snapshot(archive) as tar:
+                    checked_members(archive, tar)
+
+    def running_build(self) -> Optional[dict]:
+        """The journaled build process of the entry when it still runs here."""
+        process = (self.build_record or {}).get("process")
+        if process and owner_liveness(process) == "live" and group_alive(process["pid"]):
+            return process
+        return None
+
+    def stop_leftover_build(self) -> None:
+        """A build whose run was killed goes on writing into the tree: stop its
+        process group before restoring.  A leader with another start time is
+        another process that reuses the pid: its group is left alone."""
+        process = (self.build_record or {}).get("process")  # its fields checked on load
+        if process is None or process["host"] != host_name():
+            return
+        pid = process["pid"]
+        if pid_exists(pid) and owner_liveness(process) != "live":
+            return  # the pid is another process's now
+        if not group_alive(pid):
+            return
+        print("stopping the build that entry %d left running (process group %d)" % (self.id, pid),
+              file=sys.stderr)
+        stop_process_group(pid)
+
+    def changed_since_build(self, products: List[dict]) -> List[str]:
+        """What the entry's last completed build left and someone changed
+        since (a library upgraded, a file edited, a link changed): not the
+        build's any more.  What an interrupted revert already put back or
+        removed is no change."""
+        kept = [record["path"] for record in self.protected
+                if not unchanged_since_build(record)
+                and seen(record["path"]) != record.get("identity")
+                and file_sha256(record["path"]) not in (record.get("sha256"),
+                                                        record.get("built_sha256", ""))]
+        return kept + [product["path"] for product in products
+                       if product["kind"] != "d" and os.path.lexists(product["path"])
+                       and not unchanged_since_build(product)]
+
+    def rewritten_originals(self) -> List[dict]:
+        """After a run that died during its build: the pre-existing files
+        copied before it that are now neither the original nor what an
+        earlier build left (a rewrite by that build, or the caller's edit
+        since; no record tells which)."""
+        return [{"path": record["path"], "kind": "f", "created": False}
+                for record in self.protected if record["role"] == ORIGINAL
+                and os.path.lexists(record["path"]) and file_sha256(record["path"]) not in
+                (record["sha256"], record.get("built_sha256", ""))]
+
+    def set_aside_build_leftovers(self, products: List[dict], rewrites: List[dict]
+                                  ) -> Tuple[List[dict], Tuple[str, str]]:
+        """The run died during its build: what appeared in the build directory
+        since it started may be the build's or the caller's own work, and so
+        may the `rewrites` of pre-existing files that were copied: moved aside
+        into leftovers/ (the copy is put back).  A pre-existing file that was
+        not copied stays where it is, named as not byte-exact.  Returns the
+        products to move aside and where."""
+        products = [product for product in products if product["created"]]
+        aside = (os.path.commonpath(build_trees(self.build_record)),
+                 os.path.join(self.state.root, "leftovers", str(self.id)))
+        moved = sorted(os.path.relpath(p["path"], aside[0]) for p in products + rewrites
+                       if p["kind"] != "d")
+        print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
+              "that appeared or changed in %s since the build began (its products, or your own "
+              "edits) are moved to %s: %s%s"
+              % (self.id, len(moved), aside[0], aside[1], ", ".join(moved),
+                 "; the copies of %s taken before the build are put back" % ", ".join(
+                     os.path.relpath(p["path"], aside[0]) for p in rewrites) if rewrites else ""),
+              file=sys.stderr)
+        remove_products(rewrites, aside)
+        return products, aside
+
     def revert(self, keep_untracked: bool = False,
                force: bool = False) -> List[Tuple[str, str]]:
         """Give back what the entry changed and drop it from the journal (it
-        may be half applied); revert_entry says how."""
-        return revert_entry(self.state, self.journal, self.record, keep_untracked, force)
+        may be half applied; idempotent: safe to run again after a crash);
+        returns the files that are not back byte-exact, as (path, why):
+        rewritten or deleted without a backup, or kept because they changed
+        after the build (`force` restores and removes those all the same)."""
+        state, journal = self.state, self.journal
+        self.stop_leftover_build()
+        found = untracked_products(state, self.record)
+        products = [] if keep_untracked else found
+        mine = {id(record) for record in self.files + found}
+        ours = [record for record in still_ours(journal) if id(record) not in mine]
+        kept = []
+        completed = self.untracked is not None  # the entry's last build completed
+        if completed and not force:
+            kept = self.changed_since_build(products)
+            products = [product for product in products if product["path"] not in set(kept)]
+        aside = None
+        rewrites = [] if completed else self.rewritten_originals()
+        if not completed and (products or rewrites):
+            products, aside = self.set_aside_build_leftovers(products, rewrites)
+        if aside is None:
+            # A rewritten file that is no build product and was not copied (a
+            # version file over the budget) stays as the build wrote it: only a
+            # stale patched object or program must not be linked or run again.
+            products = [product for product in products if product["created"]
+                        or product["kind"] == "d"
+                        or build_product(product["path"], build_trees(self.build_record))]
+        failures = []
+        keep = set(kept)
+        for record in self.files:
+            if record["path"] in keep or record.get("in_cache"):
+                continue  # in a cache: it comes back whole with it below
+            try:
+                restore_file(state, record)
+                remove_file(temp_beside(record["path"]))
+            except OSError as exc:
+                failures.append("%s (%s)" % (record["path"], exc.strerror))
+        for cache in self.caches:
+            try:
+                self.restore_cache(cache)
+            except OSError as exc:
+                failures.append("%s (%s)" % (cache["path"], exc.strerror))
+        if failures:  # the entry stays in the journal: the next revert finishes it
+            raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
+                               "is left: fix the cause and run `%s revert` again"
+                               % (", ".join(failures), tool_at(state)))
+        remove_products(products, aside)
+        self.remove_jit_leftovers()
+        kept += restore_build_dir_links(state, self.record, force)
+        restore_build_dir_mtimes(state, self.record)
+        for directory, mtime_ns in sorted(self.dirs.items(), reverse=True):
+            if os.path.isdir(directory) and not os.path.islink(directory):
+                os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+        journal["entries"].remove(self.record)
+        if len(journal["entries"]) > 0:
+            settle_after_build(journal)
+        else:
+            journal["next_id"] = 1  # numbers start again once nothing is applied
+        state.save(journal)
+        remove_path(os.path.join(state.root, "backups", str(self.id)))
+        if ours:  # after the backups went: a file restored as a link to one had its ctime set
+            for record in ours:
+                record["seen"] = seen(record["path"])
+            state.save(journal)
+        return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
+
+    def restore_cache(self, cache: dict) -> None:
+        backup = self.state.state_path(cache["backup"])
+        path = cache["path"]
+        if not cache["present"]:
+            remove_path(path)
+            return
+        if cache["method"] == "rename":
+            if os.path.isdir(backup):
+                remove_path(path)
+                durable_rename(backup, path)
+                os.utime(path, ns=(cache["mtime_ns"], cache["mtime_ns"]), follow_symlinks=False)
+            return
+        if not os.path.isfile(backup):
+            return
+        staging = temp_beside(path, "restore-%d" % self.id)
+        remove_path(staging)
+        extract_snapshot(backup, staging)
+        remove_path(path)
+        durable_rename(staging, path)
+
+    def remove_jit_leftovers(self) -> None:
+        """Remove from each JIT build directory the files that appeared since the
+        apply and that only a build makes: build products, ninja's .ninja_lock,
+        torch's empty `lock` (an older torch waits forever on a leftover one).
+        Anything else that appeared there is named and kept."""
+        if not self.jit:
+            return
+        try:
+            with open(self.state.state_path(self.jit["scan"]), encoding="utf-8") as handle:
+                before = json.load(handle)
+        except (OSError, ValueError):
+            return  # a scan that cannot be read proves nothing
+        kept = []
+        for directory in self.jit["directories"]:
+            after, truncated = scan_tree(directory, scan_exclusions(self.state, self.record))
+            if truncated:
+                continue
+            for path, info in sorted(after.items()):
+                if info[0] != "f" or path in before:
+                    continue
+                name = os.path.basename(path)
+                if build_product(path, build_trees(self.build_record)) or name == ".ninja_lock" \
+                        or (name == "lock" and info[1] == 0):
+                    remove_file(path)
+                else:
+                    kept.append(path)
+        if kept:
+            print("entry %d: kept %s: it appeared in the JIT build directory after the apply and "
+                  "is no build product" % (self.id, ", ".join(kept)), file=sys.stderr)
+
+    # -- status
+
+    def in_words(self, tool_running: bool) -> str:
+        build = self.build_record or {}
+        took = "after %.1fs" % build["seconds"] if build.get("seconds") is not None else ""
+        if self.phase == self.APPLIED:
+            return "applied, without a build"
+        if self.phase == self.BUILT:
+            return "built (the build exited 0 %s)" % took
+        if self.phase == self.BUILT_NOTHING:
+            return "applied, but its build changed no artifact (exited 0 %s)" % took
+        if self.phase == self.BUILD_FAILED:
+            if build.get("rc") is None:
+                return "applied, but its build timed out %s and was killed" % took
+            return "applied, but its build failed with status %s %s" % (build["rc"], took)
+        running = self.running_build()
+        if running:
+            return "building: build pid %d, process group %d, running since %s%s" % (
+                running["pid"], running["pid"], running.get("since", "an unrecorded time"),
+                "" if tool_running else "; the overlay_setup.py process that started it is gone")
+        if tool_running:
+            return "being applied"
+        if build.get("process"):
+            return "interrupted during its build (the build no longer runs)"
+        return "interrupted before its build"
+
+    def status_lines(self, tool_running: bool) -> List[str]:
+        lines = ["entry %d: %s" % (self.id, self.in_words(tool_running))]
+        for record in self.files:
+            lines.append("  %s %s%s" % (record["role"], record["path"],
+                                        " (in the cache %s)" % record["in_cache"]
+                                        if record.get("in_cache") else
+                                        "" if record["present"] else " (absent before)"))
+        lines += ["  cache %s (set aside by %s)" % (cache["path"], cache["method"])
+                  for cache in self.caches]
+        lines += ["  untracked build product %s" % product["path"]
+                  for product in self.untracked or []]
+        return lines
+
+    def interrupted(self) -> Optional[str]:
+        """What a run of this tool was doing to the entry when it stopped
+        halfway (applying or building it), else None."""
+        if self.phase != self.APPLYING:
+            return None
+        building = (self.build_record or {}).get("process")
+        return "%s entry %d" % ("building" if building else "applying", self.id)
+
+
+def native_entries(state: State, journal: dict) -> List[NativeEntry]:
+    return [NativeEntry(state, journal, record) for record in journal["entries"]]
 
 
 # ---------------------------------------------------------------- revert
-
-
-def source_drift(entry: dict) -> List[str]:
-    """Sources changed by someone else after the apply (neither original nor
-    patched).  A source that is gone (a build that removed its directory) is
-    no one's edit: restoring it loses nothing."""
-    changed = []
-    for record in entry["sources"]:
-        current = file_sha256(record["path"])
-        if current is not None and current not in (record.get("sha256"),
-                                                   record.get("patched_sha256"),
-                                                   record.get("previous_patched_sha256")):
-            changed.append(record["path"])
-    return changed
 
 
 def tree_digest(path: str) -> Optional[str]:
@@ -3798,44 +4101,6 @@ def rebuilt_since_apply(state: State, entries: List[dict]) -> List[str]:
     return sorted(set(changed))
 
 
-def check_entry_restorable(state: State, entry: dict) -> None:
-    """Everything a revert of `entry` needs, checked before anything changes."""
-    for record in entry_files(entry):
-        path = record["path"]
-        if os.path.isdir(path) and not os.path.islink(path):
-            # Someone's directory: a revert never removes one wholesale.
-            raise OverlayError("E504", "%s is now a directory where the overlay %s a file; nothing "
-                               "was reverted: move it away by hand, then run revert again"
-                               % (path, "restores" if record["present"] else "removes"))
-        if record["present"]:
-            backup = state.state_path(record["backup"])
-            if not os.path.lexists(backup):
-                raise OverlayError("E503", "the backup of %s is missing from %s; nothing was "
-                                   "changed: restore that file by hand, then remove entry %d from "
-                                   "the journal" % (record["path"], state.root, entry["id"]))
-            if not stat.S_ISREG(os.lstat(backup).st_mode):
-                raise altered_backup(record["path"], backup, "a regular file (a symlink, "
-                                     "directory or special file)")
-    for path in [record["path"] for record in entry_files(entry)] + [
-            cache["path"] for cache in entry["caches"]] + [
-            product["path"] for product in entry.get("untracked") or []]:
-        link = symlink_on_the_way(path)
-        if link:
-            raise path_changed(path, link, "a symlink" if os.path.islink(link) else "no directory")
-    for cache in entry["caches"]:
-        archive = state.state_path(cache["backup"])
-        if not cache["present"] or not os.path.lexists(archive):
-            continue  # absent: put back by an earlier, interrupted revert
-        if cache["method"] == "rename" and not stat.S_ISDIR(os.lstat(archive).st_mode):
-            raise altered_backup(cache["path"], archive, "a directory (a symlink or a file)")
-        if cache["method"] == "tar":
-            if not stat.S_ISREG(os.lstat(archive).st_mode):
-                raise altered_backup(cache["path"], archive, "a regular file (a symlink, "
-                                     "directory or special file)")
-            with open_snapshot(archive) as tar:
-                checked_members(archive, tar)
-
-
 def altered_backup(path: str, backup: str, what: str) -> OverlayError:
     return OverlayError("E203", "the backup of %s, %s, is not %s; the state directory was "
                         "altered, nothing was changed" % (path, backup, what))
@@ -3862,27 +4127,6 @@ def restore_file(state: State, record: dict) -> None:
     put_file(path, record, source=backup, link_ok=same_fs)
 
 
-def restore_cache(state: State, entry: dict, cache: dict) -> None:
-    backup = state.state_path(cache["backup"])
-    path = cache["path"]
-    if not cache["present"]:
-        remove_path(path)
-        return
-    if cache["method"] == "rename":
-        if os.path.isdir(backup):
-            remove_path(path)
-            durable_rename(backup, path)
-            os.utime(path, ns=(cache["mtime_ns"], cache["mtime_ns"]), follow_symlinks=False)
-        return
-    if not os.path.isfile(backup):
-        return
-    staging = temp_beside(path, "restore-%d" % entry["id"])
-    remove_path(staging)
-    extract_snapshot(backup, staging)
-    remove_path(path)
-    durable_rename(staging, path)
-
-
 def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = None) -> None:
     """Remove the build's products; with `aside` (build directory, folder),
     move them into that folder instead, keeping their paths."""
@@ -3902,23 +4146,6 @@ def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = Non
                 os.rmdir(product["path"])
             except OSError:
                 pass
-
-
-def stop_leftover_build(entry: dict) -> None:
-    """A build whose run was killed goes on writing into the tree: stop its
-    process group before restoring.  A leader with another start time is
-    another process that reuses the pid: its group is left alone."""
-    process = (entry.get("build") or {}).get("process")  # its fields checked on load
-    if process is None or process["host"] != host_name():
-        return
-    pid = process["pid"]
-    if pid_exists(pid) and owner_liveness(process) != "live":
-        return  # the pid is another process's now
-    if not group_alive(pid):
-        return
-    print("stopping the build that entry %d left running (process group %d)" % (entry["id"], pid),
-          file=sys.stderr)
-    stop_process_group(pid)
 
 
 def build_product(path: str, trees: List[str]) -> bool:
@@ -3964,142 +4191,6 @@ def unchanged_since_build(record: dict) -> bool:
     return "seen" not in record or seen(record["path"]) == record["seen"]
 
 
-def revert_entry(state: State, journal: dict, entry: dict, keep_untracked: bool,
-                 force: bool = False) -> List[Tuple[str, str]]:
-    """Restore one entry (idempotent: safe to run again after a crash); returns
-    the files that are not back byte-exact, as (path, why): rewritten or
-    deleted without a backup, or kept because they changed after the build
-    (`force` restores and removes those all the same)."""
-    stop_leftover_build(entry)
-    found = untracked_products(state, entry)
-    products = [] if keep_untracked else found
-    mine = {id(record) for record in entry_files(entry) + found}
-    ours = [record for record in still_ours(journal) if id(record) not in mine]
-    kept = []
-    if not force and entry.get("untracked") is not None:  # the entry's last build completed
-        # Only what is still exactly what the build left is the build's:
-        # a library upgraded since, a file edited or a link changed is not.
-        # What an interrupted revert already put back or removed is no change.
-        kept = [record["path"] for record in entry.get("protected") or []
-                if not unchanged_since_build(record)
-                and seen(record["path"]) != record.get("identity")
-                and file_sha256(record["path"]) not in (record.get("sha256"),
-                                                        record.get("built_sha256", ""))]
-        kept += [product["path"] for product in products
-                 if product["kind"] != "d" and os.path.lexists(product["path"])
-                 and not unchanged_since_build(product)]
-        keep = set(kept)
-        products = [product for product in products if product["path"] not in keep]
-    aside = None
-    rewrites = []
-    if entry.get("untracked") is None:
-        # A pre-existing file copied before the build and now neither the
-        # original nor what an earlier build left: a rewrite by the build that
-        # was killed, or the caller's edit since; no record tells which.
-        rewrites = [{"path": record["path"], "kind": "f", "created": False}
-                    for record in entry.get("protected") or [] if record["role"] == ORIGINAL
-                    and os.path.lexists(record["path"]) and file_sha256(record["path"]) not in
-                    (record["sha256"], record.get("built_sha256", ""))]
-    if (products or rewrites) and entry.get("untracked") is None:
-        # The run died during its build: what appeared in the build directory
-        # since it started may be the build's or the caller's own work, and so
-        # may a rewrite of a pre-existing file that was copied: moved aside
-        # (the copy is put back).  A pre-existing file that was not copied
-        # stays where it is, named as not byte-exact.
-        products = [product for product in products if product["created"]]
-        aside = (os.path.commonpath(build_trees(entry["build"])),
-                 os.path.join(state.root, "leftovers", str(entry["id"])))
-        moved = sorted(os.path.relpath(p["path"], aside[0]) for p in products + rewrites
-                       if p["kind"] != "d")
-        print("entry %d: the run stopped before it recorded what its build made; %d file(s) "
-              "that appeared or changed in %s since the build began (its products, or your own "
-              "edits) are moved to %s: %s%s"
-              % (entry["id"], len(moved), aside[0], aside[1], ", ".join(moved),
-                 "; the copies of %s taken before the build are put back" % ", ".join(
-                     os.path.relpath(p["path"], aside[0]) for p in rewrites) if rewrites else ""),
-              file=sys.stderr)
-        remove_products(rewrites, aside)
-    if aside is None:
-        # A rewritten file that is no build product and was not copied (a
-        # version file over the budget) stays as the build wrote it: only a
-        # stale patched object or program must not be linked or run again.
-        products = [product for product in products if product["created"]
-                    or product["kind"] == "d"
-                    or build_product(product["path"], build_trees(entry["build"]))]
-    failures = []
-    keep = set(kept)
-    for record in entry_files(entry):
-        if record["path"] in keep:
-            continue
-        if record.get("in_cache"):
-            continue  # its cache comes back whole below
-        try:
-            restore_file(state, record)
-            remove_file(temp_beside(record["path"]))
-        except OSError as exc:
-            failures.append("%s (%s)" % (record["path"], exc.strerror))
-    for cache in entry["caches"]:
-        try:
-            restore_cache(state, entry, cache)
-        except OSError as exc:
-            failures.append("%s (%s)" % (cache["path"], exc.strerror))
-    if failures:  # the entry stays in the journal: the next revert finishes it
-        raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
-                           "is left: fix the cause and run `%s revert` again"
-                           % (", ".join(failures), tool_at(state)))
-    remove_products(products, aside)
-    remove_jit_leftovers(state, entry)
-    kept += restore_build_dir_links(state, entry, force)
-    restore_build_dir_mtimes(state, entry)
-    for directory, mtime_ns in sorted(entry.get("dirs", {}).items(), reverse=True):
-        if os.path.isdir(directory) and not os.path.islink(directory):
-            os.utime(directory, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
-    journal["entries"].remove(entry)
-    if len(journal["entries"]) > 0:
-        settle_after_build(journal)
-    else:
-        journal["next_id"] = 1  # numbers start again once nothing is applied
-    state.save(journal)
-    remove_path(os.path.join(state.root, "backups", str(entry["id"])))
-    if ours:  # after the backups went: a file restored as a link to one had its ctime set
-        for record in ours:
-            record["seen"] = seen(record["path"])
-        state.save(journal)
-    return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
-
-
-def remove_jit_leftovers(state: State, entry: dict) -> None:
-    """Remove from each JIT build directory the files that appeared since the
-    apply and that only a build makes: build products, ninja's .ninja_lock,
-    torch's empty `lock` (an older torch waits forever on a leftover one).
-    Anything else that appeared there is named and kept."""
-    jit = entry.get("jit")
-    if not jit:
-        return
-    try:
-        with open(state.state_path(jit["scan"]), encoding="utf-8") as handle:
-            before = json.load(handle)
-    except (OSError, ValueError):
-        return  # a scan that cannot be read proves nothing
-    kept = []
-    for directory in jit["directories"]:
-        after, truncated = scan_tree(directory, scan_exclusions(state, entry))
-        if truncated:
-            continue
-        for path, info in sorted(after.items()):
-            if info[0] != "f" or path in before:
-                continue
-            name = os.path.basename(path)
-            if build_product(path, build_trees(entry.get("build"))) or name == ".ninja_lock" \
-                    or (name == "lock" and info[1] == 0):
-                remove_file(path)
-            else:
-                kept.append(path)
-    if kept:
-        print("entry %d: kept %s: it appeared in the JIT build directory after the apply and is "
-              "no build product" % (entry["id"], ", ".join(kept)), file=sys.stderr)
-
-
 def remove_orphaned_backups(state: State, journal: dict) -> List[str]:
     """Remove the backup folders no journal entry names: a revert killed
     between its journal write and their removal leaves them (as does a run
@@ -4121,11 +4212,12 @@ def revert_all(state: State, journal: dict, force: bool,
                keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Switch the Python overlay off and restore every native entry in reverse
     order; returns what was done and the files not back byte-exact."""
-    for entry in journal["entries"]:
-        check_entry_restorable(state, entry)
+    entries = native_entries(state, journal)
+    for entry in entries:
+        entry.check_restorable()
     if not force:
-        for entry in journal["entries"]:
-            changed = source_drift(entry)
+        for entry in entries:
+            changed = entry.drifted_sources()
             if changed:  # --force on the older of two overlays would bring the newer back later
                 raise OverlayError("E501", "%s was changed after the overlay was applied (neither "
                                    "the original nor the patched content); nothing was reverted: "
@@ -4158,17 +4250,18 @@ def revert_all(state: State, journal: dict, force: bool,
     # What revert gives back is what lies in these directories (and each
     # file named): a build's write elsewhere, an install step's copy into a
     # prefix, is not seen, and is said not to be.
-    trees = {path for entry in journal["entries"]
-             for path in build_trees(entry["build"]) + [cache["path"] for cache in entry["caches"]]}
+    trees = {path for entry in entries
+             for path in build_trees(entry.build_record) + [cache["path"]
+                                                            for cache in entry.caches]}
     checked = sorted([tree for tree in trees if not any(tree != other and is_within(tree, other)
                                                         for other in trees)]
-                     + sorted({record["path"] for entry in journal["entries"]
-                               for record in entry_files(entry)
+                     + sorted({record["path"] for entry in entries
+                               for record in entry.files
                                if not any(is_within(record["path"], tree) for tree in trees)}))
-    for entry in reversed(list(journal["entries"])):
-        inexact += NativeEntry(state, journal, entry).revert(keep_untracked, force)
+    for entry in reversed(entries):
+        inexact += entry.revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
-            entry["id"], ", ".join(record["path"] for record in entry["sources"])))
+            entry.id, ", ".join(record["path"] for record in entry.sources)))
     if checked:
         done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
                     "are not, unless named with --artifact"
@@ -4761,52 +4854,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("python: %s <- %s" % (name, module["origin"] if module["file"] else "(deleted)"))
     for target, replacement in sorted(journal["python"]["rebinds"].items()):
         print("rebind: %s -> %s" % (target, replacement))
-    for entry in journal["entries"]:
-        print("entry %d: %s" % (entry["id"], entry_in_words(entry, tool_running)))
-        for record in entry_files(entry):
-            print("  %s %s%s" % (record["role"], record["path"],
-                                 " (in the cache %s)" % record["in_cache"]
-                                 if record.get("in_cache") else
-                                 "" if record["present"] else " (absent before)"))
-        for cache in entry["caches"]:
-            print("  cache %s (set aside by %s)" % (cache["path"], cache["method"]))
-        for product in entry.get("untracked") or []:
-            print("  untracked build product %s" % product["path"])
+    for entry in native_entries(state, journal):
+        print("\n".join(entry.status_lines(tool_running)))
     print("next: %s" % next_step(state, journal, tool_running))
     return 0
-
-
-def build_running(entry: dict) -> Optional[dict]:
-    """The journaled build process of `entry` when it still runs here."""
-    process = (entry.get("build") or {}).get("process")
-    if process and owner_liveness(process) == "live" and group_alive(process["pid"]):
-        return process
-    return None
-
-
-def entry_in_words(entry: dict, tool_running: bool) -> str:
-    build = entry["build"] or {}
-    took = "after %.1fs" % build["seconds"] if build.get("seconds") is not None else ""
-    if entry["state"] == NativeEntry.APPLIED:
-        return "applied, without a build"
-    if entry["state"] == NativeEntry.BUILT:
-        return "built (the build exited 0 %s)" % took
-    if entry["state"] == NativeEntry.BUILT_NOTHING:
-        return "applied, but its build changed no artifact (exited 0 %s)" % took
-    if entry["state"] == NativeEntry.BUILD_FAILED:
-        if build.get("rc") is None:
-            return "applied, but its build timed out %s and was killed" % took
-        return "applied, but its build failed with status %s %s" % (build["rc"], took)
-    running = build_running(entry)
-    if running:
-        return "building: build pid %d, process group %d, running since %s%s" % (
-            running["pid"], running["pid"], running.get("since", "an unrecorded time"),
-            "" if tool_running else "; the overlay_setup.py process that started it is gone")
-    if tool_running:
-        return "being applied"
-    if build.get("process"):
-        return "interrupted during its build (the build no longer runs)"
-    return "interrupted before its build"
 
 
 def next_step(state: State, journal: dict, tool_running: bool) -> str:
@@ -5007,7 +5058,7 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                         unregister(state)
                     continue
                 # The owner's liveness decides for a completed overlay only.
-                crashed = interrupted(journal)
+                crashed = interrupted(state, journal)
                 if liveness != "gone" and crashed is None:
                     print("live: %s (owner %s)" % (directory, describe_owner(journal["owner"])))
                     reported = True
