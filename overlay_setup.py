@@ -70,8 +70,10 @@ Usage:
 
   The owner (--owner-pid, default: the leader of this process's session: the
   login or terminal shell, or the program that started the commands) is
-  recorded with its start time and host so that gc-stale tells a completed
-  overlay whose owner is gone from a live one, also after the pid was reused.
+  recorded with its start time, host, pid namespace and boot so that gc-stale
+  tells a completed overlay whose owner is gone from a live one, also after
+  the pid was reused; an owner in another pid namespace or on another host
+  cannot be checked, and is never taken for gone.
   An entry that a run of the tool was applying, building, updating or
   reverting when it died is stale whoever the owner is.  The session outlives
   `timeout`, make recipes and a fresh shell per command; `sudo` and `setsid`
@@ -756,6 +758,31 @@ def host_name() -> str:
     return os.uname().nodename
 
 
+def pid_namespace() -> Optional[str]:
+    """This process's pid namespace ('pid:[4026531836]'): a pid means a
+    process only in the namespace it was read in."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def boot_id() -> Optional[str]:
+    """This boot of the machine: no process outlives it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def process_record(pid: int) -> dict:
+    """A process as recorded in the journal: its pid, start time and where
+    that pid means it (host, pid namespace of this run, boot)."""
+    return {"pid": pid, "start_time": process_start_time(pid), "host": host_name(),
+            "pid_ns": pid_namespace(), "boot_id": boot_id()}
+
+
 # ---------------------------------------------------------------- owners
 
 
@@ -831,15 +858,20 @@ def make_owner(pid: int) -> dict:
     if pid <= 0 or not pid_exists(pid):
         raise UsageError("E108", "--owner-pid %d is not a running process; pass the pid of the "
                          "process that owns this overlay" % pid)
-    return {"pid": pid, "start_time": process_start_time(pid), "host": host_name()}
+    return process_record(pid)
 
 
 def owner_liveness(owner: Optional[dict]) -> str:
-    """'live', 'gone', or 'other-host' (which cannot be checked from here)."""
+    """'live', 'gone', or what cannot be checked from here: 'other-host',
+    'other-namespace' (its pid names another process, or none, here)."""
     if not owner:
         return "gone"
     if owner.get("host") != host_name():
         return "other-host"
+    if owner.get("boot_id") not in (None, boot_id()):
+        return "gone"  # the machine restarted since
+    if owner.get("pid_ns") not in (None, pid_namespace()):
+        return "other-namespace"
     pid = owner.get("pid")
     if not isinstance(pid, int) or not pid_exists(pid):
         return "gone"
@@ -849,10 +881,20 @@ def owner_liveness(owner: Optional[dict]) -> str:
     return "live"
 
 
+def same_process(recorded: dict, process: dict) -> bool:
+    """Whether two journaled processes are one (a journal of version 1.0
+    recorded no pid namespace)."""
+    return all(recorded.get(key) == process[key] for key in ("pid", "start_time", "host")) \
+        and recorded.get("pid_ns") in (None, process["pid_ns"])
+
+
 def describe_owner(owner: Optional[dict]) -> str:
     if not owner:
         return "none"
-    return "pid %s on %s (%s)" % (owner.get("pid"), owner.get("host"), owner_liveness(owner))
+    liveness = owner_liveness(owner)
+    return "pid %s on %s (%s)" % (owner.get("pid"), owner.get("host"), {
+        "other-namespace": "in another pid namespace: cannot tell from here"}.get(liveness,
+                                                                                liveness))
 
 
 # ---------------------------------------------------------------- the state directory
@@ -1162,8 +1204,10 @@ class State:
 
 
 JOURNAL_FIELDS = {  # what each record of the journal must hold, by type
-    "owner": {"pid": int, "host": str, "start_time": (str, type(None))},
-    "process": {"pid": int, "host": str, "start_time": (str, type(None))},
+    "owner": {"pid": int, "host": str, "start_time": (str, type(None)),
+              "pid_ns": (str, type(None)), "boot_id": (str, type(None))},
+    "process": {"pid": int, "host": str, "start_time": (str, type(None)),
+                "pid_ns": (str, type(None)), "boot_id": (str, type(None))},
     "entry": {"id": int, "state": str, "sources": list, "artifacts": list, "caches": list,
               "dirs": (dict,), "roots": list, "build": (dict, type(None)),
               "scan": (str, type(None)), "untracked": (list, type(None)),
@@ -1277,9 +1321,7 @@ def resolve_owner(owner_pid: Optional[int]) -> dict:
 def claim_owner(state: State, journal: dict, owner: dict) -> None:
     """Record the owner; a state directory with changes from another owner is refused."""
     current = journal.get("owner")
-    if anything_applied(journal) and current and (
-            current.get("pid"), current.get("start_time"), current.get("host")) != (
-            owner["pid"], owner["start_time"], owner["host"]):
+    if anything_applied(journal) and current and not same_process(current, owner):
         liveness = owner_liveness(current)
         if liveness == "live":
             hint = ("pass --owner-pid %s to add to it, or run `%s revert` first"
@@ -1287,8 +1329,9 @@ def claim_owner(state: State, journal: dict, owner: dict) -> None:
         elif liveness == "gone":
             hint = "its owner is gone: run `%s revert` first" % tool_at(state)
         else:
-            hint = ("run `%s revert` on %s, or here if that run is over"
-                    % (tool_at(state), current["host"]))
+            hint = ("run `%s revert` %s, or here if that run is over"
+                    % (tool_at(state), "in that pid namespace" if liveness == "other-namespace"
+                       else "on %s" % current["host"]))
         raise OverlayError("E205", "this overlay belongs to %s; %s" % (describe_owner(current),
                                                                        hint))
     journal["owner"] = owner
@@ -3615,9 +3658,8 @@ class NativeEntry:
         print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
         def started(pid: int) -> None:  # so that a revert after a crash can stop it
-            build["process"] = {"pid": pid, "start_time": process_start_time(pid),
-                                "host": host_name(), "since": time.strftime(
-                                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            build["process"] = dict(process_record(pid), since=time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             state.save(journal)
 
         try:
@@ -5177,8 +5219,7 @@ def run_measured(command: List[str], env: Optional[Dict[str, str]] = None
 
 def owned_by(journal: dict, owner: dict) -> bool:
     """Whether the state's overlay was applied under `owner` (the trial's)."""
-    recorded = journal.get("owner") or {}
-    return all(recorded.get(key) == owner[key] for key in ("pid", "start_time", "host"))
+    return same_process(journal.get("owner") or {}, owner)
 
 
 def applied_in_words(journal: dict) -> str:

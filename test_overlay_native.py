@@ -3567,6 +3567,28 @@ class GcStaleTest(OverlayTestCase):
         self.assertFalse(os.path.exists(self.state))
         self.assertEqual(tree_state(self.proj), self.original)
 
+    def test_an_overlay_applied_in_another_pid_namespace_is_never_called_gone(self) -> None:
+        # A container sharing the host's name: its pids mean nothing here, so
+        # neither gc-stale nor status may take its owner for gone.
+        result = subprocess.run(self.in_pid_namespace(pid_1_waits=True) + [
+            sys.executable, TOOL, "--state", self.state, "add-native", "--source",
+            os.path.join(self.proj, "k.c"), "--patched", os.path.join(self.proj, "fast.c"),
+            "--no-build"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        owner = read_json(os.path.join(self.state, "journal.json"))["owner"]
+        self.assertNotEqual(owner["pid_ns"], os.readlink("/proc/self/ns/pid"))
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        self.assertEqual((rc, out, err), (0, "live: %s (owner pid %d on %s (in another pid "
+                                             "namespace: cannot tell from here))\n"
+                                          % (self.state, owner["pid"], owner["host"]), ""))
+        self.assertNotEqual(tree_state(self.proj), self.original)
+        rc, out, _ = call("--state", self.state, "status")
+        self.assertIn("owner: pid %d on %s (in another pid namespace: cannot tell from here)\n"
+                      % (owner["pid"], owner["host"]), out)
+        self.assertOk(call("--state", self.state, "revert"))
+        self.assertEqual(tree_state(self.proj), self.original)
+
     def test_killed_run_is_reverted_and_live_one_is_untouched(self) -> None:
         killed = forked_tool(["--state", self.state, "add-native", "--source",
                               os.path.join(self.proj, "k.c"), "--patched",
