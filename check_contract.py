@@ -97,7 +97,8 @@ Diagnostic codes (stable; never reused):
                      not on a standard system, B015 build.output absolute or
                      with .., B016 -D<PREFIX>_ABI_VERSION differs from
                      abi_version, B017 the script reader cannot tell (warning),
-                     B018 a target flag the compiler rejects
+                     B018 a target flag the compiler rejects, B019 the default
+                     invocation surely fails (set -e, set -u, exit)
     T  status        T001 validated without tolerances, T002 reference
                      entrypoint not given or missing (warning when experimental)
     O  models        O001 listed model directory missing (warning)
@@ -232,6 +233,14 @@ SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons",
 SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
 SH_ARITH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--|(?:[-+*/%&|^]|<<|>>)?=(?!=))"
                                     r"|(?:\+\+|--)\s*([A-Za-z_][A-Za-z0-9_]*)")
+# The options of set and #! that the reader follows, by letter.
+OPTION_LETTERS = {"e": "errexit", "u": "nounset"}
+SHEBANG_OPTIONS_RE = re.compile(r"#![ \t]*/(?:usr/)?bin/bash[ \t]+-([a-zA-Z]+)[ \t]*\n")
+POSIX_SHEBANG_RE = re.compile(r"#![ \t]*(?:/(?:usr/)?bin/(?:da)?sh|/usr/bin/env[ \t]+(?:da)?sh)[ \t]*\n")
+# Set by bash itself, or in any environment: never unset under set -u.
+SH_SHELL_VARIABLES_RE = re.compile(r"(?:BASH\w*|COMP_\w+|HIST\w*|IFS|OPTIND|OPTERR|PS[1-4]|SHLVL"
+                                   r"|MACHTYPE|GROUPS|PIPESTATUS|FUNCNAME|DIRSTACK|SRANDOM|EPOCH\w+"
+                                   r"|SHELLOPTS|BASHOPTS|MAILCHECK|TERM|_)\Z")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -1170,10 +1179,12 @@ class ScriptFacts:
     line, condition): op "add" (a compiler's -o, cp, mv, ln) or "remove"
     (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
-    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements")
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death")
 
-    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None):
+    def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None,
+                 death=None):
         self.calls = calls
+        self.death = death  # (line, why) where the default invocation surely fails
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
@@ -1228,6 +1239,14 @@ def check_build_facts(backend, rel, facts, traced=False):
         unfollowed = "; the checker does not follow %s" % ", ".join(
             "line %d (%s)" % (line, what) for line, what in facts.unfollowed)
     outputs = [(output, call) for call in facts.calls for output in call.outputs]
+    if facts.death:
+        line, why = facts.death
+        backend.error("B019", "%s%s <output-dir> fails at line %d: %s%s" % (
+            said, rel, line, why, "" if outputs else ", before any compiler command with -o; "
+            "the build tier and CI would fail there"), where, line)
+        if not outputs:
+            return
+    warned = len(backend.diagnostics)
     if not outputs:
         if facts.unfollowed:
             backend.warning("B017", "%scannot tell which library %s writes: it has no compiler "
@@ -1277,6 +1296,9 @@ def check_build_facts(backend, rel, facts, traced=False):
         backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
                       "(${2:-%s})" % (said, default, rel, facts.default_target,
                                       facts.default_target), where)
+    if facts.unfollowed and "B017" not in [d.code for d in backend.diagnostics[warned:]]:
+        backend.warning("B017", "%scannot tell whether %s builds only what the checker reads%s"
+                        % (said, rel, unfollowed), where, facts.unfollowed[0][0])
 
 
 def check_built_targets(backend, rel, facts, said, where, unfollowed):
@@ -1399,11 +1421,18 @@ class ShellSyntax(Exception):
 
 
 class ScriptExit(Exception):
-    """The script exits here (exit, or every branch of a condition does)."""
+    """The script exits here (exit, or every branch of a condition does);
+    args: (status,), True, False or None (cannot tell)."""
+
+    @property
+    def status(self):
+        return self.args[0] if self.args else None
 
 
 class FunctionReturn(Exception):
-    pass
+    """return: the function ends; args: (status,) as ScriptExit's."""
+
+    status = ScriptExit.status
 
 
 class LoopBreak(Exception):
@@ -1551,6 +1580,12 @@ def tokenize(text):
     heredocs = []  # (delimiter, strip tabs) waiting for the end of the line
     pos = 0
     while pos < len(text):  # SH_TOKEN_RE matches at every position (other: any character)
+        if text.startswith(("<(", ">("), pos):  # a process substitution is a word
+            end = scan_balanced(text, pos + 2, ")")
+            tokens.append(("word", text[pos:end], line))
+            line += text.count("\n", pos, end)
+            pos = end
+            continue
         match = SH_TOKEN_RE.match(text, pos)
         pos = match.end()
         kind = match.lastgroup
@@ -1759,8 +1794,16 @@ class ScriptParser:
         """A compound command with its redirections (which change nothing read here)."""
         while self.peek()[0] == "op" and SH_REDIRECTS.match(self.peek()[1]):
             self.next()
-            self.next()
+            self.redirect_target()
         return node
+
+    def redirect_target(self):
+        kind, text, line = self.peek()
+        if kind != "word":
+            return
+        self.next()
+        if text.startswith(("<(", ">(")) and runs_compiler(text[2:-1]):
+            raise ShellSyntax(line, "a compiler run inside %s" % text[:60])
 
     def parse_simple(self):
         line = self.peek()[2]
@@ -1771,8 +1814,7 @@ class ScriptParser:
                 words.append(self.next()[1])
             elif kind == "op" and SH_REDIRECTS.match(text):
                 self.next()
-                if self.peek()[0] == "word":
-                    self.next()
+                self.redirect_target()
             else:
                 return Simple(line, words)
 
@@ -1876,6 +1918,18 @@ class ScriptReader:
         self.cwd = None          # None: the directory the script is run from
         self.dirs = []           # pushd's stack
         self.functions = {}
+        # Shell options (errexit, nounset, lastpipe, expand_aliases: True,
+        # or UNDECIDED where branches set them differently), aliases, traps.
+        self.options = {"expand_aliases": True} if POSIX_SHEBANG_RE.match(text) else {}
+        self.aliases = {}
+        self.traps = {}
+        errexit = SHEBANG_OPTIONS_RE.match(text)
+        if errexit:
+            self.options.update((OPTION_LETTERS[c], True) for c in errexit.group(1) if c in OPTION_LETTERS)
+        self.quiet = 0           # > 0 where a failure does not stop the script (if's condition, a || b)
+        self.subshells = 0
+        self.death = None        # (line, why): where the default invocation surely fails
+        self.unsure = False      # a variable may be set where the reader does not see it
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
@@ -1884,6 +1938,7 @@ class ScriptReader:
         self.arg2_defaults = []
         self.condition = None    # why the commands being read may not run
         self.line = None         # the line a sourced file's commands are reported at
+        self.at = 1              # the line of the command being read
         self.steps = 0
         self.depth = 0
         try:
@@ -1895,15 +1950,44 @@ class ScriptReader:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
             return
         try:
-            self.run_list(tree)
-        except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
-            pass
+            try:
+                self.run_list(tree)
+            except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
+                pass
+            self.run_exit_trap()
         except RecursionError:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
         return ScriptFacts(self.calls, self.default_target(), self.unfollowed,
-                           placements=self.placements)
+                           placements=self.placements, death=self.death)
+
+    def run_exit_trap(self):
+        """What `trap CMD EXIT` set runs when the script (or a subshell) ends."""
+        command = self.traps.get("EXIT")
+        if not command:
+            return
+        line = self.traps.get("EXIT line")
+        if type(command) is Choice or not known(command):
+            self.unfollow(line, "the command of trap ... EXIT, which the checker cannot tell")
+            return
+        self.change(self.traps, "EXIT", None)
+        try:
+            tree = ScriptParser(command).parse()
+        except ShellSyntax:
+            self.unfollow(line, "the command of trap ... EXIT")
+            return
+        try:
+            self.run_list(tree)
+        except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
+            pass
+
+    def die(self, line, why):
+        """The script stops here with a failure: recorded when the default
+        invocation surely gets here (no undecided condition, no subshell)."""
+        if self.condition is None and not self.subshells and self.death is None:
+            self.death = (self.line or line, why)
+        raise ScriptExit(False)
 
     def default_target(self):
         """N when the script takes its single target from `${2:-N}`."""
@@ -1912,6 +1996,7 @@ class ScriptReader:
 
     def unfollow(self, line, what):
         self.unfollowed.append((self.line or line, what))
+        self.unsure = True  # what it does not follow may set any variable
 
     # -- state, for the branches of a condition the reader cannot decide
     def change(self, table, name, value):
@@ -1942,13 +2027,20 @@ class ScriptReader:
         return changed
 
     def subshell(self, run):
-        """What a ( subshell ) or a pipeline's command sets stays inside."""
+        """What a ( subshell ) or a pipeline's command sets stays inside;
+        its status is that of its last command or its exit."""
         mark = self.mark()
+        self.subshells += 1
+        self.change(self.traps, "EXIT", None)  # a subshell does not inherit traps
         try:
-            return run()
-        except ScriptExit:
-            return None
+            try:
+                status = run()
+            except ScriptExit as end:
+                status = end.status
+            self.run_exit_trap()
+            return status
         finally:
+            self.subshells -= 1
             self.undo(mark)
 
     def either(self, label, alternatives):
@@ -1991,20 +2083,33 @@ class ScriptReader:
         status = True
         for node in body:
             status = self.run(node)
+            if status is False and type(node) is not AndOr and not getattr(node, "negated", False):
+                self.errexit(node)
         return status
+
+    def errexit(self, node):
+        """set -e: a command that surely fails stops the script, outside a
+        condition and the left of && and ||."""
+        if self.options.get("errexit") is True and not self.quiet:
+            self.die(node.line, "set -e stops the script where %s fails" % describe_node(node))
+
+    def quietly(self, run):
+        """Run where a failure does not stop the script (set -e is not applied)."""
+        self.quiet += 1
+        try:
+            return run()
+        finally:
+            self.quiet -= 1
 
     def run(self, node):
         kind, line = type(node), node.line
+        self.at = line
         if kind is Simple:
             return self.run_simple(line, node.words)
         if kind is AndOr:
             return self.run_andor(node)
         if kind is Pipeline:
-            status = True
-            for command in node.commands:  # bash runs each command of a | pipeline in a subshell
-                status = self.run(command) if len(node.commands) == 1 else self.subshell(
-                    lambda: self.run(command))
-            return (None if status is None else not status) if node.negated else status
+            return self.run_pipeline(node)
         if kind is If:
             return self.run_if(line, node.clauses, node.otherwise)
         if kind is Case:
@@ -2026,22 +2131,44 @@ class ScriptReader:
             return self.subshell(lambda: self.run_list(node.body))
         return self.run_list(node.body)
 
+    def run_pipeline(self, node):
+        """Each command of a | pipeline in a subshell, the last one in the
+        shell itself under `shopt -s lastpipe`; `!` is a condition."""
+        lastpipe = self.options.get("lastpipe")
+        if len(node.commands) > 1 and lastpipe not in (None, True):
+            self.unfollow(node.line, "a pipeline after shopt -s lastpipe on some branches only")
+        status = True
+        for at, command in enumerate(node.commands):
+            def run(command=command):
+                return self.quietly(lambda: self.run(command)) if node.negated else self.run(command)
+            last = at == len(node.commands) - 1
+            status = run() if len(node.commands) == 1 or (last and lastpipe is True) else self.subshell(run)
+        return (None if status is None else not status) if node.negated else status
+
     def run_andor(self, node):
-        status = self.run(node.first)
-        for op, pipeline in node.rest:
+        """a && b || c: each pipeline by the status before it; set -e
+        applies only to the last one."""
+        status = self.quietly(lambda: self.run(node.first))
+        for at, (op, pipeline) in enumerate(node.rest):
             runs = status if op == "&&" else (None if status is None else not status)
+
+            def run(pipeline=pipeline, last=at == len(node.rest) - 1):
+                result = self.run(pipeline) if last else self.quietly(lambda: self.run(pipeline))
+                if result is False and last:
+                    self.errexit(pipeline)
+                return result
             if runs:
-                status = self.run(pipeline)
+                status = run()
             elif runs is None:
                 status = self.either("%s at line %d" % (describe_node(node.first), node.line),
-                                     [lambda p=pipeline: self.run(p), lambda: None])
+                                     [run, lambda: None])
         return status
 
     def run_if(self, line, clauses, otherwise):
         if not clauses:
             return self.run_list(otherwise) if otherwise is not None else True
         condition, body = clauses[0]
-        status = self.run_list(condition)
+        status = self.quietly(lambda: self.run_list(condition))
         if status:
             return self.run_list(body)
         if status is False:
@@ -2113,7 +2240,7 @@ class ScriptReader:
 
     def run_while(self, line, until, condition, body):
         for _ in range(SH_MAX_LOOPS):
-            status = self.run_list(condition)
+            status = self.quietly(lambda: self.run_list(condition))
             if status is not None and until:
                 status = not status
             if status is False:
@@ -2142,9 +2269,22 @@ class ScriptReader:
             for word in words:
                 self.assign_word(word, line)
             return True
+        alias = self.aliases.get(words[index]) if self.options.get("expand_aliases") is True else None
+        if alias is not None:
+            if type(alias) is Choice or not known(alias) or self.depth or any(
+                    kind == "op" for kind, _, _ in tokenize(alias)):
+                self.unfollow(line, "the alias %s" % words[index])
+                return None
+            words = words[:index] + array_words(alias) + words[index + 1:]
+            if index == len(words):
+                return True
         if words[index] in SH_DECLARE_WORDS:
             for word in words[index + 1:]:
                 if word.startswith("-"):
+                    self.unsure = self.unsure or "n" in word  # a name reference
+                    continue
+                if SH_SPECIAL_RE.search(word.partition("=")[0]):
+                    self.unsure = True  # declare "$name=value": a name it cannot tell
                     continue
                 assignment = SH_ASSIGNMENT_RE.match(word)
                 name = assignment.group(1) if assignment else word
@@ -2173,17 +2313,22 @@ class ScriptReader:
         return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
 
     def run_argv(self, line, argv):
+        bypass = None  # command and builtin run no function of that name
         while argv and argv[0] in SH_PREFIX_COMMANDS and not (
                 argv[0] == "command" and argv[1:2] in (["-v"], ["-V"])):
+            if argv[0] in ("command", "builtin"):
+                bypass = argv[0]
             argv = self.after_prefix(line, argv)
         if not argv:
             return True if argv is not None else None
         command = argv[0]
-        if command in self.functions:
+        if command in self.functions and bypass is None:
             return self.call_function(line, command, argv[1:])
         builtin = SH_BUILTINS.get(command)
         if builtin is not None:
             return builtin(self, line, argv)
+        if bypass == "builtin":
+            return False if known(command) else None  # bash: not a shell builtin
         call = compiler_call(argv, self.line or line, self.cwd)
         if call is not None:
             call.condition = self.condition
@@ -2229,8 +2374,8 @@ class ScriptReader:
         self.depth += 1
         try:
             return self.run_function(self.functions[name])
-        except FunctionReturn:
-            return True
+        except FunctionReturn as end:
+            return end.status
         finally:
             self.depth -= 1
             for local, (value, array) in self.frames.pop().items():
@@ -2275,8 +2420,63 @@ class ScriptReader:
         return True
 
     def builtin_set(self, line, argv):
-        if "--" in argv:
-            self.args, self.origin = argv[argv.index("--") + 1:], None
+        """set -eu, set -o errexit, set +e, set -- args."""
+        words = iter(argv[1:])
+        for word in words:
+            if word == "--":
+                self.args, self.origin = list(words), None
+                break
+            if word in ("-o", "+o"):
+                option = next(words, "")
+                if option in OPTION_LETTERS.values():
+                    self.change(self.options, option, True if word == "-o" else None)
+            elif word[:1] in "-+" and word[1:].isalpha():
+                for letter in word[1:]:
+                    option = next(words, "") if letter == "o" else OPTION_LETTERS.get(letter)
+                    if option in OPTION_LETTERS.values():
+                        self.change(self.options, option, True if word[0] == "-" else None)
+            elif word in ("-", "+"):
+                continue
+            else:
+                self.args, self.origin = [word] + list(words), None
+                break
+        return True
+
+    def builtin_shopt(self, line, argv):
+        flag = argv[1] if len(argv) > 1 else ""
+        if flag in ("-s", "-u"):
+            for name in argv[2:]:
+                if name in ("lastpipe", "expand_aliases"):
+                    self.change(self.options, name, True if flag == "-s" else None)
+        return True
+
+    def builtin_alias(self, line, argv):
+        """alias name=value; unalias name (unalias -a: all)."""
+        for word in argv[1:]:
+            name, equals, value = word.partition("=")
+            if argv[0] == "unalias":
+                for name in (list(self.aliases) if word == "-a" else [word]):
+                    self.change(self.aliases, name, None)
+            elif equals:
+                self.change(self.aliases, name, value)
+        return True
+
+    def builtin_trap(self, line, argv):
+        """trap CMD SIGNAL...: the EXIT trap runs when the script ends; one
+        on ERR, DEBUG or RETURN runs at times the reader does not follow."""
+        args = argv[1:]
+        if args[:1] == ["--"]:
+            args = args[1:]
+        if len(args) < 2 or args[0].startswith("-") and args[0] != "-":
+            return True  # trap -p, trap -l, trap SIGNAL
+        command = None if args[0] == "-" else args[0]
+        for signal in args[1:]:
+            signal = signal.upper()
+            if signal in ("EXIT", "0", "SIGEXIT"):
+                self.change(self.traps, "EXIT", command)
+                self.change(self.traps, "EXIT line", self.line or line)
+            elif signal in ("ERR", "DEBUG", "RETURN", "SIGERR") and command:
+                self.unfollow(line, "the command of trap ... %s" % signal)
         return True
 
     def builtin_unset(self, line, argv):
@@ -2305,9 +2505,13 @@ class ScriptReader:
         return True
 
     def builtin_exit(self, line, argv):
+        code = argv[1] if len(argv) > 1 else None
+        status = code == "0" or (None if code is None or not code.isdigit() else False)
         if argv[0] == "return" and self.frames:
-            raise FunctionReturn()
-        raise ScriptExit()
+            raise FunctionReturn(status)
+        if status is False:
+            self.die(line, "exit %s" % code)
+        raise ScriptExit(status)
 
     def builtin_loop(self, line, argv):
         raise LoopBreak() if argv[0] == "break" else LoopContinue()
@@ -2443,9 +2647,8 @@ class ScriptReader:
         return status
 
     def builtin_eval(self, line, argv):
-        """eval, and trap's command: shell text the reader does not read."""
-        if argv[0] == "eval" or len(argv) > 2:
-            self.unfollow(line, "eval" if argv[0] == "eval" else "the command of trap")
+        """eval: shell text the reader does not read."""
+        self.unfollow(line, "eval")
         return None
 
     # -- variables
@@ -2516,6 +2719,14 @@ class ScriptReader:
     def expand(self, word, split):
         """The fields a word expands to: variables, command substitutions and
         quotes done; with `split`, unquoted expansions split at blanks."""
+        if word.startswith(("<(", ">(")):
+            if runs_compiler(word[2:-1]):
+                self.unfollow(self.at, "a compiler run inside %s" % word[:60])
+            return [runtime(word)]
+        if split and "{" in word:
+            words = brace_expansion(word)
+            if words != [word]:
+                return [field for each in words for field in self.expand(each, split)]
         if SH_SPECIAL_RE.search(word) is None:
             return [word]
         if split and (word == '"$@"' or (word.startswith('"${') and word.endswith('[@]}"'))):
@@ -2561,7 +2772,7 @@ class ScriptReader:
                 end = pos + 2
                 while end < length and word[end] != "'":
                     end += 2 if word[end] == "\\" else 1
-                fields[-1] += word[pos + 2:end]
+                fields[-1] += ansi_c(word[pos + 2:end])
                 quoted = True
                 pos = end + 1
                 continue
@@ -2616,6 +2827,8 @@ class ScriptReader:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
             if target == OUT_DIR:
                 return OUT_DIR
+        if runs_compiler(command):
+            self.unfollow(self.at, "a compiler run inside %s" % source[:60])
         return runtime(source)
 
     def arithmetic(self, expression):
@@ -2636,6 +2849,14 @@ class ScriptReader:
         except Unevaluable:
             return None
         return if_value(text)
+
+    def nounset(self, name, index):
+        """set -u: expanding an unset name stops the script."""
+        if index is None and self.options.get("nounset") is True and not self.unsure and (
+                not SH_SHELL_VARIABLES_RE.match(name)):
+            self.die(self.at, "set -u stops the script at $%s, which %s" % (name, (
+                "the default invocation does not pass" if name.isdigit() else
+                "is unset (the default invocation sets no optional variable)")))
 
     def parameter(self, body, source, in_double):
         """The value of ${body}; a list for ${a[@]} in double quotes."""
@@ -2676,6 +2897,7 @@ class ScriptReader:
             if rest:
                 return undecided(source)
             if value is None:
+                self.nounset(name, index)
                 return NOT_REACHED if name.isdigit() else ""
             return value
         if op in (":-", "-", ":=", "="):
@@ -2713,6 +2935,133 @@ class ScriptReader:
         if op in ("^^", "^"):
             return value.upper() if op == "^^" else value[:1].upper() + value[1:]
         return value.lower() if op == ",," else value[:1].lower() + value[1:]
+
+
+def skip_quoted(word, at):
+    """The index after the quoted part or expansion that starts at `at`, or None."""
+    char = word[at]
+    if char == "\\":
+        return at + 2
+    if char == "'":
+        end = word.find("'", at + 1)
+        return len(word) if end < 0 else end + 1
+    if char == '"':
+        return scan_double(word, at + 1)
+    if char == "`":
+        return scan_balanced(word, at + 1, "`")
+    if word.startswith("$'", at):
+        end = at + 2
+        while end < len(word) and word[end] != "'":
+            end += 2 if word[end] == "\\" else 1
+        return end + 1
+    if word.startswith(("$(", "${"), at):
+        return scan_balanced(word, at + 2, ")" if word[at + 1] == "(" else "}")
+    return None
+
+
+BRACE_SEQUENCE_RE = re.compile(r"(-?[0-9]+|[A-Za-z])\.\.(-?[0-9]+|[A-Za-z])(?:\.\.(-?[0-9]+))?\Z")
+
+
+def brace_expansion(word):
+    """The words bash's brace expansion makes of a word: a{b,c}d, {1..3},
+    {a..e..2}; braces quoted or in ${...} are text.  More than
+    SH_MAX_LOOPS words are a value the reader cannot decide."""
+    at = 0
+    while at < len(word):
+        skipped = skip_quoted(word, at)
+        if skipped is not None:
+            at = skipped
+            continue
+        items = brace_items(word, at) if word[at] == "{" else None
+        if items is not None:
+            end, items = items
+            words = []
+            for item in items:
+                words.extend(brace_expansion(word[:at] + item + word[end:]))
+                if len(words) > SH_MAX_LOOPS:
+                    return [undecided(word)]
+            return words
+        at += 1
+    return [word]
+
+
+def brace_items(word, start):
+    """(the index after the `}`, the items) of a brace expression opened at
+    `start`, or None where bash leaves the braces as they are."""
+    depth, commas, at = 0, [], start + 1
+    while at < len(word):
+        skipped = skip_quoted(word, at)
+        if skipped is not None:
+            at = skipped
+            continue
+        char = word[at]
+        if char == "{":
+            depth += 1
+        elif char == "}" and depth:
+            depth -= 1
+        elif char == "}":
+            bounds = [start] + commas + [at]
+            if commas:
+                return at + 1, [word[a + 1:b] for a, b in zip(bounds, bounds[1:])]
+            return brace_sequence(word[start + 1:at], at + 1)
+        elif char == "," and not depth:
+            commas.append(at)
+        at += 1
+    return None
+
+
+def brace_sequence(text, end):
+    """{1..5}, {05..10..5}, {a..e}: (end, the items), or None."""
+    match = BRACE_SEQUENCE_RE.match(text)
+    if match is None:
+        return None
+    first, last, step = match.groups()
+    step = abs(int(step or 1)) or 1
+    if first.isalpha() != last.isalpha() or max(len(first), len(last)) > MAX_DIGITS:
+        return None
+    if first.isalpha():
+        a, b = ord(first), ord(last)
+        return end, [chr(c) for c in range(a, b + (1 if b >= a else -1), step if b >= a else -step)]
+    a, b = int(first), int(last)
+    if abs(b - a) // step > SH_MAX_LOOPS:
+        return end, [undecided("{%s}" % text)]
+    width = max(len(first), len(last)) if re.match(r"-?0[0-9]", first) or re.match(r"-?0[0-9]", last) else 0
+    numbers = range(a, b + (1 if b >= a else -1), step if b >= a else -step)
+    return end, ["%0*d" % (width, n) for n in numbers]
+
+
+ANSI_C_ESCAPES = {"a": "\a", "b": "\b", "e": "\x1b", "E": "\x1b", "f": "\f", "n": "\n", "r": "\r",
+                  "t": "\t", "v": "\v", "\\": "\\", "'": "'", '"': '"', "?": "?"}
+ANSI_C_RE = re.compile(r"\\(?:([abeEfnrtv\\'\"?])|([0-7]{1,3})|x([0-9a-fA-F]{1,2})|u([0-9a-fA-F]{1,4})"
+                       r"|U([0-9a-fA-F]{1,8})|c(.))", re.S)
+
+
+def ansi_c(text):
+    """The text of $'...': backslash escapes as bash decodes them."""
+    def decode(match):
+        simple, octal, hex2, hex4, hex8, control = match.groups()
+        if simple:
+            return ANSI_C_ESCAPES[simple]
+        if control:
+            return chr(ord(control.upper()) ^ 0x40) if control != "?" else "\x7f"
+        code = int(octal, 8) & 0xFF if octal else int(hex2 or hex4 or hex8, 16)
+        return chr(code) if code < 0x110000 else match.group()
+    return ANSI_C_RE.sub(decode, text)
+
+
+def runs_compiler(text):
+    """Whether shell text the reader does not follow runs a compiler that
+    builds something (not `command -v nvcc`, `nvcc --version`)."""
+    command = []
+    for kind, word, _ in tokenize(text) + [("op", ";", 0)]:
+        if kind == "word":
+            command.append(word.strip("\"'"))
+            continue
+        if command and is_compiler_name(command[0]) and any(
+                w in ("-c", "-shared", "--output-file") or w.startswith("-o") for w in command):
+            return True
+        command = []
+    return False
 
 
 def array_words(text):
@@ -2806,6 +3155,8 @@ def non_empty(value):
 
 def describe_node(node):
     """A condition as a message shows it: its first simple command."""
+    if type(node) is Group and node.subshell and node.body:
+        return "( %s )" % describe_node(node.body[0])
     while node is not None and type(node) is not Simple:
         node = node.first if type(node) is AndOr else (
             node.commands[0] if type(node) is Pipeline else None)
@@ -2826,7 +3177,9 @@ SH_BUILTINS = {
     ".": ScriptReader.builtin_source, "source": ScriptReader.builtin_source,
     "read": ScriptReader.builtin_read, "getopts": ScriptReader.builtin_read,
     "mapfile": ScriptReader.builtin_read, "readarray": ScriptReader.builtin_read,
-    "eval": ScriptReader.builtin_eval, "trap": ScriptReader.builtin_eval, "printf": ScriptReader.builtin_printf,
+    "eval": ScriptReader.builtin_eval, "trap": ScriptReader.builtin_trap, "printf": ScriptReader.builtin_printf,
+    "shopt": ScriptReader.builtin_shopt, "alias": ScriptReader.builtin_alias,
+    "unalias": ScriptReader.builtin_alias,
     "let": ScriptReader.builtin_let, "cp": ScriptReader.builtin_place,
     "mv": ScriptReader.builtin_place, "ln": ScriptReader.builtin_place,
     "install": ScriptReader.builtin_place, "rm": ScriptReader.builtin_place,

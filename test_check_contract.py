@@ -1447,6 +1447,194 @@ class CompiledSourcesTest(TreeTest):
         self.assertEqual(self.traced("k.cu old.cu test_k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [])
 
 
+BASH_STUB = r"""#!/bin/sh
+# A compiler that records its argv and writes the file -o names, nothing else.
+printf '%s\0' "${0##*/}" "$@" >> "$STUB_LOG"
+printf '\1\0' >> "$STUB_LOG"
+next=
+for arg in "$@"; do
+    if [ "$next" = o ]; then : > "$arg" || exit 1; fi
+    next=
+    case $arg in -o) next=o ;; -o?*) [ "${0##*/}" = nvcc ] || { : > "${arg#-o}" || exit 1; } ;; esac
+done
+"""
+BASH_STUB_NAMES = ("nvcc", "hipcc", "gcc", "g++", "cc", "c++", "clang", "clang++")
+
+
+def run_in_bash(scripts):
+    """What real bash does with each script run as `./script <output-dir>`
+    from a directory of its own, every compiler a stub that records its
+    argv: [(status, [argv with <output-dir> as OUT_DIR], files in
+    <output-dir> at the end)].  One bash runs them all, for speed."""
+    with tempfile.TemporaryDirectory(prefix="check-contract-bash-") as top:
+        os.mkdir(os.path.join(top, "bin"))
+        for name in BASH_STUB_NAMES:
+            with open(os.path.join(top, "bin", name), "w") as handle:
+                handle.write(BASH_STUB)
+            os.chmod(os.path.join(top, "bin", name), 0o755)
+        for index, script in enumerate(scripts):
+            for sub in ("w", "o"):
+                os.makedirs(os.path.join(top, sub, str(index)))
+            with open(os.path.join(top, "w", "%d.sh" % index), "w") as handle:
+                handle.write(script)
+        driver = ('for n in $(seq 0 %d); do\n'
+                  '  (cd w/$n && STUB_LOG=../../log.$n exec bash ../$n.sh "$T/o/$n" </dev/null >/dev/null 2>&1)\n'
+                  '  echo $? >> status\ndone\n' % (len(scripts) - 1))
+        env = {"PATH": os.path.join(top, "bin") + ":/usr/bin:/bin", "T": top, "LC_ALL": "C", "HOME": top}
+        subprocess.run(["bash", "-c", driver], cwd=top, env=env, check=True)
+        with open(os.path.join(top, "status")) as handle:
+            statuses = [int(line) for line in handle]
+        results = []
+        for index, status in enumerate(statuses):
+            out = os.path.join(top, "o", str(index))
+            try:
+                with open(os.path.join(top, "log.%d" % index), "rb") as handle:
+                    log = handle.read().decode("utf-8", "surrogateescape")
+            except FileNotFoundError:
+                log = ""
+            calls = [[arg.replace(out, check_contract.OUT_DIR) for arg in record.split("\0")[:-1]]
+                     for record in log.split("\1\0")[:-1]]
+            landed = set()
+            for directory, dirs, files in os.walk(out):
+                landed.update(os.path.relpath(os.path.join(directory, f), out) for f in files + [
+                    d for d in dirs if os.path.islink(os.path.join(directory, d))])
+            results.append((status, calls, landed))
+        return results
+
+def bash_facts(argv):
+    """The CompilerCall of an argv bash ran, as the trace reads it."""
+    return check_contract.compiler_call(argv)
+
+
+class ReaderAgreesWithBashTest(TreeTest):
+    """Each construct is read as real bash runs it (bash runs the script with
+    stub compilers that log their argv), or said to be what the reader
+    cannot tell; never a certain answer bash contradicts."""
+
+    def agree(self, script):
+        """Bash's and the reader's (outputs, targets, files left in
+        <output-dir>) for the script; the reader follows all of it."""
+        (status, argvs, landed), = run_in_bash([script])
+        facts = check_contract.ScriptReader(script).facts()
+        self.assertEqual((facts.unfollowed, facts.death), ([], None))
+        read = [(call.outputs, call.targets("cuda")) for call in facts.calls]
+        ran = [(call.outputs, call.targets("cuda")) for call in map(bash_facts, argvs)]
+        self.assertEqual((status, read, facts.landing()[0]), (0, ran, landed))
+        return ran, landed
+
+    def test_brace_expansion(self):
+        ran, landed = self.agree('nvcc -shared -arch=sm_80 -o "$1"/libfat_tmp.so ops.cu\n'
+                                 'mv "$1"/libfat{_tmp,}.so\n'
+                                 'for a in {8..9}0 "{7,8}"; do nvcc -c -arch=sm_$a ops.cu -o k.o; done\n')
+        self.assertEqual((ran[1:], landed), ([(["k.o"], ["80"]), (["k.o"], ["90"]), (["k.o"], [])],
+                                             {"libfat.so"}))
+        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1"/libfat_tmp.so ops.cu\n'
+                      'mv "$1"/libfat{_tmp,}.so\n')
+        self.assertClean()
+
+    def test_ansi_c_quoting(self):
+        ran, landed = self.agree("flags=$'-arch=sm_80\\t-O3'\nnvcc -shared $flags -o \"$1\"/$'lib\\x66at.so' "
+                                 "ops.cu\necho $'it\\'s'\n")
+        self.assertEqual((ran, landed), ([(["\x02/libfat.so"], ["80"])], {"libfat.so"}))
+
+    def test_lastpipe_runs_the_last_command_of_a_pipeline_in_the_shell(self):
+        ran, landed = self.agree('shopt -s lastpipe\narch=80\necho | { arch=90; }\n'
+                                 'nvcc -shared -arch=sm_$arch -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(ran, [(["\x02/libfat.so"], ["90"])])
+        ran, landed = self.agree('arch=80\necho | { arch=90; }\nnvcc -shared -arch=sm_$arch -o "$1/l.so" ops.cu\n')
+        self.assertEqual(ran, [(["\x02/l.so"], ["80"])])
+
+    def test_an_exit_trap_runs_when_the_script_ends(self):
+        ran, landed = self.agree("trap 'rm -f \"$1/libfat.so\"' EXIT\n"
+                                 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(landed, set())
+        ran, landed = self.agree('trap "nvcc -shared -arch=sm_90 -o $1/libfat.so ops.cu" EXIT\n'
+                                 'trap - INT\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(ran[1][1], ["90"])
+        self.agree('( trap \'nvcc -c -arch=sm_90 ops.cu -o k.o\' EXIT; true )\n'
+                   'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.cuda_fat('mkdir -p "$1"\ntrap \'rm -f "$1/libfat.so"\' EXIT\n'
+                      'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertIssue("B013", "build script build.sh writes libfat.so with -o, but it is not in "
+                         "<output-dir> when the script ends (moved or removed after); leave "
+                         "build.output there")
+
+    def test_a_default_run_that_surely_fails_is_b019(self):
+        for script, line, why in (
+                ('set -u\narch=$2\n', 3, "set -u stops the script at $2, which the default "
+                 "invocation does not pass"),
+                ('set -eu\nnvcc=$NVCC\n', 3, "set -u stops the script at $NVCC, which is unset (the "
+                 "default invocation sets no optional variable)"),
+                ('set -e\nfalse\n', 3, "set -e stops the script where false fails"),
+                ('set -euo pipefail\n( exit 1 )\n', 3, "set -e stops the script where ( exit 1 ) fails"),
+                ('set -o errexit\nf() { return 3; }\nf\n', 4, "set -e stops the script where f fails"),
+                ('exit 2\n', 2, "exit 2")):
+            with self.subTest(script=script):
+                (status, argvs, landed), = run_in_bash([script + 'nvcc -shared -arch=sm_80 -o "$1/l.so" k.cu\n'])
+                self.assertNotEqual(status, 0)
+                self.assertEqual(argvs, [])
+                self.cuda_fat('mkdir -p "$1"\n' + script + 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+                rc, issues = self.issues()
+                self.assertEqual([(i["code"], i["line"], i["message"]) for i in issues],
+                                 [("B019", line + 1, "build.sh <output-dir> fails at line %d: %s, before "
+                                   "any compiler command with -o; the build tier and CI would fail "
+                                   "there" % (line + 1, why))])
+        for script in ('set -e\nfalse || true\nfalse && true\n! false\nif false; then :; fi\n'
+                       'f() { false; echo; }\nf || true\nwhile false; do :; done\nfalse | true\n',
+                       'set -u\narch=${2:-80}\n: "${NVCC:=nvcc}" "$@" "${a[@]}"\nx=$HOME$BASH_VERSION\n'
+                       'if [ $# -ge 2 ]; then arch=$2; fi\nf() { local y=1; echo $y; }\nf\n',
+                       'set -u\nset +u\nx=$2\nset -e\nset +o errexit\nfalse\n'):
+            with self.subTest(script=script):
+                self.agree(script + 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+
+    def test_command_and_builtin_skip_functions(self):
+        ran, landed = self.agree('nvcc() { command nvcc -Xcompiler -fPIC "$@"; }\n'
+                                 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                                 'builtin nvcc -shared -arch=sm_90 -o "$1/x.so" ops.cu || true\n')
+        self.assertEqual(ran, [(["\x02/libfat.so"], ["80"])])
+
+    def test_process_substitution_is_a_word(self):
+        self.agree('while read -r f; do :; done < <(ls)\ncat <(echo x) >/dev/null\n'
+                   'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        facts = check_contract.ScriptReader('cat < <(nvcc -shared -arch=sm_90 -o "$1/l.so" k.cu)\n').facts()
+        self.assertEqual(facts.unfollowed, [(1, 'a compiler run inside <(nvcc -shared -arch=sm_90 -o "$1/l.so" k.cu)')])
+        facts = check_contract.ScriptReader('x=$(nvcc -shared -arch=sm_90 -o "$1/l.so" k.cu 2>&1)\n').facts()
+        self.assertEqual(facts.unfollowed, [(1, 'a compiler run inside $(nvcc -shared -arch=sm_90 -o "$1/l.so" k.cu 2>&1)')])
+
+    def test_aliases_with_expand_aliases(self):
+        ran, landed = self.agree("shopt -s expand_aliases\nalias nvcc='nvcc -gencode arch=compute_90,code=sm_90'\n"
+                                 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(ran, [(["\x02/libfat.so"], ["90", "80"])])
+        ran, landed = self.agree("alias nvcc='nvcc -gencode arch=compute_90,code=sm_90'\n"
+                                 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(ran, [(["\x02/libfat.so"], ["80"])])
+
+    def test_what_is_not_followed_is_b017_naming_the_line(self):
+        for script, line, what in (
+                ("bash -s \"$1\" <<'SH'\nrm -f \"$1/libfat.so\"\nSH\n", 4, 'bash -s, a program whose commands it does not read'),
+                ("eval 'rm -f \"$1/libfat.so\"'\n", 4, "eval"),
+                ("trap 'rm -f \"$1/libfat.so\"' ERR\n", 4, "the command of trap ... ERR")):
+            with self.subTest(script=script):
+                (status, argvs, landed), = run_in_bash(['nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+                                                        + script + "false\n"])
+                self.assertEqual(landed, set())
+                self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n' + script)
+                rc, issues = self.issues()
+                self.assertEqual([(i["code"], i["line"], i["message"]) for i in issues],
+                                 [("B017", line, "cannot tell whether build.sh builds only what the "
+                                   "checker reads; the checker does not follow line %d (%s)" % (line, what))])
+
+    def test_a_compiler_wrapped_in_a_function_of_its_name_is_read(self):
+        self.cuda_fat('mkdir -p "$1"\nnvcc() { command nvcc -Xcompiler -fPIC "$@"; }\n'
+                      'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertClean()
+
+    def cuda_fat(self, script, architectures=(80,)):
+        files = fat_files(architectures=list(architectures), default_arch=architectures[0])
+        files["backends/cuda/fat/build.sh"] = Executable("#!/usr/bin/env bash\n" + script)
+        self.tree(files)
+
+
 class ReaderHonestyTest(TreeTest):
     """Constructs the reader once read as certain and wrong: each is read as
     bash runs it, or said to be what the reader cannot tell."""
@@ -1545,7 +1733,7 @@ class ReaderHonestyTest(TreeTest):
 
     def test_a_program_the_reader_does_not_read_is_cannot_tell_not_b005(self):
         for line in ("exec scripts/compile.sh \"$1\"", "python3 build.py \"$1\"",
-                     "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' EXIT",
+                     "trap 'nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu' ERR",
                      "sudo -E nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu",
                      "numactl --cpunodebind=0 nvcc -shared -arch=sm_80 -o \"$1/libfat.so\" ops.cu",
                      "bash \"$(dirname \"$0\")/compile.sh\" \"$1\""):
@@ -6127,12 +6315,15 @@ class ReaderClaimsTest(unittest.TestCase):
                 self.assertEqual(sorted({a for call in facts.calls for a in call.targets("cuda")}),
                                  ["80", "90"])
 
-    def test_a_trap_command_is_said_not_to_be_followed(self):
-        self.assertIn("`trap`'s command", reader_claims()[1])
+    def test_a_trap_command_is_said_not_to_be_followed_except_on_exit(self):
+        self.assertIn("`trap ... ERR`", reader_claims()[1])
         facts = check_contract.ScriptReader("trap 'nvcc -shared -arch=sm_80 k.cu -o \"$1/l.so\"' "
-                                            "EXIT\n").facts()
+                                            "ERR\n").facts()
         self.assertEqual(facts.calls, [])
         self.assertNotEqual(facts.unfollowed, [])
+        facts = check_contract.ScriptReader("trap 'nvcc -shared -arch=sm_80 k.cu -o \"$1/l.so\"' "
+                                            "EXIT\n").facts()
+        self.assertEqual((len(facts.calls), facts.unfollowed), (1, []))
 
     def test_what_is_said_not_to_be_followed_is_reported(self):
         spans = re.findall(r"`([^`]+)`", reader_claims()[1])
