@@ -119,7 +119,8 @@ how to fix it):
         E208 no overlay here but applied ones elsewhere, E209 a registered
         state directory whose journal is gone, E210 the state directory
         cannot be written, E211 update of an entry whose run stopped
-        before its build finished
+        before its build finished, E212 the state home would be made in
+        another user's directory
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
@@ -995,6 +996,8 @@ class State:
     def create(self) -> None:
         self.check_safe()
         self.check_ours()
+        if is_within(self.root, state_home()):
+            check_state_home()
         makedirs_durable(self.root, 0o700)
         self.check_safe()
 
@@ -1355,6 +1358,25 @@ def state_home() -> str:
     return os.path.join(os.path.normpath(base), TOOL_NAME)
 
 
+def check_state_home() -> None:
+    """The state home is made only in a directory of this user's or the
+    system's: root with a user's HOME (sudo -E) would leave there a folder
+    of root's that the user could no longer use (E204, E210)."""
+    home = path = state_home()
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        owner = os.stat(path).st_uid
+    except OSError:
+        return  # making it says what is in the way
+    if owner not in (os.geteuid(), 0):
+        raise OverlayError("E212", "the state home %s would be made in %s, which uid %d owns, "
+                           "not you (uid %d), and that user could no longer use it (sudo -E "
+                           "keeps the user's HOME); nothing was changed: pass --state DIR, or "
+                           "set XDG_STATE_HOME to a directory of yours"
+                           % (home, path, owner, os.geteuid()))
+
+
 def registry_dir() -> str:
     return os.path.join(state_home(), "applied")
 
@@ -1383,6 +1405,7 @@ def register(state: "State") -> None:
     record = registry_record(state.root)
     if in_state_home(state.root) or os.path.isfile(record):
         return
+    check_state_home()
     makedirs_durable(registry_dir(), 0o700)
     durable_write(record, (json.dumps({"state": state.root}) + "\n").encode())
 
@@ -2898,6 +2921,7 @@ def claims_locked():
     is on the folder that holds the registry the check reads, which every
     state directory of this user shares."""
     home = os.path.dirname(registry_dir())
+    check_state_home()
     makedirs_durable(home, 0o700)
     fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -4080,6 +4080,27 @@ class StateDirectorySafetyTest(OverlayTestCase):
         return ["--state", self.state, "add-native", "--source", os.path.join(self.proj, "k.c"),
                 "--patched", os.path.join(self.proj, "fast.c"), "--no-build"] + list(extra)
 
+    def test_no_state_home_is_made_in_another_users_home(self) -> None:
+        # root with the user's HOME (sudo -E): a state home of root's there
+        # would refuse the user ever after (E204/E210).
+        if os.geteuid() != 0:
+            self.skipTest("making a directory another user owns needs root")
+        home = os.path.join(self.tmp, "home")
+        os.makedirs(os.path.join(home, ".local"))
+        for path in (home, os.path.join(home, ".local")):
+            os.chown(path, 65534, 65534)
+        os.environ["XDG_STATE_HOME"] = os.path.join(home, ".local", "state")
+        before = tree_state(home)
+        args = self.add()[2:]  # the default state directory
+        self.assertEqual(call(*args), (
+            1, "", "overlay_setup: E212 the state home %s would be made in %s, which uid 65534 "
+            "owns, not you (uid 0), and that user could no longer use it (sudo -E keeps the "
+            "user's HOME); nothing was changed: pass --state DIR, or set XDG_STATE_HOME to a "
+            "directory of yours\n" % (os.path.join(home, ".local", "state", "overlay_setup"),
+                                      os.path.join(home, ".local"))))
+        self.assertEqual(call("gc-stale", "--root", self.proj)[0], 0)
+        self.assertEqual((tree_state(home), tree_state(self.proj)), (before, self.original))
+
     def test_gc_stale_never_writes_the_lock_of_another_programs_directory(self) -> None:
         other = os.path.join(self.tmp, "app")
         write_tree(other, {"manifest.json": '{"name": "app"}\n', "lock": "held by app\n"})
