@@ -909,6 +909,52 @@ GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
 CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
+OPTION_FILE_DEPTH = 8  # options files named by options files that the reader follows
+OPTION_FILE_WORD_RE = re.compile(r'(?:"[^"]*"|[^\s"])+')
+
+
+class Compiler:
+    """What the checker knows of one compiler beyond the flags all share
+    (COMPILER_OPTIONS): the variables whose words it reads before and after
+    its arguments, its options that name files of more arguments, and
+    whether -oFILE names its output (nvcc's -odir and -optf are other
+    options)."""
+
+    __slots__ = ("prepend", "append", "option_files", "joined_output")
+
+    def __init__(self, prepend=None, append=None, option_files=(), joined_output=True):
+        self.prepend, self.append = prepend, append
+        self.option_files = option_files
+        self.joined_output = joined_output
+
+    def arguments(self, args, environment):
+        """Its arguments as it reads them: the words of its variables (split
+        at white space, quotes kept, as nvcc splits them) around args."""
+        before, after = (environment.get(v) or "" if v else "" for v in (self.prepend, self.append))
+        return before.split() + list(args) + after.split()
+
+
+# One row per compiler: what the script reader, the trace's shims (one shim
+# per name, and its versioned forms) and the reading of recorded calls know of it.
+COMPILERS = {
+    "nvcc": Compiler("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", ("-optf", "--options-file"),
+                     joined_output=False),
+    "hipcc": Compiler(), "clang": Compiler(), "clang++": Compiler(), "amdclang": Compiler(),
+    "amdclang++": Compiler(), "gcc": Compiler(), "g++": Compiler(), "cc": Compiler(),
+    "c++": Compiler(), "icx": Compiler(), "icpx": Compiler()}
+ANY_COMPILER = Compiler()
+
+
+def compiler_row(word):
+    """The COMPILERS row of a command word (/usr/bin/nvcc, gcc-12)."""
+    match = COMPILER_NAME_RE.match(word.rsplit("/", 1)[-1])
+    return COMPILERS.get(match.group(1), ANY_COMPILER) if match else ANY_COMPILER
+
+
+def options_file_words(text):
+    """The words of an nvcc options file: white space apart, double quotes
+    grouping (and removed), single quotes kept, as nvcc reads it."""
+    return [w.replace('"', "") for w in OPTION_FILE_WORD_RE.findall(text)]
 # Options that make a compiler build something else than machine code: a
 # probe (-E, -M, -fsyntax-only, nvcc --dryrun) builds nothing, nvcc -ptx
 # builds PTX only.
@@ -988,9 +1034,12 @@ def looks_like_compiler_arguments(args):
     return "-shared" in args and any(a == "-o" or a.startswith("-o") for a in args)
 
 
-def compiler_call(words, line=None, cwd=None):
+def compiler_call(words, line=None, cwd=None, environment=None, options_file=None):
     """The facts of a command whose words (its argv: variables expanded,
     quotes removed) are `words`, or None when it is no compiler call.
+    environment: the variables the call sees ({name: value}); options_file
+    (path): the text of an options file the call names, None when it cannot
+    be told.
 
     A compiler call's command word, after `VAR=value`, ccache, sccache or
     env, names a compiler (nvcc, hipcc, clang++, gcc-12, ...); a command
@@ -1000,11 +1049,15 @@ def compiler_call(words, line=None, cwd=None):
     [sm_X,compute_X]`, `-arch=sm_X` (machine code and PTX for X),
     `-arch=compute_X` (PTX only), `-code=` lists; clang and hipcc
     `--offload-arch=`, `--amdgpu-target=`, `-mcpu=gfxN`, `--genco --targets
-    a,b`; `-march=` for the CPU.  Words that hold NOT_REACHED (they depend
-    on an argument the default invocation does not pass) are not read.
+    a,b`; `-march=` for the CPU; nvcc's NVCC_PREPEND_FLAGS,
+    NVCC_APPEND_FLAGS and -optf files as nvcc reads them.  Words that hold
+    NOT_REACHED (they depend on an argument the default invocation does not
+    pass) are not read.
     """
-    words = list(words)
+    words, environment = list(words), dict(environment or {})
     while words and (ENV_WORD_RE.match(words[0]) or words[0].rsplit("/", 1)[-1] in COMPILER_WRAPPERS):
+        if ENV_WORD_RE.match(words[0]):
+            environment.__setitem__(*words[0].split("=", 1))
         words = words[1:]
     if not words:
         return None
@@ -1014,7 +1067,10 @@ def compiler_call(words, line=None, cwd=None):
         if resolved or not looks_like_compiler_arguments(args):
             return None
     call = CompilerCall(command.rsplit("/", 1)[-1], line)
+    row = compiler_row(command)
+    args = row.arguments(args, environment)
     arch = code = None
+    followed = 0
     genco = "--genco" in args
     modes = {COMPILER_MODES.get(arg) for arg in args}
     index = 0
@@ -1025,10 +1081,10 @@ def compiler_call(words, line=None, cwd=None):
             continue
         name, equals, value = arg.partition("=")
         kind = COMPILER_OPTIONS.get(name) if arg[:1] == "-" else None
+        if name in row.option_files:
+            kind = "options"
         if kind is None:
-            # nvcc has no -oFILE: its -odir and -optf are other options.
-            if arg.startswith("-D") or (arg.startswith("-o") and not equals
-                                        and not call.compiler.startswith("nvcc")):
+            if arg.startswith("-D") or (arg.startswith("-o") and not equals and row.joined_output):
                 kind, value = ("define" if arg[1] == "D" else "output"), arg[2:]
             elif not known(arg) and might_hold_targets(arg):
                 call.unknown.append(show_word(arg))
@@ -1063,6 +1119,17 @@ def compiler_call(words, line=None, cwd=None):
             continue
         if not known(value):
             call.unknown.append(show_word(arg))
+        elif kind == "options":
+            for path in value.split(","):
+                text = None
+                if options_file is not None and followed < OPTION_FILE_DEPTH:
+                    text = options_file(path if cwd is None or path.startswith("/") else cwd + "/" + path)
+                if text is None:
+                    call.unknown.append("%s %s, a file of options the checker cannot read"
+                                        % (name, show_word(path)))
+                else:
+                    followed += 1
+                    args[index:index] = options_file_words(text)
         elif kind == "gencode":
             gencode(call, value)
         elif kind == "arch":
@@ -2298,8 +2365,13 @@ class ScriptReader:
             return True
         if words[index] == "[[" and words[-1] == "]]":
             return self.double_bracket(words[index + 1:-1])
+        # A compiler reads the variables given to it alone (NVCC_APPEND_FLAGS=... nvcc).
+        environment = {}
+        for word in words[:index]:
+            match = SH_ASSIGNMENT_RE.match(word)
+            environment[match.group(1)] = self.expand_one(word[match.end():])
         argv = self.expand_words(words[index:])
-        return self.run_argv(line, argv)
+        return self.run_argv(line, argv, environment)
 
     def double_bracket(self, words):
         """[[ ... ]]: no word splitting, and the right of == or != is a glob
@@ -2312,7 +2384,7 @@ class ScriptReader:
             return None
         return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
 
-    def run_argv(self, line, argv):
+    def run_argv(self, line, argv, environment=None):
         bypass = None  # command and builtin run no function of that name
         while argv and argv[0] in SH_PREFIX_COMMANDS and not (
                 argv[0] == "command" and argv[1:2] in (["-v"], ["-V"])):
@@ -2329,7 +2401,8 @@ class ScriptReader:
             return builtin(self, line, argv)
         if bypass == "builtin":
             return False if known(command) else None  # bash: not a shell builtin
-        call = compiler_call(argv, self.line or line, self.cwd)
+        # The script's variables, exported or not, stand for the compiler's environment.
+        call = compiler_call(argv, self.line or line, self.cwd, dict(self.vars, **(environment or {})))
         if call is not None:
             call.condition = self.condition
             self.calls.append(call)
@@ -4969,8 +5042,6 @@ def parity_backend(repo, run, backend, args, stream):
 # (/usr/bin/gcc) gets past the shims; bash's xtrace, switched on in every
 # bash the script starts (BASH_ENV), shows such calls.
 
-TRACE_COMPILERS = ("nvcc", "hipcc", "clang", "clang++", "gcc", "g++", "cc", "c++",
-                   "amdclang", "amdclang++")
 TRACE_VERSIONED = ("gcc", "g++", "clang", "clang++")
 TRACE_VERSIONS = tuple(str(n) for n in range(7, 23))  # gcc-12, clang++-18
 TRACE_WRAPPERS = ("ccache", "sccache")
@@ -5001,7 +5072,30 @@ ccache|sccache)
     via=$name word=$1 name=${1##*/}
     shift ;;
 esac
-printf '%%s\0' "$via" "$PWD" "$word" "$@" > %(log)s/"$(date +%%s%%N).$$"
+record=%(log)s/"$(date +%%s%%N).$$"
+printf '%%s\0' "$via" "$PWD" "${%(prepend)s-}" "${%(append)s-}" "$#" "$word" "$@" > "$record"
+case $name in
+nvcc*)  # the text of each options file it reads, after the call, in the order nvcc reads them
+    set -f
+    next=
+    for arg in ${%(prepend)s-} "$@" ${%(append)s-}; do
+        files=
+        case $next,$arg in
+        optf,*) files=$arg ;;
+        ,-optf|,--options-file) next=optf; continue ;;
+        ,-optf=*|,--options-file=*) files=${arg#*=} ;;
+        esac
+        next=
+        IFS=,
+        for file in $files; do
+            [ -f "$file" ] && [ -r "$file" ] || {
+                echo "nvcc fatal   : Could not open options file '$file'" >&2; exit 1; }
+            printf '%%s\0' "$(cat "$file")" >> "$record"
+        done
+        unset IFS
+    done
+    set +f ;;
+esac
 out= next= probe= stdin= made=program suffix=.o dep= depfile=
 for arg in "$@"; do
     case $next in
@@ -5226,15 +5320,25 @@ os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(s
 
 class RecordedCall:
     """One compiler call a traced script made: its words (the compiler word
-    as the script gave it first), its working directory, and the wrapper
-    (ccache, sccache) it went through, if any."""
+    as the script gave it first), its working directory, the wrapper
+    (ccache, sccache) it went through, if any, the values of nvcc's flag
+    variables, and the text of each options file it read, in order."""
 
-    __slots__ = ("words", "cwd", "via")
+    __slots__ = ("words", "cwd", "via", "environment", "options")
 
-    def __init__(self, words, cwd, via):
+    def __init__(self, words, cwd, via, environment=None, options=()):
         self.words = words
         self.cwd = cwd
         self.via = via
+        self.environment = environment or {}
+        self.options = list(options)
+
+    def facts(self):
+        """Its CompilerCall (None for no compiler call), each options file
+        read from what the shim recorded of it."""
+        texts = list(self.options)
+        return compiler_call(self.words, cwd=self.cwd, environment=self.environment,
+                             options_file=lambda path: texts.pop(0) if texts else None)
 
 
 class Trace:
@@ -5286,7 +5390,8 @@ class Shims:
         os.makedirs(bin_dir)
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_SHIM % {"log": shell_quote(log), "nvcc_version": shell_quote(
+            handle.write(TRACE_SHIM % {"log": shell_quote(log), "prepend": COMPILERS["nvcc"].prepend,
+                "append": COMPILERS["nvcc"].append, "nvcc_version": shell_quote(
                 nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
                 "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
         # Hard links, not symbolic ones: a link costs a directory entry, not an inode.
@@ -5339,7 +5444,7 @@ def shim_names():
     """The compiler names to shim: the known ones, their usual versioned
     forms, and every compiler name a directory on PATH holds (linkers apart:
     a compiler the shims cannot intercept runs the real one)."""
-    names = set(TRACE_COMPILERS + TRACE_WRAPPERS)
+    names = set(tuple(COMPILERS) + TRACE_WRAPPERS)
     names.update(n + "-" + v for n in TRACE_VERSIONED for v in TRACE_VERSIONS)
     for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
         try:
@@ -5704,8 +5809,14 @@ def read_calls(log):
             odd.append("%s (%s)" % (entry, problem))
             continue
         fields = [os.fsdecode(f) for f in data.split(b"\0")[:-1]]
-        if len(fields) >= 3:
-            calls.append(RecordedCall(fields[2:], fields[1], fields[0] or None))
+        count = int(fields[4]) if len(fields) > 5 and fields[4].isdigit() else -1
+        if len(fields) < 6 + count or count < 0:
+            odd.append("%s (not a shim's record)" % entry)
+            continue
+        nvcc = COMPILERS["nvcc"]
+        calls.append(RecordedCall(fields[5:6 + count], fields[1], fields[0] or None,
+                                  {nvcc.prepend: fields[2], nvcc.append: fields[3]},
+                                  fields[6 + count:]))
     return calls, odd
 
 
@@ -5862,7 +5973,7 @@ def traced_facts(trace):
     compiler_call(), its outputs joined to the directory it ran in."""
     calls = []
     for recorded in trace.calls:
-        call = compiler_call(recorded.words, cwd=recorded.cwd)
+        call = recorded.facts()
         if call is not None:
             call.outputs = [posixpath.normpath(o) for o in call.outputs]
         calls.append(call)

@@ -1050,6 +1050,24 @@ class CompilerCallTest(unittest.TestCase):
             with self.subTest(words=words):
                 self.assertIsNone(self.call(*words))
 
+    def test_nvcc_flag_variables_and_options_files_as_nvcc_reads_them(self):
+        # nvcc 13 splits its variables at white space, quotes kept (a quoted
+        # -gencode value is "missing code"); an options file groups "..." words.
+        env = {"NVCC_PREPEND_FLAGS": "-gencode=arch=compute_86,code=sm_86",
+               "NVCC_APPEND_FLAGS": "-gencode arch=compute_90,code=sm_90"}
+        self.assertEqual(check_contract.compiler_call(["nvcc", "-c", "k.cu"], 1, None, env).sass,
+                         ["86", "90"])
+        self.assertEqual(self.call("NVCC_APPEND_FLAGS=-arch=sm_89", "nvcc", "-c", "k.cu").sass, ["89"])
+        self.assertEqual(check_contract.compiler_call(["gcc", "-c", "k.c"], 1, None, env).sass, [])
+        files = {"/s/o1": '-gencode "arch=compute_89,code=sm_89"\n', "/s/o2": "-arch=sm_80"}
+        for flags in (["-optf", "o1,o2"], ["--options-file=o1", "-optf=o2"]):
+            with self.subTest(flags=flags):
+                call = check_contract.compiler_call(["nvcc", "-c", "k.cu"] + flags, 1, "/s",
+                                                    options_file=files.get)
+                self.assertEqual((call.sass, call.unknown), (["89", "80"], []))
+        self.assertEqual(self.call("nvcc", "-c", "k.cu", "-optf", "o1").unknown,
+                         ["-optf o1, a file of options the checker cannot read"])
+
     def test_an_unknown_command_word_with_a_compilers_arguments_is_a_compiler(self):
         unknown = check_contract.RUNTIME + '$(command -v nvcc)' + check_contract.RUNTIME
         self.assertEqual(self.call(unknown, "-gencode", "arch=compute_89,code=sm_89", "-o",
@@ -3908,6 +3926,68 @@ class FatbinReaderTest(unittest.TestCase):
                        check=True, stdout=subprocess.DEVNULL)
         library = check_contract.read_shared_object(os.path.join(root, "libtiny.so"))
         self.assertEqual(check_contract.cuda_targets(library), ({"80", "90a"}, {"90a"}, set()))
+
+
+@unittest.skipUnless(NVCC, "nvcc is not installed, so what it builds cannot be compared with the trace")
+class NvccModelTest(TreeTest):
+    """What the trace reads of nvcc's calls against what the real nvcc put
+    into the library (the fatbin reader as the oracle)."""
+
+    def script(self, body, architectures=(80,)):
+        self.tree({
+            "backends/cuda/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental", "sources": ["tiny.cu"],
+                "build": {"script": "build.sh", "output": "libgputiny.so",
+                          "architectures": list(architectures)}},
+            "backends/cuda/gputiny/tiny.cu": TINY_CU,
+            "backends/cuda/gputiny/build.sh": Executable(
+                '#!/bin/bash\nset -eu\nmkdir -p "$1"\nout=$(cd "$1" && pwd)\ncd "$(dirname "$0")"\n'
+                + body)})
+
+    def built_and_traced(self):
+        """(the SASS targets of the real build, the trace's targets, the trace's findings)."""
+        rc, out, err = run_main(["--repo-root", self.root, "build", "--out", self.path("out")])
+        shared = check_contract.read_shared_object(self.path("out/cuda/gputiny/libgputiny.so"))
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        found = sorted((i["code"], i["message"]) for i in result["issues"]
+                       if i["message"].startswith("running build.sh <output-dir> shows: "))
+        return sorted(check_contract.cuda_targets(shared)[0]), result["runs"][0]["targets"], found
+
+    LIBRARY = ('nvcc -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_80,code=sm_80 '
+               '%s tiny.cu -o "$out/libgputiny.so"\n')
+
+    def test_nvcc_append_flags_add_their_targets(self):
+        self.script('export NVCC_APPEND_FLAGS="-gencode arch=compute_90,code=sm_90"\n'
+                    + self.LIBRARY % "", architectures=(80, 90))
+        real, traced, found = self.built_and_traced()
+        self.assertEqual((real, sorted(traced), found), (["80", "90"], ["80", "90"], []))
+        self.tree({"backends/cuda/gputiny/gputiny.backend.json": {
+            "name": "gputiny", "abi_version": 1, "status": "experimental", "sources": ["tiny.cu"],
+            "build": {"script": "build.sh", "output": "libgputiny.so", "architectures": [80]}}})
+        self.assertIssue("B007", "build.sh also builds 90, which build.architectures does not list; "
+                         "list it (the build tier rejects a library with targets the manifest does "
+                         "not name, R008)")
+
+    def test_nvcc_prepend_flags_given_to_one_call_add_their_targets(self):
+        self.script("NVCC_PREPEND_FLAGS=-gencode=arch=compute_90,code=sm_90 " + self.LIBRARY % "",
+                    architectures=(80, 90))
+        real, traced, found = self.built_and_traced()
+        self.assertEqual((real, sorted(traced), found), (["80", "90"], ["80", "90"], []))
+
+    def test_an_options_file_adds_its_targets(self):
+        self.script('opts=$(mktemp)\nprintf -- \'-gencode "arch=compute_90,code=sm_90"\\n\' > "$opts"\n'
+                    + self.LIBRARY % '-optf "$opts"' + 'rm -f "$opts"\n', architectures=(80, 90))
+        real, traced, found = self.built_and_traced()
+        self.assertEqual((real, sorted(traced), found), (["80", "90"], ["80", "90"], []))
+
+    def test_a_missing_options_file_fails_as_nvcc_fails(self):
+        self.script(self.LIBRARY % "--options-file=nowhere.txt")
+        rc, out, err = run_main(["--repo-root", self.root, "trace"])
+        self.assertEqual(rc, 1, out)
+        self.assertIn("nvcc fatal   : Could not open options file 'nowhere.txt'", out)
+        self.assertIn("[error] R001 cuda/gputiny: running build.sh <output-dir> shows: the script "
+                      "failed with exit status 1\n", out)
 
 
 def offload_bundle(entries):
