@@ -3089,6 +3089,24 @@ def readme_yaml(containing):
     return next(block for block in blocks if containing in block)
 
 
+def venv_with(parent, package):
+    """(a virtual environment under parent with `package` installed from
+    PyPI, None) or (None, why it cannot be had)."""
+    venv = os.path.join(parent, "venv")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        return None, "cannot make a virtual environment for %s: %s" % (package, exc)
+    done = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet",
+                           "--disable-pip-version-check", package],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+    if done.returncode:
+        lines = done.stdout.strip().splitlines() or ["no output"]
+        return None, "%s cannot be installed from PyPI: %s" % (package, lines[-1])
+    return venv, None
+
+
 class ReusableWorkflowTest(unittest.TestCase):
     """contract.yml as another repository uses it: the workflows and the
     README's caller validate against GitHub's workflow schema
@@ -3096,26 +3114,10 @@ class ReusableWorkflowTest(unittest.TestCase):
     and the steps its jobs run pass, run here as a runner runs them, on a
     repository with one CPU backend."""
 
-    venv = skip_reason = None
-
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="reusable-workflow-")
-        venv = os.path.join(cls.tmp, "venv")
-        try:
-            subprocess.run([sys.executable, "-m", "venv", venv], check=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        except (subprocess.CalledProcessError, OSError) as exc:
-            cls.skip_reason = "cannot make a virtual environment for check-jsonschema: %s" % exc
-            return
-        done = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet",
-                               "--disable-pip-version-check", "check-jsonschema"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
-        if done.returncode:
-            lines = done.stdout.strip().splitlines() or ["no output"]
-            cls.skip_reason = "check-jsonschema cannot be installed from PyPI: %s" % lines[-1]
-        else:
-            cls.venv = venv
+        cls.venv, cls.skip_reason = venv_with(cls.tmp, "check-jsonschema")
 
     @classmethod
     def tearDownClass(cls):
@@ -6100,6 +6102,79 @@ class RepositoryTest(unittest.TestCase):
                           "k.backend.json manifest",
                           proc.stdout)
 
+
+
+class PreCommitHookTest(unittest.TestCase):
+    """The hooks of .pre-commit-hooks.yaml as pre-commit itself runs them
+    (installed from PyPI into a virtual environment once), from a clone of
+    this repository, on a repository with one CPU backend."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="pre-commit-")
+        cls.venv, cls.skip_reason = venv_with(cls.tmp, "pre-commit")
+        cls.hooks = os.path.join(cls.tmp, "hooks")
+        copy_of_repository(cls.hooks)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def try_hook(self, hook, files):
+        """(exit status, output) of `pre-commit try-repo` running `hook` (None:
+        of `pre-commit run`, by the files' config) on a committed repository of `files`."""
+        if self.skip_reason:
+            self.skipTest(self.skip_reason)
+        user = tempfile.mkdtemp(prefix="user-", dir=self.tmp)
+        write_tree(user, files)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+        subprocess.run(git + ["init", "-q"], cwd=user, check=True)
+        subprocess.run(git + ["add", "-A"], cwd=user, check=True)
+        subprocess.run(git + ["commit", "-qm", "user"], cwd=user, check=True)
+        command = ["try-repo", self.hooks, hook] if hook else ["run"]
+        done = subprocess.run([os.path.join(self.venv, "bin", "pre-commit")] + command
+                              + ["--all-files", "--verbose", "--color", "never"], cwd=user,
+                              env=terminal_env(PRE_COMMIT_HOME=os.path.join(self.tmp, "cache")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+        return done.returncode, done.stdout
+
+    def test_the_readmes_config_pinned_to_a_commit_runs_both_hooks(self):
+        config = readme_yaml("- repo: ")
+        self.assertIn("    rev: <commit>  #", config)  # no tag to name: the repository has none
+        self.assertEqual(subprocess.run(["git", "tag"], cwd=HERE, stdout=subprocess.PIPE,
+                                        universal_newlines=True).stdout, "")
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=self.hooks, stdout=subprocess.PIPE,
+                             universal_newlines=True, check=True).stdout.strip()
+        config = config.replace("https://github.com/<owner>/kernel-contract", self.hooks).replace("<commit>", sha)
+        rc, out = self.try_hook(None, dict(tiny_files(), **{".pre-commit-config.yaml": config}))
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"check backend contracts\.+Passed\n")
+        self.assertRegex(out, r"trace backend build scripts\.+Passed\n")
+
+    def test_the_hooks_are_check_and_trace(self):
+        with open(os.path.join(HERE, ".pre-commit-hooks.yaml"), encoding="utf-8") as f:
+            self.assertEqual(re.findall(r"^- id: (\S+)$", f.read(), re.M), ["check-contract", "trace-contract"])
+
+    def test_the_check_hook_passes_a_true_manifest_and_fails_a_false_one(self):
+        rc, out = self.try_hook("check-contract", tiny_files())
+        self.assertEqual(rc, 0, out)
+        self.assertIn("1 backend(s), 0 error(s), 0 warning(s)\n", out)
+        broken = tiny_files()
+        broken["backends/cpu/tiny/tiny.backend.json"]["abi_version"] = 3
+        rc, out = self.try_hook("check-contract", broken)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("[error] A001 cpu/tiny: abi_version is 3", out)
+
+    def test_the_trace_hook_runs_the_build_scripts(self):
+        rc, out = self.try_hook("trace-contract", tiny_files())
+        self.assertEqual(rc, 0, out)
+        self.assertIn("==> trace cpu/tiny: ./backends/cpu/tiny/build.sh <output-dir>\n", out)
+        self.assertIn("1 backend(s) passed, 0 failed, 0 skipped\n", out)
+        drifted = tiny_files(build=Executable(TINY_BUILD.replace("libtiny.so", "$(echo libother).so")))
+        rc, out = self.try_hook("trace-contract", drifted)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("[error] B004 cpu/tiny: running build.sh <output-dir> shows: build script build.sh "
+                      "writes \"libother.so\" but build.output is \"libtiny.so\"\n", out)
 
 
 def subcommands(parser):
