@@ -1635,6 +1635,83 @@ class PreExistingFileTest(MadePackageTest):
         self.assertEqual(self.tool("revert"), self.reverted())
         self.assertEqual(tree_state(self.pkg), before)
 
+class RevertExactnessTest(MadePackageTest):
+    """What revert puts back, and what it leaves alone, each pinned on its own:
+    the times of every file and directory it restores, a pre-existing file a
+    killed build rewrote without a copy, a directory it did not create."""
+
+    link_step_runs = PreExistingFileTest.link_step_runs
+
+    def add(self, *more: str) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched",
+                         os.path.join(self.tmp, "k_new.c"), "--build-cmd", "make",
+                         "--build-cwd", self.pkg, *more)
+
+    def times(self) -> dict:
+        return dict({path: info[3] for path, info in tree_state(self.pkg).items()},
+                    **{".": os.lstat(self.pkg).st_mtime_ns})
+
+    def test_revert_puts_back_the_mtime_of_every_file_and_directory_it_restores(self) -> None:
+        states = [("same filesystem", self.state)]
+        if shm_available():
+            other = tempfile.mkdtemp(prefix="overlay-test-", dir="/dev/shm")
+            self.addCleanup(shutil.rmtree, other, True)
+            states.append(("backups on another filesystem", os.path.join(other, "state")))
+        before = self.times()
+        self.assertEqual(sorted(before), [".", "Makefile", "k.c", "k.o", "libk.so"])
+        for where, state in states:
+            with self.subTest(where):
+                self.state = state
+                self.assertOk(self.add())
+                self.assertNotEqual(self.times(), before)
+                self.assertOk(self.tool("revert"))
+                self.assertEqual(self.times(), before)
+                self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_a_pre_existing_file_a_killed_build_rewrote_without_a_copy_stays_named(
+            self) -> None:
+        big = os.path.join(self.pkg, "table.txt")
+        before = self.link_step_runs("echo rewritten > table.txt; echo made > new.txt", {
+            "table.txt": "x" * overlay_setup.ORIGINAL_FILE_LIMIT + "\n"})
+        killed = forked_tool(["--state", self.state, "add-native", "--source",
+                              os.path.join(self.pkg, "k.c"), "--patched",
+                              os.path.join(self.tmp, "k_new.c"), "--build-cmd",
+                              "make && kill -KILL $PPID", "--build-cwd", self.pkg], own=True)
+        self.assertEqual(killed.returncode, -9, killed.stderr)
+        rc, out, err = call("gc-stale", "--root", self.tmp)
+        aside = os.path.join(self.state, "leftovers", "1")
+        self.assertEqual(rc, 3, err)
+        self.assertRegex(out, r"^stale: %s \(owner pid \d+ on \S+ \(gone\)\): reverted\n\Z"
+                         % re.escape(self.state))
+        self.assertEqual(err, "entry 1: the run stopped before it recorded what its build made; 1 "
+                              "file(s) that appeared or changed in %s since the build began (its "
+                              "products, or your own edits) are moved to %s: new.txt\n"
+                              "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
+                              "backup; the next build makes it again (to keep it next time, pass "
+                              "--protect {0})\n".format(big) % (self.pkg, aside))
+        self.assertEqual(read_text(big), "rewritten\n")  # in place, as the build left it
+        self.assertEqual(sorted(os.listdir(aside)), ["new.txt"])
+        after = tree_state(self.pkg)
+        del after["table.txt"], before["table.txt"]
+        self.assertEqual(after, before)
+
+    def test_a_directory_the_record_says_was_there_before_the_build_stays(self) -> None:
+        # A product record of a directory with "created": false comes from
+        # two builds of one entry (a file the first rewrote, the second made
+        # a directory); whatever it came from, what the build did not create
+        # revert does not remove.
+        notes = os.path.join(self.pkg, "notes")
+        os.mkdir(notes)
+        self.before = tree_state(self.pkg)
+        self.assertOk(self.add())
+        path = os.path.join(self.state, "journal.json")
+        journal = read_json(path)
+        journal["entries"][0]["untracked"].append({"path": notes, "kind": "d", "created": False})
+        write_json(path, journal)
+        self.assertOk(self.tool("revert"))
+        self.assertTrue(os.path.isdir(notes))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
 
 class PlanRunsNothingTest(OverlayTestCase):
     """Nothing of the install's build description runs before the entry is
@@ -2457,6 +2534,88 @@ class CrashMatrixTest(unittest.TestCase):
             forked_tool(["--state", state, "revert"]).check_returncode()
             self.assertRestored(root, other, expected, "revert ENOSPC at write %d" % write)
         self.assertGreater(write, 3)
+
+class JournalDurabilityTest(OverlayTestCase):
+    """The journal is on disk before the first byte of the install changes:
+    written under a temporary name, fsynced, renamed over the old one, and
+    its directory fsynced.  A SIGKILL keeps the page cache, so the crash
+    matrix cannot see a missing fsync; the order of the calls can."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.source = os.path.join(self.proj, "k.c")
+        self.journal = os.path.join(self.state, "journal.json")
+
+    def recorded(self, *argv: str) -> list:
+        """Run the tool in-process and return its fsync and rename calls, in
+        order: ("fsync", path), ("rename", source, target, the source's
+        journal when the target is the journal)."""
+        events = []
+        real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+        def where(name, dir_fd=None) -> str:
+            name = os.fsdecode(name)
+            return name if dir_fd is None else os.path.join(os.readlink("/proc/self/fd/%d" % dir_fd),
+                                                            name)
+
+        def fsync(fd):
+            events.append(("fsync", os.readlink("/proc/self/fd/%d" % fd)))
+            return real_fsync(fd)
+
+        def renamer(real):
+            def rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+                source, target = where(src, src_dir_fd), where(dst, dst_dir_fd)
+                events.append(("rename", source, target,
+                               read_json(source) if target == self.journal else None))
+                return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            return rename
+
+        with unittest.mock.patch.object(os, "fsync", fsync), \
+                unittest.mock.patch.object(os, "replace", renamer(real_replace)), \
+                unittest.mock.patch.object(os, "rename", renamer(real_rename)):
+            self.assertOk(self.tool(*argv))
+        return events
+
+    def assertJournalWritesDurable(self, events: list) -> None:
+        writes = [i for i, event in enumerate(events) if event[0] == "rename"
+                  and event[2] == self.journal]
+        self.assertTrue(writes)
+        for i in writes:
+            source = events[i][1]
+            self.assertIn(("fsync", source), events[:i], "the journal was renamed into place "
+                          "before its new content was fsynced")
+            self.assertEqual([event for event in events[i + 1:] if event[0] == "fsync"][:1],
+                             [("fsync", self.state)], "the state directory was not fsynced "
+                             "right after the journal's rename")
+
+    def first_change_of_the_source(self, events: list) -> int:
+        return next(i for i, event in enumerate(events)
+                    if event[0] == "rename" and event[2] == self.source)
+
+    def last_journal_before(self, events: list, index: int) -> dict:
+        return [event[3] for event in events[:index]
+                if event[0] == "rename" and event[2] == self.journal][-1]
+
+    def test_apply_journals_the_entry_durably_before_it_swaps_the_source(self) -> None:
+        events = self.recorded("add-native", "--source", self.source, "--patched",
+                               os.path.join(self.proj, "fast.c"), "--no-build")
+        self.assertJournalWritesDurable(events)
+        swap = self.first_change_of_the_source(events)
+        journal = self.last_journal_before(events, swap)
+        self.assertEqual([[record["path"] for record in entry["sources"]]
+                          for entry in journal["entries"]], [[self.source]])
+        self.assertEqual(journal["entries"][0]["state"], overlay_setup.NativeEntry.APPLYING)
+
+    def test_revert_journals_that_it_began_before_it_restores_the_source(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", self.source, "--patched",
+                                os.path.join(self.proj, "fast.c"), "--no-build"))
+        events = self.recorded("revert")
+        self.assertJournalWritesDurable(events)
+        journal = self.last_journal_before(events, self.first_change_of_the_source(events))
+        self.assertTrue(journal.get("reverting"))
+        self.assertEqual(read_text(self.source), "int k;\n")
 
 
 LIB_SOURCES = {
@@ -3858,6 +4017,49 @@ class GcStaleTest(OverlayTestCase):
             "0); refusing to use it\noverlay_setup: 1 state directory refused or failed; see "
             "above\n" % self.state))
         self.assertNotEqual(tree_state(self.proj), self.original)
+
+class OtherHostTest(OverlayTestCase):
+    """A state directory on a file system shared by several hosts: an owner
+    on another host cannot be checked from here, so its finished overlay is
+    live; an entry a run on any host left halfway is stale all the same."""
+
+    HOST = "build-node-7.example"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, {"k.c": "int k;\n", "fast.c": "int k = 7;\n"})
+        self.original = tree_state(self.proj)
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                "--patched", os.path.join(self.proj, "fast.c"), "--no-build",
+                                "--owner-pid", "1"))
+        self.applied = tree_state(self.proj)
+        self.journal = os.path.join(self.state, "journal.json")
+        journal = read_json(self.journal)
+        journal["owner"]["host"] = self.HOST
+        write_json(self.journal, journal)
+
+    def owner(self) -> str:
+        return "owner pid 1 on %s (other-host)" % self.HOST
+
+    def test_a_finished_overlay_owned_on_another_host_is_live(self) -> None:
+        for dry_run in ([], ["--dry-run"]):
+            with self.subTest(dry_run=dry_run):
+                self.assertEqual(call("gc-stale", "--root", self.tmp, *dry_run),
+                                 (0, "live: %s (%s)\n" % (self.state, self.owner()), ""))
+                self.assertEqual(tree_state(self.proj), self.applied)
+
+    def test_an_entry_a_run_on_another_host_left_halfway_is_stale(self) -> None:
+        journal = read_json(self.journal)
+        journal["entries"][0]["state"] = overlay_setup.NativeEntry.APPLYING
+        write_json(self.journal, journal)
+        why = "%s; the run applying entry 1 stopped halfway" % self.owner()
+        self.assertEqual(call("gc-stale", "--root", self.tmp, "--dry-run"),
+                         (0, "stale: %s (%s): would revert\n" % (self.state, why), ""))
+        self.assertEqual(tree_state(self.proj), self.applied)
+        self.assertEqual(call("gc-stale", "--root", self.tmp),
+                         (0, "stale: %s (%s): reverted\n" % (self.state, why), ""))
+        self.assertEqual(tree_state(self.proj), self.original)
 
 
 @unittest.skipUnless(shm_available(), "needs /dev/shm on another filesystem than the temp dir")
