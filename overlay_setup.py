@@ -111,6 +111,7 @@ how to fix it):
         another applied overlay holds, E121 state directory inside the build
         directory, E122 a file of a cache to snapshot has hard links outside it,
         E123 a build command whose build directories only the shell knows
+        E124 a source another user's or state directory's overlay holds
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -170,6 +171,7 @@ import fcntl
 import hashlib
 import json
 import math
+import pwd
 import re
 import selectors
 import shlex
@@ -306,6 +308,7 @@ def fsync_dir(path: str) -> None:
 
 
 TEMP_PREFIX = ".overlay-tmp-"
+CLAIM_LIMIT = 4096  # bytes of a claim file read
 
 
 def temp_beside(path: str, kind: str = "") -> str:
@@ -1995,7 +1998,7 @@ def walk_tree(root: str, excluded: List[str],
             continue
         folders = []
         for item in items:
-            if item.path in skipped:
+            if item.path in skipped or is_claim(item.name):
                 continue
             try:
                 st = item.stat(follow_symlinks=False)
@@ -2913,6 +2916,103 @@ def check_claims(state: State, sources: List[str], artifacts: List[str],
                                               tool_at(other), shell_quote(other.root)))
 
 
+CLAIM_SUFFIX = ".overlay-claim"
+
+
+def claim_path(source: str) -> str:
+    """The claim beside a source that an applied overlay holds: every state
+    directory and every user on the machine finds the holder from the file
+    itself, whichever registry lists it."""
+    directory, name = os.path.split(source)
+    if len(os.fsencode(name)) + len(CLAIM_SUFFIX) + 1 > 255:  # NAME_MAX: a name of its hash
+        name = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    return os.path.join(directory, ".%s%s" % (name, CLAIM_SUFFIX))
+
+
+def is_claim(name: str) -> bool:
+    return name.startswith(".") and name.endswith(CLAIM_SUFFIX)
+
+
+def read_claim(source: str) -> Optional[dict]:
+    """The claim on `source`, None when there is none."""
+    try:
+        with open(claim_path(source), "rb") as handle:
+            claim = json.loads(handle.read(CLAIM_LIMIT).decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable: names no holder, so it holds nothing
+    return claim if isinstance(claim, dict) else {}
+
+
+def claim_holder(source: str, state: State) -> Optional[dict]:
+    """The claim on `source` of another state directory that still holds it:
+    its journal names the source, or cannot be read (another user's private
+    state directory).  A claim whose overlay was reverted is no hold."""
+    claim = read_claim(source)
+    root = (claim or {}).get("state")
+    if not isinstance(root, str) or not os.path.isabs(root) or root == state.root:
+        return None
+    try:
+        journal = State(root).read_journal()
+    except OverlayError:
+        return claim
+    if journal is None:
+        return None
+    entries = journal.get("entries") if isinstance(journal.get("entries"), list) else []
+    return claim if any(isinstance(record, dict) and record.get("path") == source
+                        for entry in entries if isinstance(entry, dict)
+                        for record in entry.get("sources") or []) else None
+
+
+def held_by(source: str, claim: dict) -> OverlayError:
+    user = "%s (uid %s)" % (claim.get("user"), claim.get("uid"))
+    return OverlayError("E124", "--source %s is held by the overlay at %s (entry %s) of user %s, "
+                        "as %s says; nothing was changed: revert that one first (`overlay_setup.py "
+                        "--state %s revert`, as %s)"
+                        % (source, claim.get("state"), claim.get("entry"), user,
+                           claim_path(source), shell_quote(str(claim.get("state"))),
+                           claim.get("user")))
+
+
+def write_claim(state: State, entry_id: int, source: str) -> None:
+    """Claim `source` for entry `entry_id` of `state`: made whole under a
+    temporary name, then linked into place, which fails where another run
+    claimed it first."""
+    claim = {"state": state.root, "entry": entry_id, "uid": os.geteuid(), "host": host_name(),
+             "user": user_name()}
+    path = claim_path(source)
+    tmp = temp_beside(path, "claim")
+    mutation_point()
+    remove_file(tmp)
+    put_file(tmp, {"mode": 0o644}, data=(json.dumps(claim, sort_keys=True) + "\n").encode())
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            holder = claim_holder(source, state)
+            if holder is not None:
+                raise held_by(source, holder)
+            os.replace(tmp, path)  # ours already, or one its overlay left behind
+    finally:
+        remove_file(tmp)
+    fsync_dir(os.path.dirname(path))
+
+
+def drop_claim(state: State, source: str) -> None:
+    """Remove this state's claim on `source` (another's stays)."""
+    remove_file(temp_beside(claim_path(source), "claim"))
+    if (read_claim(source) or {}).get("state") == state.root:
+        remove_file(claim_path(source))
+
+
+def user_name() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return "uid %d" % os.geteuid()
+
+
 @contextlib.contextmanager
 def claims_locked():
     """Held from the claim check until the entry that claims the paths is
@@ -3084,6 +3184,10 @@ class NativePlan:
 
     def check_claims(self) -> None:
         check_claims(self.state, self.sources, self.artifacts, self.caches)
+        for source in self.sources:
+            holder = claim_holder(source, self.state)
+            if holder is not None:
+                raise held_by(source, holder)
 
     def check(self, journal: dict) -> None:
         """Refuse what the journal or the paths rule out, before anything changes."""
@@ -3652,6 +3756,12 @@ class NativeEntry:
             fsync_dir(backup_dir)
             state.save(journal)
 
+        try:
+            for record in entry["sources"]:
+                write_claim(state, entry_id, record["path"])
+        except OverlayError:  # claimed by another run since the check
+            cls(state, journal, entry).revert()
+            raise
         for cache in entry["caches"]:
             if not cache["present"]:
                 continue
@@ -3974,8 +4084,11 @@ class NativeEntry:
             products = [product for product in products if product["created"]
                         or product["kind"] == "d"
                         or build_product(product["path"], build_trees(self.build_record))]
+        held = self.held_by_others([record["path"] for record in self.files]
+                                   + [product["path"] for product in products])
+        products = [product for product in products if product["path"] not in held]
         failures = []
-        keep = set(kept)
+        keep = set(kept) | set(held)
         for record in self.files:
             if record["path"] in keep or record.get("in_cache"):
                 continue  # in a cache: it comes back whole with it below
@@ -3993,6 +4106,8 @@ class NativeEntry:
             raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
                                "is left: fix the cause and run `%s revert` again"
                                % (", ".join(failures), tool_at(state)))
+        for record in self.sources:
+            drop_claim(state, record["path"])
         remove_products(products, aside)
         self.remove_jit_leftovers()
         kept += restore_build_dir_links(state, self.record, force)
@@ -4012,6 +4127,19 @@ class NativeEntry:
                 record["seen"] = seen(record["path"])
             state.save(journal)
         return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
+
+    def held_by_others(self, paths: List[str]) -> Dict[str, dict]:
+        """The paths that another applied overlay holds (its source, which
+        this entry's build saw change): a revert never writes over them."""
+        held = {}
+        for path in paths:
+            if os.path.lexists(claim_path(path)):
+                holder = claim_holder(path, self.state)
+                if holder is not None:
+                    held[path] = holder
+                    print("entry %d: left %s as it is: the overlay at %s holds it"
+                          % (self.id, path, holder.get("state")), file=sys.stderr)
+        return held
 
     def restore_cache(self, cache: dict) -> None:
         backup = self.state.state_path(cache["backup"])
