@@ -909,6 +909,7 @@ GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
 CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
+LINKED_SUFFIXES = (".o", ".obj", ".a")  # what a link takes in whole (a shared library it only names)
 OPTION_FILE_DEPTH = 8  # options files named by options files that the reader follows
 OPTION_FILE_WORD_RE = re.compile(r'(?:"[^"]*"|[^\s"])+')
 
@@ -988,13 +989,16 @@ class CompilerCall:
     """
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
-                 "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs")
+                 "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs",
+                 "objects", "opaque")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
         self.line = line
         self.outputs = []
         self.inputs = []  # the files it compiles, joined to its directory as the outputs are
+        self.objects = []  # the object files and archives it links, joined the same way
+        self.opaque = False  # whether a word it is given cannot be told (which files it links)
         self.probes = 0
         self.sass, self.ptx, self.hip, self.march, self.mcpu = [], [], [], [], []
         self.open_targets = []
@@ -1010,6 +1014,40 @@ class CompilerCall:
         cpu = self.march[-1:] or self.mcpu[-1:]
         targets = {"cuda": self.sass, "hip": self.hip, "cpu": cpu}
         return targets.get(platform, self.sass + self.hip + cpu)
+
+
+def linked_calls(calls, library=None):
+    """The calls whose code reaches the library: the last call that writes
+    `library` (else the last with an output), and for each object file or
+    archive it links the call that wrote it, and so on.  The targets of a
+    link of objects alone are those of its objects (nvcc's own flags there
+    build only its device-link stub).  Every call, where the link has a word
+    the checker cannot tell or links a file no call is seen writing (an
+    archive ar made), or a call builds targets into a file it names itself
+    (-c without -o): then which calls reach the library cannot be told."""
+    writing = [c for c in calls if c.outputs]
+    if any(c.inputs and not c.outputs and c.targets(None) for c in calls):
+        return list(calls)  # an object named by the compiler (-c, -odir): where it went is not told
+    if library is not None:
+        writing = [c for c in writing if library in map(posixpath.normpath, c.outputs)] or writing
+    if not writing:
+        return list(calls)
+    # A write the script may not make (a branch the reader cannot decide) may be the library's.
+    linked, todo = [], [writing[-1]] + [c for c in writing[:-1] if c.condition]
+    while todo:
+        link = todo.pop()
+        linked.append(link)
+        if link.opaque:
+            return list(calls)
+        for path in map(posixpath.normpath, link.objects):
+            makers = [c for c in calls[:calls.index(link)] if any(
+                fnmatch.fnmatchcase(posixpath.normpath(o), path) for o in c.outputs)]
+            if not any(c in path for c in "*?["):
+                makers = makers[-1:]  # a file written again is what the last call wrote
+            if not makers:
+                return list(calls)
+            todo.extend(c for c in makers if c not in linked and c not in todo)
+    return [c for c in calls if c in linked and (c.inputs or not c.objects)]
 
 
 def might_hold_targets(word):
@@ -1088,11 +1126,17 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
                 kind, value = ("define" if arg[1] == "D" else "output"), arg[2:]
             elif not known(arg) and might_hold_targets(arg):
                 call.unknown.append(show_word(arg))
+                call.opaque = True
                 continue
             else:
-                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
+                joined = arg if cwd is None or arg.startswith(("/", OUT_DIR, RUNTIME)) else cwd + "/" + arg
+                if not known(arg):
+                    call.opaque = True
+                elif arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
                         "-include"]:
-                    call.inputs.append(arg if cwd is None or arg.startswith("/") else cwd + "/" + arg)
+                    call.inputs.append(joined)
+                elif arg[:1] != "-" and arg.endswith(LINKED_SUFFIXES):
+                    call.objects.append(joined)
                 continue
         elif not equals:
             if kind in ("march", "mcpu"):
@@ -1261,6 +1305,10 @@ class ScriptFacts:
                           for c in calls for o in c.outputs if o.startswith(prefix)]
         self.placements = placements
 
+    def library(self, output):
+        """The path of build.output as the calls' outputs spell it."""
+        return self.out_dir + "/" + posixpath.normpath(output) if isinstance(output, str) else None
+
     def landing(self):
         """(the files surely in <output-dir> when the script ends, {file or
         None: why it may or may not be there})."""
@@ -1376,7 +1424,7 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
     # reader cannot tell of, at the first place it cannot tell.
     writes = [call.line for call in facts.calls if call.outputs][-1:]
     unsure = []
-    for call in facts.calls:
+    for call in linked_calls(facts.calls, facts.library(backend.output)):
         for arch in call.targets(platform):
             if call.condition:
                 maybe.add(arch)
@@ -5983,7 +6031,7 @@ def traced_facts(trace):
                        placements=left), calls
 
 
-def traced_build(trace, calls, platform):
+def traced_build(trace, calls, platform, library=None):
     """What a traced run did, as the report shows it: the command, each
     compiler call (words, directory, wrapper, outputs, targets), the library
     (the last output: "output" as shown, "landed" relative to <output-dir> or
@@ -5991,6 +6039,7 @@ def traced_build(trace, calls, platform):
     compilers run by a path the shims do not intercept, and the files left
     in <output-dir>."""
     shown, output, targets, ptx, defines = [], None, [], [], []
+    linked = linked_calls([c for c in calls if c is not None], library)
     for recorded, call in zip(trace.calls, calls):
         words = [trace.show(w) for w in recorded.words]
         entry = {"words": words, "cwd": trace.show(recorded.cwd), "via": recorded.via,
@@ -6000,8 +6049,9 @@ def traced_build(trace, calls, platform):
                          targets=list(call.targets(platform)), ptx=list(call.ptx),
                          probe=not call.outputs)
             output = entry["outputs"][-1] if call.outputs else output
-            targets += [t for t in entry["targets"] if t not in targets]
-            ptx += [t for t in call.ptx if t not in ptx]
+            if call in linked:
+                targets += [t for t in entry["targets"] if t not in targets]
+                ptx += [t for t in call.ptx if t not in ptx]
         for index, word in enumerate(words[1:], 1):
             define = word if word.startswith("-D") and word != "-D" else (
                 "-D" + words[index + 1] if word == "-D" and index + 1 < len(words) else None)
@@ -6036,7 +6086,7 @@ def trace_backend(repo, run, backend, args, stream, session):
     for target in (None, arch) if arch is not None else (None,):
         trace = trace_script(session, backend, target, args.timeout, stream)
         facts, calls = traced_facts(trace)
-        built = traced_build(trace, calls, platform)
+        built = traced_build(trace, calls, platform, facts.library(backend.output))
         runs.append(built)
         said = "running %s shows: " % " ".join([script, "<output-dir>"] + (
             [target] if target is not None else []))

@@ -3983,6 +3983,25 @@ class NvccModelTest(TreeTest):
         real, traced, found = self.built_and_traced()
         self.assertEqual((real, sorted(traced), found), (["80", "90"], ["80", "90"], []))
 
+    def test_objects_the_link_does_not_take_are_no_targets(self):
+        # The link's own -arch builds only its device-link stub; other.o never reaches the library.
+        self.script('echo "__global__ void other() {}" > "$out/other.cu"\n'
+                    'nvcc -c -gencode arch=compute_90,code=sm_90 "$out/other.cu" -o "$out/other.o"\n'
+                    'nvcc -c -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_80,code=sm_80 '
+                    'tiny.cu -o "$out/tiny.o"\n'
+                    'nvcc -shared -arch=sm_89 "$out/tiny.o" -o "$out/libgputiny.so"\n')
+        real, traced, found = self.built_and_traced()
+        self.assertEqual((real, traced, found), (["80"], ["80"], []))
+        self.assertClean()
+
+    def test_a_link_of_an_archive_no_call_wrote_cannot_be_told_apart(self):
+        self.script('nvcc -c -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 tiny.cu -o "$out/t.o"\n'
+                    'nvcc -c -gencode arch=compute_90,code=sm_90 tiny.cu -o "$out/u.o"\n'
+                    'ar rcs "$out/libt.a" "$out/t.o"\n'
+                    'nvcc -shared "$out/libt.a" -o "$out/libgputiny.so"\n')
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        self.assertEqual(json.loads(out)["results"][0]["runs"][0]["targets"], ["80", "90"])
+
     def test_a_missing_options_file_fails_as_nvcc_fails(self):
         self.script(self.LIBRARY % "--options-file=nowhere.txt")
         rc, out, err = run_main(["--repo-root", self.root, "trace"])
