@@ -5873,7 +5873,7 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
                      help="keep files the build made that no --artifact/--invalidate-cache covers")
     sub.add_argument("--all", action="store_true",
                      help="revert every applied overlay of this user (from the registry)")
-    sub = command("gc-stale", "revert overlays whose owner is gone")
+    sub = command("gc-stale", "revert what a killed run left halfway, and overlays whose owner is gone")
     sub.add_argument("--root", metavar="DIR", help="where to look (default: the current directory)")
     sub.add_argument("--dry-run", action="store_true", help="only report what would be reverted")
     return parser

@@ -15,6 +15,7 @@ import os
 import posixpath
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -6121,6 +6122,186 @@ class RepositoryTest(unittest.TestCase):
                           "k.backend.json manifest",
                           proc.stdout)
 
+
+
+DOCUMENTS = ("README.md", "docs/check_contract.md", "docs/overlay_setup.md", "backends/README.md")
+TOOL_MODULES = {"check_contract": check_contract, "overlay_setup": overlay_setup}
+
+
+def tool_argv(tail):
+    """The arguments of a command line shown after the tool's name, up to
+    the first shell operator (`&&`, `;`, `|`, `>`, `)`), comment, or run of
+    spaces before a description."""
+    lexer = shlex.shlex(re.split(r"  +#?", tail)[0], posix=True, punctuation_chars="();|&>")
+    lexer.whitespace_split = True
+    argv = []
+    try:
+        for token in lexer:
+            if token and all(c in lexer.punctuation_chars for c in token):
+                break
+            argv.append(token)
+    except ValueError:  # a quote closed after the operator the command ends at
+        pass
+    return argv
+
+
+def documented_commands():
+    """[(where, tool module, argv)]: every command line of the two tools that
+    the documents show outside their ```sh blocks (which tests run as
+    written) and outside the synopses: code spans, indented lines, with
+    backslash continuations joined, and the examples of every --help."""
+    texts = []
+    for document in DOCUMENTS:
+        with open(os.path.join(HERE, document), encoding="utf-8") as handle:
+            texts.append((document, re.sub(r"```sh\n.*?```", "", handle.read(), flags=re.S)))
+    for name, tool in TOOL_MODULES.items():
+        for command, parser in [(None, tool.build_parser())] + sorted(subcommands(tool.build_parser()).items()):
+            texts.append(("%s.py %s--help" % (name, command + " " if command else ""), parser.format_help()))
+    found = []
+    for where, text in texts:
+        for line in re.sub(r" *\\\n\s*", " ", text).splitlines():
+            if "[--" in line:  # a synopsis line: [--option] forms, not a command
+                continue
+            for m in re.finditer(r"(?<![\w./-])(check_contract|overlay_setup)\.py( [^`\n]*)?", line):
+                tool = TOOL_MODULES[m.group(1)]
+                argv = tool_argv(m.group(2) or "")
+                commands = subcommands(tool.build_parser())
+                words = [w for w in argv if not w.startswith("-")]
+                if argv and (argv[0].startswith("-") or argv[0] in commands) and \
+                        (not words or words[0] in commands or tool is check_contract or "--state" in argv):
+                    found.append((where, tool, argv))
+    return found
+
+
+class DocumentedCommandsTest(unittest.TestCase):
+    """Every command the README, the references and the --help examples
+    show is one the tools read: the ```sh blocks run as written (RepositoryTest,
+    OverlayDocsTest), the rest are read by the tool's own parser, and those
+    that name nothing to fill in run here."""
+
+    def test_every_shell_block_is_in_a_document_whose_blocks_run(self):
+        with_blocks = [d for d in DOCUMENTS + ("bench/README.md",) if shown_shell(d)[0]]
+        self.assertEqual(with_blocks, ["README.md", "docs/check_contract.md", "docs/overlay_setup.md"])
+
+    def test_every_documented_command_line_is_read_by_the_tool(self):
+        commands = documented_commands()
+        self.assertGreater(len(commands), 40)
+        self.assertGreaterEqual(len({where for where, _, _ in commands}), 20)
+        for where, tool, argv in commands:
+            with self.subTest(where=where, argv=argv):
+                if tool is check_contract:
+                    argv, command = check_contract.with_default_command(argv)
+                    parser = check_contract.build_parser(command)
+                else:
+                    if "trial" in argv and "--" in argv:
+                        argv = argv[:argv.index("--")]
+                    parser = overlay_setup.build_parser()
+                if "--help" in argv or "--version" in argv:
+                    continue
+                try:
+                    parser.parse_args([word.replace("$$", str(os.getpid())) for word in argv])
+                except (check_contract.CommandLineError, overlay_setup.CommandLineError) as exc:
+                    self.fail("%s: %s" % (" ".join(argv), exc))
+
+    def test_a_stale_option_in_a_document_is_found(self):
+        # so that the test above can fail: status takes no --root
+        self.assertEqual(tool_argv(' status --root "$PWD" | tail -n 1  # what it prints'),
+                         ["status", "--root", "$PWD"])
+        with self.assertRaises(overlay_setup.CommandLineError):
+            overlay_setup.build_parser().parse_args(["status", "--root", "."])
+
+    @unittest.skipUnless(shutil.which("git"), "the documented commands run in a git clone")
+    def test_the_documented_commands_with_nothing_to_fill_in_run(self):
+        # build, test and parity compile or run every backend: the
+        # walkthrough and the reference run them on one backend each.
+        runnable = sorted({(tool.__name__, tuple(argv)) for _, tool, argv in documented_commands()
+                           if not re.search(r"[<$]|\b[A-Z]{3,}\b|/opt/|/tmp/|/work\b|\.diff$", " ".join(argv))
+                           and not {"build", "test", "parity", "init"} & set(argv)
+                           and all(os.path.exists(os.path.join(HERE, word)) for word in argv
+                                   if re.search(r"\.\w+$", word) and not word.startswith("-"))})
+        self.assertGreaterEqual(len(runnable), 8, runnable)
+        with tempfile.TemporaryDirectory() as clone, tempfile.TemporaryDirectory() as home:
+            copy_of_repository(clone)
+            for name, argv in runnable:
+                with self.subTest(argv=(name,) + argv):
+                    done = subprocess.run([sys.executable, os.path.join(clone, name + ".py")] + list(argv),
+                                          cwd=clone, env=terminal_env(XDG_STATE_HOME=home),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          universal_newlines=True, timeout=600)
+                    self.assertIn(done.returncode, (0, 1), done.stderr)
+                    self.assertNotIn("Traceback", done.stderr)
+
+
+def readme_says(text):
+    """Whether the README says `text` (whitespace as in a wrapped paragraph)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+        return " ".join(text.split()) in " ".join(handle.read().split())
+
+
+class DocumentedClaimsTest(TreeTest):
+    """What the README and the references claim about the tools, each tried."""
+
+    def test_the_checkers_exit_status_is_as_the_readme_gives_it(self):
+        self.assertTrue(readme_says("Exit status 0 when nothing failed (warnings alone too), 1 an error "
+                                    "(a warning, with `--strict`) or a failed run, 2 usage."))
+        manifest = demo_manifest(status="experimental")
+        manifest["min_capabilty"] = 80  # M003, a warning
+        self.tree(demo_files(manifest))
+        self.assertEqual([self.check(*args)[0] for args in ([], ["--strict"], ["--no-such-flag"])], [0, 1, 2])
+        self.assertIn("[warning] M003", self.check()[1])
+        self.tree(demo_files(demo_manifest(abi_version=2)))
+        self.assertEqual(self.check()[0], 1)
+
+    def test_root_is_taken_where_the_readme_says(self):
+        sentence = ("`--root DIR` is the repository for every `check_contract.py` command; for "
+                    "`overlay_setup.py` it is what a patch's paths are relative to (`apply`, `update`, "
+                    "`trial`) or where `gc-stale` looks.")
+        self.assertTrue(readme_says(sentence))
+        overlay_commands = subcommands(overlay_setup.build_parser())
+        named = [w for w in re.findall(r"`([a-z-]+)`", sentence) if w in overlay_commands]
+        self.assertEqual(sorted(named), sorted(name for name, parser in overlay_commands.items()
+                                               if "--root DIR" in parser.format_help()))
+        for name in subcommands(check_contract.build_parser()):
+            with self.subTest(command=name):
+                args = check_contract.build_parser(name).parse_args(
+                    [name, "--root", self.root] + (["backends/x"] if name == "init" else []))
+                self.assertEqual(args.repo_root, self.root)
+
+    def test_the_layout_line_names_every_checker_command(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            listed = re.search(r"^    check_contract\.py +the contract checker \(([^)]*)\)$",
+                               handle.read(), re.M).group(1).split(", ")
+        self.assertEqual(sorted(listed), sorted(subcommands(check_contract.build_parser())))
+
+    def test_gc_stale_says_it_reverts_what_a_killed_run_left_halfway(self):
+        # What it does: test_overlay_native.CrashIsACrashTest (a run killed
+        # halfway is reverted under a live owner) and GcStaleTest.
+        usage = " ".join(overlay_setup.build_parser().format_help().split())
+        self.assertIn("gc-stale revert what a killed run left halfway, and overlays whose owner is gone",
+                      usage)
+        with open(os.path.join(HERE, "docs", "overlay_setup.md"), encoding="utf-8") as handle:
+            self.assertIn("a crash is a crash, whoever the owner is", handle.read())
+
+    @unittest.skipUnless(shutil.which("bash") and shutil.which("git"), "trace runs scripts with bash in a git tree")
+    def test_a_compiled_name_that_is_no_file_is_as_the_reference_says(self):
+        self.tree(tiny_files(build=Executable(TINY_BUILD.replace('"$here/tiny.c"',
+                                                                 '"$here/tiny.c" "$here/gone.c"'))))
+        subprocess.run(["git", "init", "-q"], cwd=self.root, check=True)
+        subprocess.run(["git", "add", "-A"], cwd=self.root, check=True)
+        rc, out, err = run_main(["--root", self.root, "trace", "--format", "json"])
+        named = [i for r in json.loads(out)["results"] for i in r["issues"] if "gone.c" in i["message"]]
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as handle:
+            reference = " ".join(handle.read().split())
+        says = "but for a name that is no file (the real compiler would fail on it): that name is not compared"
+        self.assertEqual(says in reference, named == [], (rc, named))
+
+    def test_the_walkthrough_shows_some_of_each_output_in_order(self):
+        self.assertTrue(readme_says("Lines starting with `#   ` show lines the command before them prints, "
+                                    "in order, not all of them"))
+        printed = "a\nb\nc\nd\ne\n"
+        assert_shown(self, ["a", "c", "d", "e"], printed)  # some, in order
+        with self.assertRaises(AssertionError):
+            assert_shown(self, ["a", "c", "b", "e"], printed)  # out of order
 
 
 class PreCommitHookTest(unittest.TestCase):
