@@ -55,6 +55,7 @@ Exit codes:
     2  usage error: no such repository root, no backends directory, a NAME
        that is no backend (a platform alone, such as `metal`, is none), bad flag;
        or standard output cannot be written (a full disk, a closed pipe)
+    3  the checker's own failure: the trace's isolation cannot be set up (X005)
   130  interrupted (Ctrl-C)
 A usage error is one line on stderr: `check_contract.py: error: <message>`.
 docs/check_contract.md says what each code below means and how to fix it.
@@ -117,7 +118,9 @@ Diagnostic codes (stable; never reused):
                      (warning), X002 the script changed the checkout, X003 the
                      script failed where the shims are no toolkit (warning), X004 the
                      script changed the trace's own files (its shims, their
-                     call log, <output-dir> itself); a traced run reports
+                     call log, <output-dir> itself), X005 the trace's isolation
+                     cannot be set up (the checker's failure, exit status 3);
+                     a traced run reports
                      R001/R002 when the script fails or times out, and the B
                      codes, marked "traced", when what it builds differs from
                      the manifest
@@ -376,6 +379,12 @@ class CannotTell(Exception):
 
 class UsageError(Exception):
     """A mistake on the command line; reported in one line, exit status 2."""
+
+
+class IsolationError(Exception):
+    """The trace's isolation cannot be set up where the probe said it can:
+    the checker's own failure (X005), not the script's, which did not run;
+    reported in one line, exit status 3."""
 
 
 class Repository:
@@ -5083,8 +5092,8 @@ def parity_backend(repo, run, backend, args, stream):
 # calling compilers (mkdir, make, cp) happens, inside the copy and the
 # temporary directory.  It runs from a launcher (TRACE_LAUNCHER) with an empty
 # environment; where unprivileged namespaces are allowed, in user, mount, PID
-# and network namespaces that hide the checkout, the caller's home and the
-# checker, else as the launcher's subreaped descendant.  Either way every
+# and network namespaces, in a root of its own holding only what
+# isolation_plan lists, else as the launcher's subreaped descendant.  Either way every
 # process it started is killed when it ends, and the checkout, the snapshot
 # and the shims are compared with what they were before it ran.  A compiler called by an absolute path
 # (/usr/bin/gcc) gets past the shims; bash's xtrace, switched on in every
@@ -5106,6 +5115,19 @@ TRACE_XTRACE_CAP = 64 << 20   # bytes of bash's trace read for compilers run by 
 NO_NAMESPACES_VARIABLE = "CHECK_CONTRACT_NO_NAMESPACES"
 UNSHARE_OPTIONS = ("--user", "--map-root-user", "--mount", "--pid", "--fork", "--net",
                    "--mount-proc", "--kill-child")
+# What a traced script sees in namespaces besides its own files
+# (isolation_plan): read-only, the directories programs and libraries run
+# from, the files of /etc they read, the directories on PATH; its own /tmp,
+# /dev (these devices) and /proc.
+ISOLATION_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
+ISOLATION_ETC = ("alternatives", "bash.bashrc", "group", "hosts", "inputrc", "ld.so.cache",
+                 "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "os-release", "passwd",
+                 "python3*")
+ISOLATION_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# What a traced script reaches without namespaces.
+UNISOLATED = ("the script runs as you and reaches what you can: every file you may read or write "
+              "(the checkout, your home, the host's /tmp), the network, the host's sockets and "
+              "the environment of your other processes, the checker's among them")
 
 TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
@@ -5250,26 +5272,34 @@ set -x
 
 # Started as `python -I -S -c TRACE_LAUNCHER <config>` with an empty
 # environment; it runs the traced script with the environment the config
-# gives.  In namespaces it is pid 1 of its own PID namespace: it hides the
-# checkout and the caller's home under empty read-only tmpfs mounts, makes
-# the shims read-only, and enters one more user namespace, which locks
-# those mounts (the script, root there, cannot undo them).  Without, it
-# becomes the subreaper of all the script starts.  When the script ends, or
-# on SIGTERM, it kills every process left below it.  A script that cannot
-# be started has its reason written to the config's "status" file.  The
-# config comes marshalled (the launcher is this interpreter) and the signal
-# module is _signal: importing json and signal (re, enum) would add a third
-# to the launcher's start-up, which every run of a script pays.
+# gives.  In namespaces it is pid 1 of its own PID namespace: it builds the
+# script's root from an empty tmpfs by the config's "plan" (isolation_plan),
+# pivots into it and detaches the host's, and enters one more user
+# namespace, which locks those mounts (the script, root there, cannot undo
+# them).  Without, it becomes the subreaper of all the script starts.  When
+# the script ends, or on SIGTERM, it kills every process left below it.  Why
+# the isolation cannot be set up ("isolation") or the script cannot be
+# started ("start") goes to the config's "status" file, which it opens first
+# and the script never sees.  The config comes marshalled (the launcher is
+# this interpreter) and the signal module is _signal: importing json and
+# signal (re, enum) would add a third to the launcher's start-up, which
+# every run of a script pays.
 TRACE_LAUNCHER = r"""
 import _signal as signal, ctypes, marshal, os, sys
 config = marshal.loads(bytes.fromhex(sys.argv[1]))
+status_fd = os.open(config["status"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER = 0x20000, 0x10000000, 36
+CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER, MNT_DETACH = 0x20000, 0x10000000, 36, 2
+# A user namespace may not drop a mount's nosuid, nodev, noexec or atime
+# flags: a read-only remount repeats them (statvfs's bit, mount's bit).
+KEPT_FLAGS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203,
+              "s390x": 217}
 
 
 def fail(what):
-    os.write(2, ("check_contract.py: the trace's isolation cannot be set up: %s\n" % what).encode())
+    os.write(status_fd, ("isolation\n%s" % what).encode())
     os._exit(125)
 
 
@@ -5279,8 +5309,55 @@ def call(result, what):
 
 
 def mount(source, target, fstype, flags, data=None):
+    inside = target.startswith(config["root"] + "/")
     call(libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
-                    data and data.encode()), "mount " + target)
+                    data and data.encode()), "mount " + (target[len(config["root"]):] if inside
+                                                         else target))
+
+
+def read_only(target, below=True):  # target, and with below every mount under it
+    with open("/proc/self/mountinfo", "rb") as handle:
+        points = [os.fsdecode(line.split()[4].replace(b"\\040", b" ").replace(b"\\011", b"\t")
+                              .replace(b"\\012", b"\n").replace(b"\\134", b"\\")) for line in handle]
+    for point in points:
+        if point == target or below and point.startswith(target + "/"):
+            flags, kept = MS_REMOUNT | MS_BIND | MS_RDONLY, os.statvfs(point).f_flag
+            for bit, flag in KEPT_FLAGS:
+                flags |= flag if kept & bit else 0
+            mount("none", point, None, flags)
+
+
+def build_root(root, plan):
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    later = [root]  # made read-only when all below them is in place
+    for step, path, link in plan:
+        target = root + path
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if step == "symlink":
+            os.symlink(link, target)
+            continue
+        if step in ("bind", "ro-bind") and not os.path.isdir(path):
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+        else:
+            os.makedirs(target, exist_ok=True)
+        if step in ("tmpfs", "empty"):
+            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
+                  "mode=1777" if step == "tmpfs" else "mode=0755")
+            later += [target] if step == "empty" else []
+        else:
+            mount(path, target, None, MS_BIND | MS_REC)
+            if step == "ro-bind":
+                read_only(target)
+    for target in later:
+        read_only(target, below=False)
+    os.chdir(root)
+    number = PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        fail("pivot_root: no system call number known for %s" % os.uname().machine)
+    call(libc.syscall(number, b".", b"."), "pivot_root")
+    call(libc.umount2(b".", MNT_DETACH), "umount the host's root")
+    os.chdir("/")
 
 
 def descendants():
@@ -5319,15 +5396,12 @@ def stop(signum, frame):
 
 
 if config["namespaces"]:
-    mount("none", "/", None, MS_REC | MS_PRIVATE)
-    for path in config["hidden"]:
-        mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-    for path in config["read_only"]:
-        mount(path, path, None, MS_BIND | MS_REC)
-        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
     uid, gid = os.getuid(), os.getgid()
+    try:
+        build_root(config["root"], config["plan"])
+    except OSError as exc:
+        fail("%s: %s" % (exc.filename, exc.strerror))
     call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare")
-    # Bytes, not text: the home holding the interpreter's codecs may be hidden now.
     for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
         fd = os.open("/proc/self/" + name, os.O_WRONLY)
         os.write(fd, text.encode())
@@ -5351,8 +5425,7 @@ if pid == 0:
 os.close(started)
 reason = os.read(failed, 4096)
 if reason:
-    with open(config["status"], "wb") as handle:
-        handle.write(reason)
+    os.write(status_fd, b"start\n" + reason)
 status = 0
 while True:
     try:
@@ -5587,7 +5660,8 @@ def checkout_changes(before, after):
 
 
 def namespace_problem(top):
-    """None when traced scripts can run in namespaces here, else why not."""
+    """None when traced scripts can run in namespaces here, else why not:
+    a script that does nothing is run so, in directories of its own in top."""
     import shutil
     import subprocess
     if os.environ.get(NO_NAMESPACES_VARIABLE):
@@ -5595,25 +5669,27 @@ def namespace_problem(top):
     unshare = shutil.which("unshare")
     if unshare is None:
         return "unshare is not installed"
-    hidden, locked = os.path.join(top, "hidden"), os.path.join(top, "locked")
-    os.mkdir(hidden)
-    os.mkdir(locked)
-    config = {"namespaces": True, "hidden": [hidden], "read_only": [locked], "cwd": "/",
-              "command": ["/bin/sh", "-c", "exit 0"], "env": {},
-              "status": os.path.join(top, "status")}
+    probe = os.path.join(top, "probe")
+    root, toolkit, writable = (os.path.join(probe, n) for n in ("root", "toolkit", "writable"))
+    for path in (probe, root, toolkit, writable):
+        os.mkdir(path)
+    config = {"namespaces": True, "root": root, "plan": isolation_plan(toolkit, [writable], []),
+              "cwd": writable, "command": ["/bin/sh", "-c", "exit 0"], "env": {},
+              "status": os.path.join(probe, "status")}
     try:
-        probe = subprocess.run(launcher_command(unshare, config), env={}, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
-                               check=False)
+        done = subprocess.run(launcher_command(unshare, config), env={}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
+                              check=False)
+        status, _ = read_bounded(config["status"], READ_CHUNK)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return "unshare cannot be run (%s)" % (getattr(exc, "strerror", None) or exc)
     finally:
-        os.rmdir(hidden)
-        os.rmdir(locked)
-    if probe.returncode != 0:
-        said = probe.stdout.decode("utf-8", "replace").strip().splitlines()
-        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), said[-1] if said else
-                                         "exit status %d" % probe.returncode)
+        remove_tree(probe)
+    if done.returncode != 0:
+        said = (status or b"").partition(b"\n")[2].decode("utf-8", "replace").strip() or \
+            (done.stdout.decode("utf-8", "replace").strip().splitlines() or [""])[-1] or \
+            "exit status %d" % done.returncode
+        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), said)
     return None
 
 
@@ -5636,6 +5712,63 @@ def machine_nvcc_version():
             pass
     return ("nvcc: NVIDIA (R) Cuda compiler driver\n"
             "Cuda compilation tools, release 12.8, V12.8.93")
+
+
+def isolation_plan(toolkit, writable, hidden):
+    """What a traced script sees in namespaces, as the steps that build its
+    root from an empty one (bubblewrap's way: nothing is there that no step
+    adds), in order: [(step, path, link)].  "ro-bind" binds a host path at
+    the same path read-only, "bind" writable; "symlink" makes a link;
+    "tmpfs" is a writable directory of the script's own, "empty" a
+    read-only empty one hiding what hidden names where a bound directory
+    holds it; "proc" binds the /proc of the script's PID namespace.
+    TRACE_LAUNCHER performs the steps, isolation_words() says them."""
+    def inside(path, directory):
+        return path == directory or path.startswith(directory.rstrip("/") + "/")
+    plan = []
+    for path in ISOLATION_SYSTEM:
+        if os.path.islink(path):
+            plan.append(("symlink", path, os.readlink(path)))
+        elif os.path.isdir(path):
+            plan.append(("ro-bind", path, None))
+    try:
+        etc = sorted(os.listdir("/etc"))
+    except OSError:
+        etc = []
+    plan += [("ro-bind", "/etc/" + name, None) for pattern in ISOLATION_ETC
+             for name in fnmatch.filter(etc, pattern)]
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        if os.path.isabs(directory) and os.path.realpath(directory) == directory != "/" \
+                and os.path.isdir(directory) \
+                and not any(inside(directory, p) for _, p, _ in plan) \
+                and not any(inside(directory, h) or inside(h, directory) for h in hidden):
+            plan.append(("ro-bind", directory, None))
+    plan += [("empty", h, None) for h in hidden if os.path.isdir(h) and
+             any(step == "ro-bind" and inside(h, p) for step, p, _ in plan)]
+    plan += [("tmpfs", "/tmp", None), ("empty", "/dev", None)]
+    plan += [("bind", "/dev/" + d, None) for d in ISOLATION_DEVICES if os.path.exists("/dev/" + d)]
+    plan += [("symlink", "/dev/" + name, "/proc/self/fd" + fd) for name, fd in (
+        ("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2"))]
+    plan += [("tmpfs", "/dev/shm", None), ("proc", "/proc", None), ("ro-bind", toolkit, None)]
+    return plan + [("bind", path, None) for path in writable]
+
+
+def isolation_words(plan, names):
+    """What a script isolated by plan sees, in words: each path as names
+    calls it, else as itself."""
+    def listed(*steps):
+        return [names.get(p, p) for step, p, _ in plan if step in steps and p != "/dev"
+                and not p.startswith("/dev/")]
+    devices = [p[len("/dev/"):] for step, p, _ in plan if step == "bind" and p.startswith("/dev/")]
+    return ("the script sees, read-only, %s; writable, %s; its own /tmp, /dev (%s, shm) and /proc "
+            "(its own processes); nothing else (not the checkout, your home, /run or the host's "
+            "/tmp), no network and, of your environment, only %s" % (
+                ", ".join(listed("ro-bind", "symlink")), " and ".join(listed("bind")),
+                ", ".join(devices), kept_variables()))
+
+
+def kept_variables():
+    return ", ".join(TRACE_KEPT_VARIABLES[:-1]) + " and " + TRACE_KEPT_VARIABLES[-1]
 
 
 def launcher_command(unshare, config):
@@ -5668,13 +5801,14 @@ class TraceSession:
         os.mkdir(self.snapshot)
         copy_repository(repo.root, self.snapshot)
         self.snapshot_state = tree_state(self.snapshot)
+        self.root_dir = os.path.join(self.top, "root")  # where the launcher builds the script's /
+        os.mkdir(self.root_dir)
+        self.status = os.path.join(self.top, "status")
+        # A home that does not exist, or that nothing bound holds, has nothing to hide.
         home = os.path.realpath(os.path.expanduser("~"))
-        self.hidden = [os.path.realpath(repo.root), self.snapshot] + ([home] if home != "/" else [])
-        holding = [h for h in self.hidden[:1] + self.hidden[2:]
-                   if self.top.startswith(h.rstrip("/") + "/") or h == "/"]
-        self.problem = ("the temporary directory is inside %s; set TMPDIR elsewhere" % (
-            "the repository" if holding[0] == self.hidden[0] else "your home")
-            if holding else namespace_problem(self.top))
+        self.plan = isolation_plan(self.toolkit, [self.copy, self.run_dir], [
+            os.path.realpath(repo.root), self.top] + ([home] if home != "/" else []))
+        self.problem = namespace_problem(self.top)
         self.unshare = shutil.which("unshare") if self.problem is None else None
         # Compared after each run where the script can reach it: without namespaces.
         self.checkout = tree_state(repo.root) if self.unshare is None else None
@@ -5683,11 +5817,12 @@ class TraceSession:
     def describe(self):
         """One line: how the scripts are isolated."""
         if self.problem is None:
-            return ("namespaces: the script sees neither the checkout, nor your home, nor the "
-                    "checker's processes, and has no network")
-        return ("launcher only, no namespaces (%s): the script starts with an empty environment, "
-                "every process it started is killed when it ends, and the checkout is compared "
-                "with what it was" % self.problem)
+            return "namespaces: " + isolation_words(self.plan, {
+                self.toolkit: "<toolkit>", self.copy: "the repository's copy",
+                self.run_dir: "the directory of <output-dir> (with the run's HOME and TMPDIR)"})
+        return ("launcher only, no namespaces (%s): %s; of your environment it starts with only "
+                "%s, every process it started is killed when it ends, and the checkout is "
+                "compared with what it was" % (self.problem, UNISOLATED, kept_variables()))
 
     def close(self):
         if self.shims is not None:
@@ -5952,8 +6087,8 @@ def trace_script(session, backend, arch, timeout, stream):
     copy_state), and return the Trace of that run."""
     import shutil
     top, copy = session.run_dir, session.copy
-    out, home, tmp, log, xtrace, status = (os.path.join(top, n) for n in (
-        "out", "home", "tmp", "calls", "xtrace", "status"))
+    out, home, tmp, log, xtrace = (os.path.join(top, n) for n in (
+        "out", "home", "tmp", "calls", "xtrace"))
     try:
         os.mkdir(top)
         for path in (home, tmp, log):
@@ -5974,16 +6109,20 @@ def trace_script(session, backend, arch, timeout, stream):
         script = backend.rel(backend.build_script)
         command = [os.path.join(copy, script), out] + ([arch] if arch is not None else [])
         places = [(out, "<output-dir>"), (shims.toolkit, "<toolkit>"), (copy, "."),
-                  (home, "~"), (tmp, "$TMPDIR"), (session.top, "<tmp>")]
+                  (home, "~"), (tmp, "$TMPDIR"), (top, "<output-dir>/.."),
+                  (session.top, "<output-dir>/../..")]
         shown = " ".join(["./" + script, "<output-dir>"] + command[2:])
         stream.write("==> trace %s: %s\n" % (backend.key, shown))
         stream.flush()
-        config = {"namespaces": session.unshare is not None, "hidden": session.hidden,
-                  "read_only": [shims.toolkit], "cwd": copy, "command": command, "env": env,
-                  "status": status}
+        config = {"namespaces": session.unshare is not None, "root": session.root_dir,
+                  "plan": session.plan, "cwd": copy, "command": command, "env": env,
+                  "status": session.status}
         child = run_streaming(launcher_command(session.unshare, config), copy, timeout, stream,
                               env={}, show=lambda line: show_places(places, line))
-        reason, _ = read_bounded(status, READ_CHUNK)
+        reason, _ = read_bounded(session.status, READ_CHUNK)
+        kind, _, reason = (reason or b"").partition(b"\n")
+        if kind == b"isolation":
+            raise IsolationError(show_places(places, reason.decode("utf-8", "replace")))
         if reason and child.error is None:
             child.error = reason.decode("utf-8", "replace")
         written, binaries, out_problem = written_files(out)
@@ -6014,6 +6153,7 @@ def trace_script(session, backend, arch, timeout, stream):
         return trace
     finally:
         remove_tree(top)
+        remove_tree(session.status)
 
 
 def traced_facts(trace):
@@ -6870,10 +7010,12 @@ def add_trace_parser(sub, common, formatter):
         "check the manifest against them with the codes of the contract check. No toolchain "
         "is needed. The script itself runs (with bash, in an environment holding only PATH, "
         "the locale, HOME and TMPDIR in the temporary directory, and the compiler variables), "
-        "where the machine allows it in namespaces that hide the checkout, your home and the "
-        "checker, with no network; else (or with CHECK_CONTRACT_NO_NAMESPACES=1) from a "
-        "launcher that kills all it started, the checkout compared with what it was before "
-        "(a change is X002). The isolation used is the report's last line but one.",
+        "where the machine allows it in namespaces, in a root of its own where only the "
+        "system's directories are read-only and only the repository's copy and <output-dir> "
+        "writable, with no network; else (or with CHECK_CONTRACT_NO_NAMESPACES=1) as you, "
+        "from a launcher that kills all it started, the checkout compared with what it was "
+        "before (a change is X002). The isolation used, and so what the script can reach, is "
+        "the report's last line but one; exit status 3 (X005) when it cannot be set up.",
         epilog="examples:\n"
         "  python3 check_contract.py trace\n"
         "  python3 check_contract.py trace cuda/llm_ops --arch 89\n"
@@ -6989,6 +7131,12 @@ def main(argv=None):
     except CannotTell as exc:
         sys.stderr.write("check_contract.py: error: %s\n" % escape_control(str(exc)))
         return 1
+    except IsolationError as exc:
+        sys.stderr.write("check_contract.py: error: X005 the trace's isolation cannot be set up "
+                         "(%s); the build script was not run: this is the checker's failure, not "
+                         "the script's; %s=1 traces without namespaces\n"
+                         % (escape_control(str(exc)), NO_NAMESPACES_VARIABLE))
+        return 3
     except ReportError as exc:
         discard_output(stdout)
         try:

@@ -9,6 +9,8 @@ import argparse
 import ast
 import contextlib
 import copy
+import fnmatch
+import glob
 import io
 import json
 import os
@@ -18,6 +20,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -147,9 +150,16 @@ def run_main(argv, env=None):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    # Every path a command shows is the repository's, <output-dir> or <toolkit>.
-    assert "check-contract-trace-" not in out.getvalue() + err.getvalue(), out.getvalue() + err.getvalue()
+    assert_no_temporary_path(out.getvalue() + err.getvalue())
     return rc, out.getvalue(), err.getvalue()
+
+
+def assert_no_temporary_path(text):
+    """Every path the checker shows is one the user can find: the
+    repository's, <output-dir>, <toolkit>, never one in the trace's own
+    temporary directory, which is gone when the command ends."""
+    for word in ("check-contract-trace-", "<tmp>"):
+        assert word not in text, "a temporary path (%s) in: %s" % (word, text)
 
 
 def terminal_env(**extra):
@@ -4627,16 +4637,160 @@ class TraceIsolationTest(TreeTest):
         line = [l for l in out.splitlines() if l.startswith("isolation: ")]
         self.assertEqual(len(line), 1, out)
         if self.NAMESPACES:
-            self.assertEqual(line[0], "isolation: namespaces: the script sees neither the "
-                             "checkout, nor your home, nor the checker's processes, and has no "
-                             "network")
+            seen = re.match(r"isolation: namespaces: the script sees, read-only, (.*); writable, "
+                            r"the repository's copy and the directory of <output-dir> \(with the "
+                            r"run's HOME and TMPDIR\); its own /tmp, /dev \(null, zero, full, "
+                            r"random, urandom(?:, tty)?, shm\) and /proc \(its own processes\); "
+                            r"nothing else \(not the checkout, your home, /run or the host's "
+                            r"/tmp\), no network and, of your environment, only PATH, LANG, "
+                            r"LC_ALL, LC_CTYPE, TERM, USER and LOGNAME\Z", line[0])
+            self.assertIsNotNone(seen, line[0])
+            *read_only, toolkit = seen.group(1).split(", ")
+            self.assertEqual((read_only[0], toolkit), ("/usr", "<toolkit>"))
+            for path in read_only:  # a system directory, a file of /etc, a directory on PATH
+                self.assertTrue(path in check_contract.ISOLATION_SYSTEM or any(
+                    fnmatch.fnmatch(path, "/etc/" + p) for p in check_contract.ISOLATION_ETC)
+                    or path in os.environ["PATH"].split(os.pathsep), path)
         else:
             self.assertEqual(line[0], "isolation: launcher only, no namespaces "
-                             "(CHECK_CONTRACT_NO_NAMESPACES is set): the script starts with an "
-                             "empty environment, every process it started is killed when it "
-                             "ends, and the checkout is compared with what it was")
+                             "(CHECK_CONTRACT_NO_NAMESPACES is set): the script runs as you and "
+                             "reaches what you can: every file you may read or write (the "
+                             "checkout, your home, the host's /tmp), the network, the host's "
+                             "sockets and the environment of your other processes, the checker's "
+                             "among them; of your environment it starts with only PATH, LANG, "
+                             "LC_ALL, LC_CTYPE, TERM, USER and LOGNAME, every process it started "
+                             "is killed when it ends, and the checkout is compared with what it "
+                             "was")
         rc, report, err = self.trace()
         self.assertEqual(report["isolation"], line[0][len("isolation: "):])
+
+    def tried(self, attempts, env=None):
+        """Trace a backend whose script tries each shell command of attempts
+        ({name: command}) as each user of users(); {user: the names of the
+        commands that succeeded}, every run passed."""
+        lines = "".join("if { %s; } >/dev/null 2>&1; then echo 'reached: %s'; fi\n" % (command, name)
+                        for name, command in sorted(attempts.items()))
+        self.backend(lines)
+        os.chmod(self.root, 0o755)  # nobody reads the repository too
+        found = {}
+        for user, command, user_env in self.users():
+            with self.subTest(user=user):
+                done = subprocess.run(command + [CHECKER, "--root", self.root, "trace"],
+                                      env=dict(user_env, **dict(self.ENV, **(env or {}))),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      universal_newlines=True, timeout=120)
+                assert_no_temporary_path(done.stdout)
+                isolation = [l for l in done.stdout.splitlines() if l.startswith("isolation: ")]
+                if self.NAMESPACES and isolation and "no namespaces" in isolation[0]:
+                    self.skipTest("%s cannot have namespaces here: %s" % (user, isolation[0]))
+                self.assertEqual(done.returncode, 0, done.stdout)
+                found[user] = sorted(set(re.findall(r"reached: (\S+)$", done.stdout, re.M)))
+        return found
+
+    def users(self):
+        """Who the promises are tried as, (name, the command that runs the
+        checker's file, its environment): the tests' user; where that is root,
+        nobody too, by setpriv, with nobody's home (/nonexistent)."""
+        path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        yield "the tests' user", [sys.executable], {"PATH": os.environ["PATH"],
+                                                    "HOME": os.path.expanduser("~")}
+        if os.geteuid() != 0:
+            return  # the tests' user is unprivileged already
+        python = shutil.which("python3", path=path)
+        if shutil.which("setpriv") is None or python is None:
+            raise unittest.SkipTest("the tests run as root, and there is no setpriv and python3 "
+                                    "in %s to run the checker as nobody" % path)
+        yield "nobody", ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python], {
+            "PATH": path, "HOME": "/nonexistent"}
+
+    def test_nothing_the_script_writes_outside_the_copy_survives_in_namespaces(self):
+        # A file of its own for each run ($$): nobody cannot replace root's.
+        places = {"beside": os.path.join(os.path.dirname(self.root), "check-contract-beside-%d"),
+                  "tmp": os.path.join(tempfile.gettempdir(), "check-contract-escaped-%d")}
+        if self.NAMESPACES:  # without, a root script could write the tests' checkout and /usr
+            places.update(here=os.path.join(HERE, "check-contract-escaped-%d"),
+                          usr="/usr/check-contract-escaped-%d")
+        places = {name: path % os.getpid() for name, path in places.items()}
+
+        def survived():
+            return sorted(name for name, path in places.items() if glob.glob(path + "-*"))
+        self.addCleanup(lambda: [os.unlink(f) for p in places.values() for f in glob.glob(p + "-*")])
+        found = self.tried({name: 'echo x > "%s-$$"' % path for name, path in places.items()})
+        if self.NAMESPACES:
+            self.assertEqual(survived(), [])
+        else:  # what the isolation line says: it can write what its user can
+            self.assertEqual(survived(), ["beside", "tmp"])
+            self.assertEqual(found, {u: ["beside", "tmp"] for u in found})
+
+    def test_host_sockets_cannot_be_reached_in_namespaces(self):
+        host = tempfile.mkdtemp(prefix="check-contract-host-")
+        self.addCleanup(shutil.rmtree, host, True)
+        os.chmod(host, 0o777)
+        listening = []
+        for name, address in (("path", os.path.join(host, "daemon.sock")),
+                              ("abstract", "\0check-contract-%d" % os.getpid())):
+            server = socket.socket(socket.AF_UNIX)
+            self.addCleanup(server.close)
+            server.bind(address)
+            if name == "path":
+                os.chmod(address, 0o777)
+            server.listen(8)
+            server.setblocking(False)
+            listening.append((name, server))
+        connect = ("python3 -c 'import socket, sys; s = socket.socket(socket.AF_UNIX); "
+                   "s.connect(sys.argv[1].replace(\"@\", chr(0), 1)); s.sendall(b\"x\")' %s")
+        found = self.tried({"path": connect % os.path.join(host, "daemon.sock"),
+                            "abstract": connect % ("@check-contract-%d" % os.getpid())})
+        accepted = []
+        for name, server in listening:
+            while True:
+                try:
+                    server.accept()[0].close()
+                except BlockingIOError:
+                    break
+                accepted.append(name)
+        runs = 2 * len(found)  # the default and the single-target run, as each user
+        if self.NAMESPACES:
+            self.assertEqual((accepted, found), ([], {u: [] for u in found}))
+        else:  # what the isolation line says: it reaches the host's sockets
+            self.assertEqual(sorted(accepted), ["abstract"] * runs + ["path"] * runs)
+
+    def test_the_caller_and_the_host_are_not_visible_in_namespaces(self):
+        attempts = {"run": "ls /run", "var-run": "ls /var/run", "home": "ls %s" % os.path.expanduser("~"),
+                    "checkout": "ls %s" % self.root, "proc": "kill -0 %d" % os.getpid()}
+        found = self.tried(attempts)
+        for user, reached in found.items():
+            if self.NAMESPACES:
+                self.assertEqual(reached, [], user)
+            else:
+                self.assertIn("run", reached, user)
+
+    def test_the_scripts_environment_holds_nothing_of_the_callers(self):
+        found = self.tried({"secret": 'env | grep -q CHECK_CONTRACT_SECRET',
+                            "home": '[ "$HOME" = %s ]' % os.path.expanduser("~")},
+                           env={"CHECK_CONTRACT_SECRET": "token"})
+        self.assertEqual(found, {u: [] for u in found})
+
+    def test_a_home_that_does_not_exist_is_not_shown(self):
+        self.backend("")
+        rc, report, err = run_main(["--repo-root", self.root, "trace", "--format", "json"],
+                                   env=dict(self.ENV, HOME="/nonexistent"))
+        self.assertEqual((rc, self.outcomes(json.loads(report))), (0, {"cuda/k": ("passed", [])}),
+                         err)
+
+    def test_the_threat_model_says_what_the_isolation_line_says(self):
+        with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as f:
+            text = f.read()
+        model = " ".join(text[text.index("### Threat model"):text.index("| Option |", text.index(
+            "### Threat model"))].replace("`", "").split())
+        for name in (check_contract.ISOLATION_SYSTEM + check_contract.ISOLATION_ETC
+                     + check_contract.ISOLATION_DEVICES + check_contract.TRACE_KEPT_VARIABLES):
+            self.assertIn(name, model)
+        self.assertIn("**Without namespaces** " + check_contract.UNISOLATED + ".", model)
+        for words in ("its own /tmp, its own /dev", "only the repository's copy and the directory "
+                      "of <output-dir> (with the run's HOME and TMPDIR)",
+                      "not the checkout, your home", "/run, /var/run or the host's /tmp"):
+            self.assertIn(words, model)
 
     def test_the_script_cannot_read_the_checkers_environment(self):
         self.backend('parent=no any=no\n'
@@ -4649,6 +4803,7 @@ class TraceIsolationTest(TreeTest):
         done = subprocess.run([sys.executable, CHECKER, "--root", self.root, "trace"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               universal_newlines=True, timeout=120)
+        assert_no_temporary_path(done.stdout)
         self.assertEqual(done.returncode, 0, done.stdout)
         # Without namespaces the launcher's environment is empty, but a process of the
         # same user can still read the checker's: the threat model says so.
@@ -4683,24 +4838,34 @@ class TraceIsolationTest(TreeTest):
 
     def test_a_change_to_the_checkout_while_the_script_runs_is_its_only_where_it_can_reach_it(self):
         # Another process edits the checkout during the first run.  In namespaces the
-        # script cannot see the checkout, so the change is not the script's.
-        shared = tempfile.mkdtemp(prefix="check-contract-shared-")
-        self.addCleanup(check_contract.remove_tree, shared)
+        # script cannot see the checkout, so the change is not the script's.  The
+        # script and the test meet in the script's copy, in the checker's TMPDIR.
+        tmp = tempfile.mkdtemp(prefix="check-contract-shared-")
+        self.addCleanup(check_contract.remove_tree, tmp)
         self.tree({"notes.txt": "a\n"})
-        self.backend('touch %s/started\nwhile [ ! -e %s/go ]; do sleep 0.05; done\n'
-                     % (shared, shared))
+        self.backend('if [ $# -lt 2 ]; then\n  touch "$here/started"\n'
+                     '  while [ ! -e "$here/go" ]; do sleep 0.05; done\nfi\n')
         checker = subprocess.Popen([sys.executable, CHECKER, "--root", self.root, "trace",
-                                    "--format", "json"], env=dict(os.environ, **self.ENV),
+                                    "--format", "json"], env=dict(os.environ, TMPDIR=tmp, **self.ENV),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    universal_newlines=True)
-        go = os.path.join(shared, "go")
+        started = os.path.join(tmp, "check-contract-trace-*", "repo", "backends", "cuda", "k",
+                               "started")
+
+        def go():
+            for path in glob.glob(started):
+                open(os.path.join(os.path.dirname(path), "go"), "w").close()
         self.addCleanup(checker.kill)
-        self.addCleanup(lambda: open(go, "w").close())  # first: a script left waiting ends
-        self.assertTrue(appears(os.path.join(shared, "started")), "the script never started")
+        self.addCleanup(go)  # first: a script left waiting ends
+        deadline = time.monotonic() + 60
+        while not glob.glob(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertTrue(glob.glob(started), "the script never started")
         with open(self.path("notes.txt"), "a") as notes:
             notes.write("b\n")
-        open(go, "w").close()
+        go()
         out, err = checker.communicate(timeout=120)
+        assert_no_temporary_path(out + err)
         found = self.outcomes(json.loads(out))["cuda/k"]
         if self.NAMESPACES:
             self.assertEqual((checker.returncode, found), (0, ("passed", [])), err)
@@ -4708,6 +4873,44 @@ class TraceIsolationTest(TreeTest):
             self.assertEqual((checker.returncode, found), (1, ("failed", self.in_both_runs(
                 "X002", "the script changed the checkout: notes.txt; a build script must write "
                 "only into its <output-dir> argument and temporary files")[1:])), err)
+
+    def test_an_isolation_that_fails_after_the_probe_is_the_checkers_failure(self):
+        # A directory on PATH, bound into the script's root, is removed while the
+        # first run waits: the second run's root cannot be built.
+        if not self.NAMESPACES:
+            self.skipTest("without namespaces there is no root to build")
+        tmp = tempfile.mkdtemp(prefix="check-contract-shared-")
+        self.addCleanup(check_contract.remove_tree, tmp)
+        on_path = os.path.join(tmp, "bin")
+        os.mkdir(on_path)
+        self.backend('if [ $# -lt 2 ]; then\n  touch "$here/started"\n'
+                     '  while [ ! -e "$here/go" ]; do sleep 0.05; done\nfi\n')
+        checker = subprocess.Popen([sys.executable, CHECKER, "--root", self.root, "trace"],
+                                   env=dict(os.environ, PATH=on_path + os.pathsep + os.environ["PATH"],
+                                            TMPDIR=tmp, **self.ENV),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   universal_newlines=True)
+        started = os.path.join(tmp, "check-contract-trace-*", "repo", "backends", "cuda", "k",
+                               "started")
+
+        def go():
+            for path in glob.glob(started):
+                open(os.path.join(os.path.dirname(path), "go"), "w").close()
+        self.addCleanup(checker.kill)
+        self.addCleanup(go)
+        deadline = time.monotonic() + 60
+        while not glob.glob(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertTrue(glob.glob(started), "the script never started")
+        os.rmdir(on_path)
+        go()
+        out, err = checker.communicate(timeout=120)
+        assert_no_temporary_path(out + err)
+        self.assertEqual((checker.returncode, err), (3, (
+            "check_contract.py: error: X005 the trace's isolation cannot be set up (mount %s: No "
+            "such file or directory); the build script was not run: this is the checker's "
+            "failure, not the script's; CHECK_CONTRACT_NO_NAMESPACES=1 traces without "
+            "namespaces\n" % on_path)), out)
 
     def test_processes_the_script_sends_off_die_with_it(self):
         marker = "check-contract-orphan-%d" % os.getpid()
@@ -4738,6 +4941,7 @@ class TraceIsolationTest(TreeTest):
         done = subprocess.run([sys.executable, CHECKER, "--root", self.root, "trace", "--format",
                                "json"], env=dict(os.environ, **self.ENV), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+        assert_no_temporary_path(done.stdout + done.stderr)
         self.assertEqual(done.returncode, 1, done.stderr)
         self.assertEqual(self.outcomes(json.loads(done.stdout))["cuda/k"], ("failed", self.in_both_runs(
             "X004", "the script changed the trace's own files: the call log's 1.fifo (not a "
@@ -4801,6 +5005,7 @@ class TraceIsolationTest(TreeTest):
                                          "--format", "json"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               universal_newlines=True)
+        assert_no_temporary_path(done.stdout + done.stderr)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         self.assertNotIn("Traceback", done.stderr)
         self.assertEqual(self.outcomes(json.loads(done.stdout)),
