@@ -4936,8 +4936,9 @@ class TraceIsolationTest(TreeTest):
                 "built cannot be told"))))
 
     def test_odd_entries_in_the_call_log_neither_hang_nor_crash_the_checker(self):
-        self.backend('log=$(sed -n "s/^printf.* > \'\\([^\']*\\)\'.*/\\1/p" "$(command -v nvcc)")\n'
-                     'mkfifo "$log/1.fifo"\nmkdir "$log/2.dir"\nln -s /dev/zero "$log/3.zero"\n')
+        # The shim names its call log on its line record='<log>'/...; no log found, no run.
+        self.backend('log=$(sed -n "s/^record=\'\\([^\']*\\)\'.*/\\1/p" "$(command -v nvcc)")\n'
+                     '[ -d "$log" ] || exit 9\nmkfifo "$log/1.fifo"\nmkdir "$log/2.dir"\nln -s /dev/zero "$log/3.zero"\n')
         done = subprocess.run([sys.executable, CHECKER, "--root", self.root, "trace", "--format",
                                "json"], env=dict(os.environ, **self.ENV), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
