@@ -121,7 +121,8 @@ how to fix it):
         state directory whose journal is gone, E210 the state directory
         cannot be written, E211 update of an entry whose run stopped
         before its build finished, E212 the state home would be made in
-        another user's directory
+        another user's directory, E213 a Python overlay in a state path
+        holding ':'
   E3xx  patches
         E301 malformed, E302 hunk does not apply, E303 unsupported file
         kind, E304 path leaves --root, E305 rename, copy or binary patch
@@ -1522,6 +1523,12 @@ def _config():
         return {"enabled": False}
 
 
+def _rebind(module, rebinds):
+    for attr, replacement in sorted(rebinds.items()):
+        other, _, other_attr = replacement.partition(":")
+        setattr(module, attr, getattr(importlib.import_module(other), other_attr))
+
+
 class _RebindingLoader(importlib.abc.Loader):
     def __init__(self, loader, rebinds):
         self._loader = loader
@@ -1532,9 +1539,7 @@ class _RebindingLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        for attr, replacement in sorted(self._rebinds.items()):
-            other, _, other_attr = replacement.partition(":")
-            setattr(module, attr, getattr(importlib.import_module(other), other_attr))
+        _rebind(module, self._rebinds)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -1577,7 +1582,38 @@ def _install():
     for target, replacement in config.get("rebinds", {}).items():
         module, _, attr = target.partition(":")
         rebinds.setdefault(module, {})[attr] = replacement
-    sys.meta_path.insert(0, _OverlayFinder(config.get("modules", {}), rebinds))
+    finder = _OverlayFinder(config.get("modules", {}), rebinds)
+    sys.meta_path.insert(0, finder)
+    # A module imported before this point (json by this file, one a .pth
+    # file imports) is served anew in place: every later import gets it.
+    served = True
+    for name in sorted(set(config.get("modules", {})) | set(rebinds)):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        if name not in config.get("modules", {}):
+            try:
+                _rebind(module, rebinds[name])
+            except ImportError as exc:  # said, not hidden: the process runs unpatched
+                sys.stderr.write("overlay_setup: warning: %s was imported before the overlay "
+                                 "started and %s cannot be imported yet (%s), so it is not "
+                                 "rebound in this process\\n" % (name, exc.name, exc))
+                served = False
+            continue
+        try:
+            spec = finder.find_spec(name)
+        except ModuleNotFoundError:  # deleted by the overlay
+            del sys.modules[name]
+            continue
+        module.__spec__, module.__file__, module.__loader__ = spec, spec.origin, spec.loader
+        spec.loader.exec_module(module)
+    marker = os.environ.get("OVERLAY_LOADED")  # set by `trial` for its candidate runs
+    if marker and served:
+        try:
+            with open(marker, "a", encoding="utf-8") as handle:
+                handle.write("%d\\n" % os.getpid())
+        except OSError:
+            pass
 
 
 def _chain():
@@ -1615,6 +1651,15 @@ def write_python_overlay(state: State, journal: dict) -> None:
         durable_write(sitecustomize, SITECUSTOMIZE.encode(), 0o644)
     durable_write(os.path.join(state.site, "overlay.json"),
                   (json.dumps(config, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+
+
+def check_python_state(state: State) -> None:
+    """The overlay's site folder goes on PYTHONPATH, which splits at ':'."""
+    if os.pathsep in state.site:
+        raise OverlayError("E213", "the state directory %s holds '%s', which PYTHONPATH takes "
+                           "for a separator, so no Python process would load the overlay; "
+                           "nothing was changed: pass a --state without '%s' (or an "
+                           "XDG_STATE_HOME without it)" % (state.root, os.pathsep, os.pathsep))
 
 
 def check_module_name(name: str, what: str) -> None:
@@ -4596,6 +4641,7 @@ def unwritable_state(state: State, exc: OSError) -> OverlayError:
 def cmd_init(args: argparse.Namespace) -> int:
     owner = resolve_owner(args.owner_pid)
     state = open_state(args)
+    check_python_state(state)
     with Locked(state, "init") as journal:
         claim_owner(state, journal, owner)
         state.save(journal)
@@ -4608,6 +4654,7 @@ def cmd_add_python(args: argparse.Namespace) -> int:
     check_module_name(args.module, "MODULE")
     owner = resolve_owner(args.owner_pid)
     state = open_state(args)
+    check_python_state(state)
     content = read_input(args.file, "", "; pass a readable Python file")
     with Locked(state, "add-python") as journal:
         claim_owner(state, journal, owner)
@@ -4629,6 +4676,7 @@ def cmd_rebind(args: argparse.Namespace) -> int:
         check_module_name(module, what)
     owner = resolve_owner(args.owner_pid)
     state = open_state(args)
+    check_python_state(state)
     with Locked(state, "rebind") as journal:
         claim_owner(state, journal, owner)
         if args.target in journal["python"]["rebinds"]:
@@ -4645,6 +4693,7 @@ def cmd_rebind(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     state = open_state(args)
+    check_python_state(state)
     if not os.path.isfile(os.path.join(state.site, "sitecustomize.py")):
         raise OverlayError("E207", "no overlay at %s; run `%s init` first"
                            % (state.root, tool_at(state)))
@@ -4847,6 +4896,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print("warning: no --artifact given; verify-native will have nothing to check",
               file=sys.stderr)
     state = open_state(args)
+    if python_files:
+        check_python_state(state)
     created = [file["path"] for file in python_files if not os.path.exists(file["path"])]
     for file in python_files:
         file["chain"], file["home"], file["package"] = package_chain(file["path"], created)
@@ -5499,8 +5550,16 @@ def trial_round(args: argparse.Namespace, state: State, owner: dict, command: Li
                 return failed("apply", "%s (see above)" % exc.code)
         if not args.no_build and not verify():
             return failed("verify", "an artifact is not rebuilt (see above)")
-        if run("candidate", overlay_environment(state)):
+        python = state.load()["python"]
+        marker = os.path.join(state.root, "loaded")  # a line for each process it served
+        remove_file(marker)
+        if run("candidate", dict(overlay_environment(state), OVERLAY_LOADED=marker)):
             status = failed("candidate", "the command failed on the patched install")
+        elif (python["modules"] or python["rebinds"]) and not (
+                os.path.isfile(marker) and os.path.getsize(marker)):
+            status = failed("candidate", "no process of the candidate run loaded the Python "
+                            "overlay (python -I, -E or -S ignores its PYTHONPATH or "
+                            "sitecustomize), so the patched module was not in effect")
         elif args.no_build and not verify():
             status = failed("verify", "an artifact is not rebuilt by the candidate run (see "
                                       "above)")

@@ -2207,6 +2207,28 @@ class PythonOverlayTest(OverlayTestCase):
         self.assertOk(self.tool("revert"))
         self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "2\n")
 
+    def test_a_module_imported_before_the_overlay_starts_is_rebound_in_place(self) -> None:
+        # json: the overlay's own sitecustomize imports it before it serves anything.
+        write_tree(self.proj, {"fake_json.py": "def dumps(value):\n    return 'overlaid'\n"})
+        self.assertOk(self.tool("add-python", "json", os.path.join(self.proj, "fake_json.py")))
+        self.assertEqual(self.python("import json; print(json.dumps(1))"), "overlaid\n")
+        self.assertOk(self.tool("revert"))
+        self.assertOk(self.tool("rebind", "json:dumps", "pkg.fast:scale"))
+        self.assertEqual(self.python("import json; print(json.dumps())", self.proj), "8\n")
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(self.python("import json; print(json.dumps(1))"), "1\n")
+
+    def test_a_state_path_holding_the_path_separator_is_refused_for_python(self) -> None:
+        state = os.path.join(self.tmp, "state-2026-12-05T10:00")
+        for argv in (["init"], ["add-python", "pkg.mathops", os.path.join(self.proj, "shadow.py")],
+                     ["rebind", "pkg.mathops:scale", "pkg.fast:scale"], ["env"]):
+            self.assertEqual(call("--state", state, *argv), (
+                1, "", "overlay_setup: E213 the state directory %s holds ':', which PYTHONPATH "
+                "takes for a separator, so no Python process would load the overlay; nothing "
+                "was changed: pass a --state without ':' (or an XDG_STATE_HOME without it)\n"
+                % state))
+        self.assertFalse(os.path.exists(state))
+
     def test_bad_module_names_are_usage_errors(self) -> None:
         self.assertEqual(self.tool("add-python", "pkg-x", "shadow.py"), (
             2, "", "overlay_setup: E105 MODULE 'pkg-x' is not a dotted module name (e.g. pkg.mod)\n"))
@@ -5437,6 +5459,24 @@ class TrialTest(OverlayTestCase):
         self.assertIn('  output: differs (round 1, line 1): reference "1", candidate "2"\n',
                       done.stdout)
         self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_candidate_that_never_loads_the_python_overlay_fails_saying_so(self) -> None:
+        on_python_path(self, self.proj)
+        patch = os.path.join(self.tmp, "py.diff")
+        write_text_file(patch, "--- a/pkg/mod.py\n+++ b/pkg/mod.py\n@@ -1 +1 @@\n"
+                               "-VALUE = 1\n+VALUE = 2\n")
+        for flag in ("-I", "-E", "-S"):
+            with self.subTest(flag=flag):
+                done = self.trial("--no-build", patch=patch, native=False, command=[
+                    sys.executable, flag, "-B", "-c", "import sys; sys.path.insert(0, %r); "
+                    "import pkg.mod; print(pkg.mod.VALUE)" % self.proj],
+                    env={"PYTHONPATH": self.proj, "PYTHONDONTWRITEBYTECODE": "1"})
+                self.assertEqual(done.returncode, 13, done.stderr)
+                self.assertIn("result: candidate: no process of the candidate run loaded the "
+                              "Python overlay (python -I, -E or -S ignores its PYTHONPATH or "
+                              "sitecustomize), so the patched module was not in effect (exit "
+                              "status 13)\n", done.stdout)
+                self.assertEqual(tree_state(self.proj), self.before)
 
     def test_a_state_with_something_applied_is_refused_naming_it(self) -> None:
         fast = os.path.join(self.tmp, "fast.c")
