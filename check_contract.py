@@ -2101,10 +2101,13 @@ class ScriptReader:
         except ShellSyntax:
             self.unfollow(line, "the command of trap ... EXIT")
             return
+        self.subshells += 1  # bash keeps the status it exits with when the trap stops (set -u)
         try:
             self.run_list(tree)
         except (ScriptExit, FunctionReturn, LoopBreak, LoopContinue):
             pass
+        finally:
+            self.subshells -= 1
 
     def die(self, line, why):
         """The script stops here with a failure: recorded when the default

@@ -1477,8 +1477,9 @@ class CompiledSourcesTest(TreeTest):
 
 
 BASH_STUB = r"""#!/bin/sh
-# A compiler that records its argv and writes the file -o names, nothing else.
-printf '%s\0' "${0##*/}" "$@" >> "$STUB_LOG"
+# A compiler that records where it runs and its argv, and writes the file -o
+# names; nothing else.
+printf '%s\0' "$PWD" "${0##*/}" "$@" >> "$STUB_LOG"
 printf '\1\0' >> "$STUB_LOG"
 next=
 for arg in "$@"; do
@@ -1490,12 +1491,17 @@ done
 BASH_STUB_NAMES = ("nvcc", "hipcc", "gcc", "g++", "cc", "c++", "clang", "clang++")
 
 
-def run_in_bash(scripts):
+def run_in_bash(scripts, sourced=False):
     """What real bash does with each script run as `./script <output-dir>`
     from a directory of its own, every compiler a stub that records its
-    argv: [(status, [argv with <output-dir> as OUT_DIR], files in
-    <output-dir> at the end)].  One bash runs them all, for speed."""
-    with tempfile.TemporaryDirectory(prefix="check-contract-bash-") as top:
+    argv: [(status, [CompilerCall of each compiler run], files in
+    <output-dir> at the end)], the calls' paths as the reader spells them
+    (<output-dir> as OUT_DIR, others relative to where the script ran).
+    One bash runs them all; `sourced` runs each in a subshell of it
+    (`. script`) rather than in a bash of its own, which is faster."""
+    # Memory, where the machine has it: thousands of small files are made.
+    memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="check-contract-bash-", dir=memory) as top:
         os.mkdir(os.path.join(top, "bin"))
         for name in BASH_STUB_NAMES:
             with open(os.path.join(top, "bin", name), "w") as handle:
@@ -1506,23 +1512,33 @@ def run_in_bash(scripts):
                 os.makedirs(os.path.join(top, sub, str(index)))
             with open(os.path.join(top, "w", "%d.sh" % index), "w") as handle:
                 handle.write(script)
-        driver = ('for n in $(seq 0 %d); do\n'
-                  '  (cd w/$n && STUB_LOG=../../log.$n exec bash ../$n.sh "$T/o/$n" </dev/null >/dev/null 2>&1)\n'
-                  '  echo $? >> status\ndone\n' % (len(scripts) - 1))
+        run = ('set -- "$T/o/$n"; . ../$n.sh' if sourced else 'exec bash ../$n.sh "$T/o/$n"')
+        driver = ('for n in $(seq $0 $1 %d); do\n'
+                  '  (cd w/$n && export STUB_LOG=$T/log.$n && %s) </dev/null >/dev/null 2>&1\n'
+                  '  echo $? > status.$n\ndone\n' % (len(scripts) - 1, run))
         env = {"PATH": os.path.join(top, "bin") + ":/usr/bin:/bin", "T": top, "LC_ALL": "C", "HOME": top}
-        subprocess.run(["bash", "-c", driver], cwd=top, env=env, check=True)
-        with open(os.path.join(top, "status")) as handle:
-            statuses = [int(line) for line in handle]
+        jobs = min(os.cpu_count() or 1, 4)  # one bash per processor, each every jobs-th script
+        drivers = [subprocess.Popen(["bash", "-c", driver, str(job), str(jobs)], cwd=top, env=env)
+                   for job in range(jobs)]
+        assert [driver.wait() for driver in drivers] == [0] * jobs
+        statuses = []
+        for index in range(len(scripts)):
+            with open(os.path.join(top, "status.%d" % index)) as handle:
+                statuses.append(int(handle.read()))
         results = []
         for index, status in enumerate(statuses):
-            out = os.path.join(top, "o", str(index))
+            out, work = os.path.join(top, "o", str(index)), os.path.join(top, "w", str(index))
             try:
                 with open(os.path.join(top, "log.%d" % index), "rb") as handle:
                     log = handle.read().decode("utf-8", "surrogateescape")
             except FileNotFoundError:
                 log = ""
-            calls = [[arg.replace(out, check_contract.OUT_DIR) for arg in record.split("\0")[:-1]]
-                     for record in log.split("\1\0")[:-1]]
+            calls = []
+            for record in log.split("\1\0")[:-1]:
+                cwd, *argv = [arg.replace(out, check_contract.OUT_DIR) for arg in record.split("\0")[:-1]]
+                cwd = None if cwd == work else cwd if cwd.startswith(check_contract.OUT_DIR) else (
+                    os.path.relpath(cwd, work))
+                calls.append(check_contract.compiler_call(argv, cwd=cwd))
             landed = set()
             for directory, dirs, files in os.walk(out):
                 landed.update(os.path.relpath(os.path.join(directory, f), out) for f in files + [
@@ -1530,9 +1546,218 @@ def run_in_bash(scripts):
             results.append((status, calls, landed))
         return results
 
-def bash_facts(argv):
-    """The CompilerCall of an argv bash ran, as the trace reads it."""
-    return check_contract.compiler_call(argv)
+
+# A differential test of the script reader against bash: scripts generated
+# (seeded, so every run makes the same ones) from the shell constructs real
+# build scripts use, and some the reader does not follow; each is run by real
+# bash with stub compilers, and every certain answer of the reader must be
+# what bash did.
+
+DIFF_ARCHES = ("70", "75", "80", "86", "89", "90")
+
+
+class ScriptGenerator:
+    """One build script per call of script(): a few statements that set
+    targets, run compilers in assorted ways and move the library around."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def script(self):
+        self.names, self.lines, self.arches, self.libs = 0, [], [], []
+        self.lines.append(self.pick(["#!/usr/bin/env bash", "#!/bin/bash", "#!/usr/bin/env bash\nset -euo pipefail",
+                                     "#!/bin/bash\nset -e", "#!/usr/bin/env bash\nset -u"]))
+        self.lines.append(self.pick(['out=$1', 'out="${1:?usage: build.sh <output-dir>}"',
+                                     'out=$(cd "$1" && pwd)', 'out=$1; shift', 'out=$1']))
+        self.one = "$1" if "shift" not in self.lines[-1] else "$out"
+        self.lines.append('mkdir -p build "$out"')
+        for _ in range(self.rng.randint(1, 4)):
+            self.pick([self.arch, self.arch, self.compile, self.compile, self.compile, self.place,
+                       self.control, self.unknown, self.fails])()
+        self.compile()
+        if self.rng.random() < 0.4:
+            self.place()
+        return "\n".join(self.lines) + "\n"
+
+    def pick(self, items):
+        return self.rng.choice(items)
+
+    def name(self, prefix):
+        self.names += 1
+        return "%s%d" % (prefix, self.names)
+
+    def target(self):
+        return "$" + self.pick(self.arches) if self.arches and self.rng.random() < 0.7 else self.pick(DIFF_ARCHES)
+
+    def arch(self):
+        a, x = self.name("a"), self.pick(DIFF_ARCHES)
+        self.lines.append(self.pick([
+            '%s=${2:-%s}' % (a, x), '%s=%s' % (a, x), '%s="${ARCH_%s:-%s}"' % (a, a, x),
+            '%s=$((%s / 2 * 2))' % (a, x), "%s=$'\\x%02x'%s" % (a, ord(x[0]), x[1]),
+            "printf -v %s '%%s' %s" % (a, x), ': "${%s:=%s}"' % (a, x), '%s=%s0; %s=${%s%%0}' % (a, x, a, a),
+            'if [ $# -ge 2 ]; then %s=$2; else %s=%s; fi' % (a, a, x),
+            'case "${2:-}" in\n  "") %s=%s ;;\n  *) %s=$2 ;;\nesac' % (a, x, a),
+            '%s=$(echo %s)' % (a, x), 'read -r %s <<< %s' % (a, x),
+            'if [ -d /nonexistent-%s ]; then %s=70; else %s=%s; fi' % (a, a, a, x),
+            '%s=%s\n[ "$%s" = %s ] && %s=75' % (a, x, a, x, a),
+            'shopt -s lastpipe\ntrue | { %s=%s; }' % (a, x), 'true | { %s=%s; }' % (a, x),
+            '%s=({%s,%s})' % (a, x, self.pick(DIFF_ARCHES))]))
+        self.arches.append(a)
+
+    def flags(self):
+        t = self.target()
+        return self.pick(['-arch=sm_%s' % t, '-gencode arch=compute_%s,code=sm_%s' % (t, t),
+                          '-gencode "arch=compute_%s,code=[sm_%s,compute_%s]"' % (t, t, t),
+                          '-gencode=arch=compute_{80,90},code=sm_{80,90}',
+                          "$'-arch=sm_%s'" % t if t[0] != "$" else '-arch=sm_"%s"' % t])
+
+    def compiler(self):
+        return self.pick(["nvcc", "nvcc", "command nvcc", '"${NVCC:-nvcc}"', "env CCACHE_DISABLE=1 nvcc",
+                          "timeout 600 nvcc", "nice -n 5 nvcc"])
+
+    def compile(self):
+        kind = self.rng.random()
+        lib = self.name("lib") + ".so"
+        out = self.pick(['"$out/%s"' % lib, '"%s/%s"' % (self.one, lib), '"$out"/%s' % lib, 'build/%s' % lib])
+        if kind < 0.15:
+            line = 'hipcc -shared -fPIC --offload-arch=%s ops.hip -o %s' % (
+                self.pick(["gfx90a", "gfx942", "gfx1100"]), out)
+        elif kind < 0.25:
+            line = '%s -shared -fPIC -march=%s ops.c -o %s' % (
+                self.pick(["gcc", "cc", "clang"]), self.pick(["x86-64", "x86-64-v3", "native"]), out)
+        else:
+            line = '%s -shared -Xcompiler -fPIC %s %s -o %s' % (self.compiler(), self.flags(),
+                                                               self.pick(["ops.cu", "k.cu"]), out)
+        if out.startswith("build/"):
+            self.lines.append(line)
+            self.lines.append(self.pick(['cp build/%s "$out/"' % lib, 'mv build/%s "%s/%s"' % (lib, self.one, lib),
+                                         'install -m 755 build/%s "$out/%s"' % (lib, lib)]))
+        elif self.wrap(line):
+            self.libs.append(lib)
+
+    def wrap(self, line):
+        """Run the compiler line in some construct; whether it has run after it."""
+        f, v = self.name("f"), self.name("v")
+        inside = line.replace('"$1/', '"$out/')  # a function's $1 is its own
+        later = ['trap \'%s\' EXIT' % line.replace("'", "'\\''"),
+                 'cat <<EOF >/dev/null\n%s\nEOF' % line, '# %s' % line]
+        wrapped = self.pick(later + [
+            line, line, 'if true; then\n  %s\nfi' % line, '[ -n "$out" ] && %s' % line,
+            'false || %s' % line, '%s() {\n  %s\n}\n%s' % (f, inside, f),
+            '%s() { "$@"; }\n%s %s' % (f, f, line),
+            'for %s in 1; do %s; done' % (v, line), '{ %s; }' % line, '( %s )' % line,
+            '%s=0\nwhile [ $%s -lt 1 ]; do\n  %s\n  %s=$((%s + 1))\ndone' % (v, v, line, v, v),
+            'shopt -s expand_aliases\nalias %s="%s"\n%s' % (f, line.split(" -o ")[0], f + " -o " + line.split(" -o ")[1]),
+            '%s \\\n    -O3' % line])
+        self.lines.append(wrapped)
+        return wrapped not in later
+
+    def place(self):
+        if not self.libs:
+            return
+        lib, new = self.pick(self.libs), self.name("lib") + ".so"
+        moved = ['mv "$out/%s" "$out/%s"' % (lib, new), 'mv "%s"/%s "$out/%s"' % (self.one, lib, new),
+                 '[ -f "$out/%s" ] && mv "$out/%s" "$out/%s"' % (lib, lib, new)]
+        copied = ['cp "%s/%s" "%s/%s"' % (self.one, lib, self.one, new), 'ln -sf %s "$out/%s"' % (lib, new)]
+        gone = ['rm -f "$out/%s"' % lib, 'mv "$out"/%s{,.bak}' % lib]
+        line = self.pick(moved + copied + gone + ["trap 'rm -f \"$out/%s\"' EXIT" % lib])
+        self.lines.append(line)
+        if line in moved + gone:
+            self.libs.remove(lib)
+        if line in moved + copied:
+            self.libs.append(new)
+
+    def control(self):
+        v = self.name("v")
+        self.lines.append(self.pick([
+            'for %s in {80,90} 86; do nvcc -c -arch=sm_$%s k.cu -o build/k$%s.o; done' % (v, v, v),
+            'for %s in $(seq 2); do nvcc -c k.cu -o build/s$%s.o; done' % (v, v),
+            'case x in x) nvcc -c -arch=sm_70 k.cu -o build/c.o ;& y) %s=1 ;; esac' % v,
+            '%s=(k.cu ops.cu)\nfor s in "${%s[@]}"; do nvcc -c "$s" -o "build/${s%%.cu}.o"; done' % (v, v),
+            'set -- "$out" 89\n%s=${2:-80}' % v, 'pushd build >/dev/null\nnvcc -c ../k.cu -o p.o\npopd >/dev/null',
+            '(cd build && nvcc -c ../k.cu -o sub.o)', 'cd build\nnvcc -c ../k.cu -o cd.o\ncd ..']))
+
+    def unknown(self):
+        self.lines.append(self.pick([
+            'eval "nvcc -c k.cu -o build/e.o"', 'x=$(nvcc -c k.cu -o build/x.o 2>&1)',
+            'bash -c "nvcc -c k.cu -o build/b.o"', 'make -s -f /dev/null 2>/dev/null || true',
+            '. ./missing.sh 2>/dev/null || true', 'if [ -f k.cu ]; then nvcc -c k.cu -o build/f.o; fi',
+            'nvcc --version >/dev/null || true', 'while read -r line; do :; done < <(echo x)',
+            "trap 'nvcc -c k.cu -o build/t.o' ERR"]))
+
+    def fails(self):
+        self.lines.append(self.pick([
+            'set -e\nfalse', 'set -e\n( exit 1 )', 'set -u\nx=$2', 'set -u\nx=$UNSET_FLAGS',
+            'set -e\nfalse || true', 'set -u\nx=${2:-}', 'if [ -z "$out" ]; then exit 1; fi',
+            'exit 0', 'set -e\n[ -n "${2:-}" ]', 'set -e\nf() { return 1; }\nf || true',
+            'set -e\ntrue && false', 'set -e\nfalse && true', '(( 0 )) || true']))
+
+
+def reader_answers(script):
+    """The reader's certain answers about a script: None when it says it
+    cannot tell, else (whether it surely fails, its compiler calls or None
+    where it cannot tell them, the files surely in <output-dir> or None)."""
+    facts = check_contract.ScriptReader(script).facts()
+    if facts.unfollowed:
+        return None
+    known = check_contract.known
+    calls = [call_answer(call) for call in facts.calls]
+    if any(call.condition or call.unknown or not all(map(known, call.outputs + call.inputs))
+           for call in facts.calls):
+        calls = None
+    landed, maybe = facts.landing()
+    if maybe or any(condition or path is None for _, path, _, condition in facts.placements):
+        landed = None
+    if calls is None and landed is None and facts.death is None:
+        return None
+    return facts.death is not None, calls, landed
+
+
+def call_answer(call):
+    norm = posixpath.normpath
+    return (call.compiler, [norm(o) for o in call.outputs], call.sass, call.ptx, call.hip,
+            call.march, call.open_targets, [norm(i) for i in call.inputs])
+
+
+def differential(scripts, sourced=True):
+    """(count of scripts the reader and bash agree on, of those it cannot
+    tell, [(script, what bash did, what the reader read)] where they differ)."""
+    agree, cannot, differ = 0, 0, []
+    for script, (status, calls, landed) in zip(scripts, run_in_bash(scripts, sourced)):
+        answer = reader_answers(script)
+        if answer is None:
+            cannot += 1
+            continue
+        dies, read_calls, read_landed = answer
+        ran = [call_answer(call) for call in calls]
+        if (dies and status == 0) or (read_calls is not None and read_calls != ran) or (
+                read_landed is not None and not dies and read_landed != landed):
+            differ.append((script, (status, ran, landed), answer))
+        else:
+            agree += 1
+    return agree, cannot, differ
+
+class DifferentialReaderTest(unittest.TestCase):
+    """The reader against bash on generated scripts: every certain answer
+    (the compiler calls with their outputs, targets and compiled files, the
+    files left in <output-dir>, a default run that surely fails) is what
+    bash did.  bench/differential_reader.py runs more of them."""
+
+    SCRIPTS = 2000
+
+    def test_every_certain_answer_is_what_bash_does(self):
+        generator = ScriptGenerator(seed=37)
+        scripts = [generator.script() for _ in range(self.SCRIPTS)]
+        agree, cannot, differ = differential(scripts)
+        self.assertEqual(differ[:3], [], "%d of %d scripts read otherwise than bash runs them"
+                         % (len(differ), len(scripts)))
+        self.assertEqual(agree + cannot, self.SCRIPTS)
+        self.assertGreater(agree, 3 * cannot)  # most scripts get certain answers to check
+        self.assertGreater(cannot, 0)  # and the constructs it does not follow are among them
+
+    def test_the_scripts_are_the_same_every_run(self):
+        first, second = ScriptGenerator(seed=1), ScriptGenerator(seed=1)
+        self.assertEqual([first.script() for _ in range(50)], [second.script() for _ in range(50)])
 
 
 class ReaderAgreesWithBashTest(TreeTest):
@@ -1543,11 +1768,11 @@ class ReaderAgreesWithBashTest(TreeTest):
     def agree(self, script):
         """Bash's and the reader's (outputs, targets, files left in
         <output-dir>) for the script; the reader follows all of it."""
-        (status, argvs, landed), = run_in_bash([script])
+        (status, calls, landed), = run_in_bash([script])
         facts = check_contract.ScriptReader(script).facts()
         self.assertEqual((facts.unfollowed, facts.death), ([], None))
         read = [(call.outputs, call.targets("cuda")) for call in facts.calls]
-        ran = [(call.outputs, call.targets("cuda")) for call in map(bash_facts, argvs)]
+        ran = [(call.outputs, call.targets("cuda")) for call in calls]
         self.assertEqual((status, read, facts.landing()[0]), (0, ran, landed))
         return ran, landed
 
