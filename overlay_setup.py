@@ -167,6 +167,7 @@ if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.defau
 
 import argparse
 import contextlib
+import csv
 import errno
 import fcntl
 import hashlib
@@ -234,6 +235,7 @@ PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without b
 # version file is some hundred bytes; each copy is fsynced (about 4 ms on
 # ext4), so 500 of them add about 2 s to a build in a large tree.
 ORIGINAL = "pre-existing file"  # the role of such a copy in the journal
+DISTRIBUTION_WHY = "installed with %s"  # why a file of an artifact's distribution is kept
 ORIGINAL_FILE_LIMIT = 256 << 10  # bytes: a larger file is not copied
 ORIGINAL_BUDGET = 16 << 20  # bytes copied before one build, at most
 ORIGINAL_COUNT = 500  # files copied before one build, at most
@@ -2674,6 +2676,63 @@ def predict_products(build: dict, sources: List[str], excluded: List[str],
     return paths
 
 
+def installed_distribution(path: str) -> Optional[str]:
+    """The dist-info folder of the installed distribution that owns `path`:
+    the first one, walking up from it, whose RECORD lists it; else None."""
+    directory = os.path.dirname(path)
+    while True:
+        try:
+            names = sorted(name for name in os.listdir(directory) if name.endswith(".dist-info"))
+        except OSError:
+            names = []
+        for name in names:
+            if path in distribution_files(os.path.join(directory, name)):
+                return os.path.join(directory, name)
+        if os.path.dirname(directory) == directory:
+            return None
+        directory = os.path.dirname(directory)
+
+
+def artifact_distributions(artifacts: List[str], caches: List[str]) -> List[str]:
+    """The dist-info folders of the installed distributions that own an
+    artifact outside the caches."""
+    return sorted({dist_info for dist_info in map(installed_distribution, [
+        path for path in artifacts if not any(is_within(path, cache) for cache in caches)])
+                   if dist_info})
+
+
+def distribution_files(dist_info: str) -> List[str]:
+    """The files an installed distribution owns, as pip's RECORD names them
+    (one line per file, its path from the folder that holds the dist-info,
+    then its hash and size), and the files of its dist-info folder."""
+    site = os.path.dirname(dist_info)
+    try:
+        with open(os.path.join(dist_info, "RECORD"), encoding="utf-8", newline="") as handle:
+            rows = list(csv.reader(handle.read(INPUT_LIMIT).splitlines()))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        rows = []
+    listed = {os.path.normpath(os.path.join(site, row[0])) for row in rows if row and row[0]}
+    listed.update(path for path, st in walk_tree(dist_info, []) if stat.S_ISREG(st.st_mode))
+    return sorted(listed)
+
+
+def distribution_trees(dist_info: str) -> List[str]:
+    """The folders a distribution installs into its site folder, and its
+    dist-info: where a reinstall of it creates and deletes files."""
+    site = os.path.dirname(dist_info)
+    return sorted({os.path.join(site, os.path.relpath(path, site).split(os.sep)[0])
+                   for path in distribution_files(dist_info)
+                   if is_within(path, site) and os.path.dirname(path) != site})
+
+
+def replaces_files(build: Optional[dict]) -> bool:
+    """Whether the build installs by pip (or uv), which writes each file of a
+    distribution anew and renames or unlinks the old one: what it replaces
+    is kept by a hard link, which nothing writes through."""
+    return build is not None and bool(re.search(r"(^|[\s/])(pip3?|uv)(\.exe)?\s+(\S+\s+)*install\b"
+                                                r"|-m\s+pip\s", build["cmd"]))
+
+
 def protected_paths(state: State, sources: List[str], artifacts: List[str], caches: List[str],
                     build: Optional[dict], protect: List[str],
                     no_protect: bool, ask_make: bool = True) -> List[Tuple[str, str]]:
@@ -2693,12 +2752,22 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                 taken.add(name)
     if no_protect:
         return chosen
+    linked = replaces_files(build) and mount_of(state.root) == mount_of(
+        os.path.dirname(artifacts[0])) if artifacts else False
+    copied: List[Tuple[str, str]] = []
+    for dist_info in (build or {}).get("distributions") or []:
+        why = DISTRIBUTION_WHY % os.path.basename(dist_info)
+        for path in distribution_files(dist_info):
+            if path not in excluded and path not in taken and os.path.isfile(path) and \
+                    not os.path.islink(path):
+                (chosen if linked else copied).append((path, why))
+                taken.add(path)
     # A JIT at import (torch's extension loader runs ninja in the artifact's
     # folder), after --no-build or as the build command, rewrites what the
     # build.ninja beside the artifact says.
     builds = ([build] if build is not None else []) + [
         {"cmd": "ninja", "cwd": directory} for directory in jit_directories(artifacts, build)]
-    predicted: List[Tuple[str, str]] = []
+    predicted = copied  # a copy of each counts against the budget; a hard link costs nothing
     for one in builds:
         found = predict_products(one, sources, excluded, ask_make)
         predicted += [(path, how) for path, how in found if path not in taken]
@@ -3348,6 +3417,22 @@ class NativePlan:
                            "and run the command again" % (written(exc), exc.strerror))
 
 
+def keep_original(path: str, backup: str, replaced: bool) -> Optional[str]:
+    """Keep what `path` holds as `backup`: a file that the build replaces
+    (writes anew and renames over it, or unlinks first) by a hard link, in
+    constant time and space, its hash not read (None); else, and on another
+    filesystem, by a copy, whose hash it returns."""
+    if replaced:
+        mutation_point()
+        try:
+            os.link(path, backup, follow_symlinks=False)
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+    return durable_copy(path, backup)
+
+
 def scan_limit_reached(tree: str) -> OverlayError:
     """A scan that stops at its limit is no record of what was there: the
     files beyond it would count as made by the build, and revert would delete
@@ -3795,7 +3880,9 @@ class NativeEntry:
                 record = record_file(path, "build product")
                 record["why"] = why
                 record["backup"] = "%s/p%d" % (directory, number)
-                record["sha256"] = durable_copy(path, state.state_path(record["backup"]))
+                record["sha256"] = keep_original(path, state.state_path(record["backup"]),
+                                                 why.startswith(DISTRIBUTION_WHY % "")
+                                                 and replaces_files(build))
                 record["identity"] = file_identity(path)
                 entry["protected"].append(record)
             fsync_dir(backup_dir)
@@ -4738,19 +4825,22 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
     if args.build_cmd is not None:
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
-        build["trees"] = build_trees_of(args, build["cwd"])
+        build["distributions"] = artifact_distributions(artifacts, caches)
+        build["trees"] = build_trees_of(args, build["cwd"], build["distributions"])
     elif args.build_dir:
         raise UsageError("E109", "--build-dir names where --build-cmd writes; pass --build-cmd "
                          "too, or drop --build-dir")
     return artifacts, caches, build
 
 
-def build_trees_of(args: argparse.Namespace, cwd: str) -> List[str]:
+def build_trees_of(args: argparse.Namespace, cwd: str, distributions: List[str]) -> List[str]:
     """The directories --build-cmd writes in: the --build-dir given, else
-    those build_directories reads from it; one inside another is left out
-    (scanning it is scanning the other)."""
-    trees = [require_abs_normal(path, "--build-dir") for path in args.build_dir] or \
-        build_directories(args.build_cmd, cwd)
+    those build_directories reads from it, and the folders of the artifacts'
+    installed distributions; one inside another is left out (scanning it is
+    scanning the other)."""
+    trees = ([require_abs_normal(path, "--build-dir") for path in args.build_dir] or
+             build_directories(args.build_cmd, cwd)) + [
+        tree for dist_info in distributions for tree in distribution_trees(dist_info)]
     return sorted(tree for tree in set(trees)
                   if not any(tree != other and is_within(tree, other) for other in trees))
 
@@ -5460,9 +5550,10 @@ def cmd_trial(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
-    watched = trial_watched(root, build_cwd, build_trees_of(args, build_cwd)
-                            if args.build_cmd else [],
-                            [os.path.normpath(os.path.abspath(path)) for path in args.artifact])
+    artifacts = [os.path.normpath(os.path.abspath(path)) for path in args.artifact]
+    watched = trial_watched(root, build_cwd, build_trees_of(
+        args, build_cwd, artifact_distributions(artifacts, [])) if args.build_cmd else [],
+                            artifacts)
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
               "watched": watched, "runs": [], "verify": None, "revert": None,

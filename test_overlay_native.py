@@ -6302,3 +6302,113 @@ class BuildDirectoryTest(OverlayTestCase):
         self.assertEqual(rc, 0, (out, err))
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(os.path.dirname(self.src)), self.before)
+
+
+def file_hashes(*roots: str) -> dict:
+    """path -> sha256 of every regular file under `roots` (a symlink: its target)."""
+    found = {}
+    for root in roots:
+        for directory, dirs, files in os.walk(root):
+            for name in files:
+                path = os.path.join(directory, name)
+                if os.path.islink(path):
+                    found[path] = "-> " + os.readlink(path)
+                else:
+                    with open(path, "rb") as handle:
+                        found[path] = hashlib.sha256(handle.read()).hexdigest()
+    return found
+
+
+class PipInstallTest(OverlayTestCase):
+    """A C extension package installed by a plain `pip install .` into a
+    venv: its artifact lies in an installed distribution, whose files (its
+    RECORD lists them) and dist-info come back with no flag."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        """One venv that can build wheels, copied for each test (its python
+        is a link to this interpreter, its prefix where pyvenv.cfg lies)."""
+        base = tempfile.mkdtemp(prefix="overlay-pip-")
+        cls.addClassCleanup(shutil.rmtree, base, True)
+        cls.venv = os.path.join(base, "venv")
+        quiet([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+               cls.venv], base).check_returncode()
+        python = os.path.join(cls.venv, "bin", "python")
+        cls.usable = not quiet([python, "-c", "import setuptools, wheel"], base).returncode or \
+            not quiet([python, "-m", "pip", "install", "-q", "wheel"], base).returncode
+
+    def setUp(self) -> None:
+        super().setUp()
+        if not self.usable:
+            self.skipTest("pip cannot build a wheel in a venv here: neither setuptools and wheel "
+                          "are importable nor can pip install wheel")
+        venv = os.path.join(self.tmp, "venv")
+        shutil.copytree(self.venv, venv, symlinks=True)
+        self.python = os.path.join(venv, "bin", "python")
+        self.site = subprocess.run([self.python, "-c", "import sysconfig; "
+                                    "print(sysconfig.get_paths()['purelib'])"],
+                                   stdout=subprocess.PIPE, universal_newlines=True,
+                                   check=True).stdout.strip()
+        self.proj = os.path.join(self.tmp, "proj")
+        write_tree(self.proj, EXTENSION_PROJECT)
+        self.install = "%s -m pip install -q --no-build-isolation --no-deps ." % self.python
+        done = quiet(self.install.split(), self.proj)
+        self.assertEqual(done.returncode, 0, done.stdout)
+        age_tree(self.proj)  # setuptools rebuilds what is older than its source, by the second
+        suffix = subprocess.run([self.python, "-c", "import sysconfig; "
+                                 "print(sysconfig.get_config_var('EXT_SUFFIX'))"],
+                                stdout=subprocess.PIPE, universal_newlines=True,
+                                check=True).stdout.strip()
+        self.artifact = os.path.join(self.site, "pkg", "_k" + suffix)
+        write_text_file(os.path.join(self.tmp, "fast.c"), EXTENSION_PROJECT["pkg/_k.c"].replace(
+            "(4)", "(7)"))
+        self.before = file_hashes(self.site, self.proj)
+
+    def k(self) -> str:
+        return subprocess.run([self.python, "-c", "import pkg._k; print(pkg._k.value())"],
+                              stdout=subprocess.PIPE, universal_newlines=True, cwd=self.tmp,
+                              check=True).stdout
+
+    def test_pip_install_dot_reverts_every_file_of_the_venv_and_the_project(self) -> None:
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "pkg", "_k.c"),
+                                 "--patched", os.path.join(self.tmp, "fast.c"), "--artifact",
+                                 self.artifact, "--build-cmd", self.install, "--build-cwd",
+                                 self.proj)
+        self.assertEqual(rc, 0, (out, err))
+        self.assertEqual(self.k(), "7\n")
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(self.k(), "4\n")
+        self.assertEqual(file_hashes(self.site, self.proj), self.before)
+
+    def trial(self, build: str) -> subprocess.CompletedProcess:
+        diff = os.path.join(self.tmp, "two.diff")
+        write_text_file(diff, "--- a/pkg/_k.c\n+++ b/pkg/_k.c\n@@ -2 +2 @@\n-%s+%s" % (
+            EXTENSION_PROJECT["pkg/_k.c"].splitlines(True)[1],
+            EXTENSION_PROJECT["pkg/_k.c"].splitlines(True)[1].replace("(4)", "(7)")))
+        return forked_tool(["--state", self.state, "trial", diff, "--root", self.proj,
+                            "--artifact", self.artifact, "--build-cmd", build, "--build-cwd",
+                            self.proj, "--", self.python, "-c",
+                            "import pkg._k; print(pkg._k.value())"])
+
+    def test_trial_of_pip_install_dot_watches_the_distribution(self) -> None:
+        done = self.trial(self.install)
+        self.assertEqual(done.returncode, 0, (done.stdout, done.stderr))
+        self.assertIn("  watched: %s (writes elsewhere" % ", ".join(sorted([
+            self.proj, os.path.join(self.site, "pkg-0.dist-info"),
+            os.path.join(self.site, "pkg")])), done.stdout)
+        self.assertIn("output: differs (round 1, line 1): reference \"4\", candidate \"7\"",
+                      done.stdout)
+        self.assertIn("  revert: the install is byte-identical to before", done.stdout)
+        self.assertEqual(file_hashes(self.site, self.proj), self.before)
+
+    def test_trial_says_the_install_differs_when_a_file_of_the_distribution_is_not_back(
+            self) -> None:
+        # A large file beside the package, which no RECORD lists and nothing
+        # backs up, rewritten by the build: revert cannot give it back.
+        data = os.path.join(self.site, "pkg", "table.bin")
+        with open(data, "wb") as handle:
+            handle.write(b"\0" * (300 << 10))
+        done = self.trial(self.install + " && printf x >> %s" % data)
+        self.assertEqual(done.returncode, 14, (done.stdout, done.stderr))
+        self.assertIn("  revert: the install differs from before: %s" % data, done.stdout)
