@@ -5211,8 +5211,8 @@ case $probe in
 -dumpversion) echo 12 ;;
 -dumpfullversion) echo 12.2.0 ;;
 -dumpmachine) echo x86_64-linux-gnu ;;
---list-gpu-arch) for n in 75 80 86 87 89 90 100 120; do echo "compute_$n"; done ;;
---list-gpu-code) for n in 75 80 86 87 89 90 100 120; do echo "sm_$n"; done ;;
+--list-gpu-arch) printf 'compute_%%s\n' %(nvcc_numbers)s ;;
+--list-gpu-code) printf 'sm_%%s\n' %(nvcc_numbers)s ;;
 esac
 [ -n "$probe" ] && exit 0
 make_file() {  # the file $1, of the kind $made
@@ -5507,16 +5507,18 @@ class Shims:
     bash the script starts sources.  The toolkit is read-only to the script
     (and in namespaces mounted so); its state is kept to show a change."""
 
-    def __init__(self, toolkit, log, xtrace, nvcc_version):
+    def __init__(self, toolkit, log, xtrace, nvcc):
         self.toolkit = toolkit
         self.bash_env = os.path.join(toolkit, "bash_env")
         bin_dir = os.path.join(toolkit, "bin")
         os.makedirs(bin_dir)
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
-            handle.write(TRACE_SHIM % {"log": shell_quote(log), "prepend": COMPILERS["nvcc"].prepend,
-                "append": COMPILERS["nvcc"].append, "nvcc_version": shell_quote(
-                nvcc_version), "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
+            handle.write(TRACE_SHIM % {
+                "log": shell_quote(log), "prepend": COMPILERS["nvcc"].prepend,
+                "append": COMPILERS["nvcc"].append, "nvcc_version": shell_quote(nvcc.version),
+                "nvcc_numbers": " ".join(nvcc.numbers),
+                "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
                 "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
         # Hard links, not symbolic ones: a link costs a directory entry, not an inode.
         for name in sorted(shim_names()):
@@ -5696,25 +5698,54 @@ def namespace_problem(top):
     return None
 
 
-def machine_nvcc_version():
-    """What the shims' nvcc --version says: the machine's nvcc's words where
-    there is one (a script checking the CUDA release sees the one its
-    compile job has), else those of a recent release."""
-    import shutil
-    import subprocess
-    nvcc = shutil.which("nvcc")
-    if nvcc is not None:
+class MachineNvcc:
+    """The machine's nvcc, as the shims' nvcc answers for it: its --version
+    text and the architecture numbers --list-gpu-code lists ("75", "120")
+    where there is one (a script checking the CUDA release sees the one its
+    compile job has), else those of a recent release; `release` is the
+    machine's ("13.0"), None when it has no nvcc that answers."""
+
+    RECENT = ("nvcc: NVIDIA (R) Cuda compiler driver\n"
+              "Cuda compilation tools, release 12.8, V12.8.93",
+              ("75", "80", "86", "87", "89", "90", "100", "120"))
+    RELEASE_RE = re.compile(r"release ([0-9]+\.[0-9]+)")
+
+    def __init__(self):
+        import shutil
+        self.version, self.numbers = self.RECENT
+        self.release = None
+        nvcc = shutil.which("nvcc")
+        said = [self.ask(nvcc, option) for option in ("--version", "--list-gpu-code")] if nvcc else []
+        release = self.RELEASE_RE.search(said[0] or "") if said else None
+        codes = re.findall(r"^sm_([0-9]+)$", said[1] or "", re.M) if said else []
+        if release and codes:
+            self.version, self.numbers, self.release = said[0], tuple(codes), release.group(1)
+
+    @staticmethod
+    def ask(nvcc, option):
+        import subprocess
         try:
-            done = subprocess.run([nvcc, "--version"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=30,
-                                  check=False)
-            said = done.stdout.decode("utf-8", "replace").strip()
-            if done.returncode == 0 and "release" in said:
-                return said
+            done = subprocess.run([nvcc, option], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, timeout=30, check=False)
         except (OSError, subprocess.TimeoutExpired):
-            pass
-    return ("nvcc: NVIDIA (R) Cuda compiler driver\n"
-            "Cuda compilation tools, release 12.8, V12.8.93")
+            return None
+        return done.stdout.decode("utf-8", "replace").strip() if done.returncode == 0 else None
+
+    def refusals(self, call):
+        """Why the machine's nvcc refuses the targets of an nvcc call, as
+        nvcc 13 refuses sm_70 ("Unsupported gpu architecture")."""
+        if self.release is None or compiler_row(call.compiler) is not COMPILERS["nvcc"]:
+            return []
+        found = {}
+        for kind, targets in (("sm", call.sass), ("compute", call.ptx)):
+            for target in targets:
+                number = DIGITS_RE.match(target).group()
+                if number not in self.numbers:
+                    found.setdefault(number, "%s_%s" % (kind, target))
+        return ["%s, which the machine's nvcc (release %s) does not support (nvcc --list-gpu-code "
+                "lists sm_%s to sm_%s); list only targets it builds" % (
+                    name, self.release, min(self.numbers, key=int), max(self.numbers, key=int))
+                for name in found.values()]
 
 
 def isolation_plan(toolkit, writable, hidden):
@@ -5815,7 +5846,7 @@ class TraceSession:
         self.unshare = shutil.which("unshare") if self.problem is None else None
         # Compared after each run where the script can reach it: without namespaces.
         self.checkout = tree_state(repo.root) if self.unshare is None else None
-        self.nvcc_version = machine_nvcc_version()
+        self.nvcc = MachineNvcc()
 
     def describe(self):
         """One line: how the scripts are isolated."""
@@ -6101,7 +6132,7 @@ def trace_script(session, backend, arch, timeout, stream):
             shutil.copytree(session.snapshot, copy, symlinks=True)
             session.copy_state = copy_state(copy)
         if session.shims is None:  # the shims name the same log and xtrace paths every run
-            session.shims = Shims(session.toolkit, log, xtrace, session.nvcc_version)
+            session.shims = Shims(session.toolkit, log, xtrace, session.nvcc)
         shims = session.shims
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}
@@ -6229,6 +6260,8 @@ def trace_backend(repo, run, backend, args, stream, session):
     for target in (None, arch) if arch is not None else (None,):
         trace = trace_script(session, backend, target, args.timeout, stream)
         facts, calls = traced_facts(trace)
+        for call in facts.calls:
+            call.rejected += session.nvcc.refusals(call)
         built = traced_build(trace, calls, platform, facts.library(backend.output))
         runs.append(built)
         said = "running %s shows: " % " ".join([script, "<output-dir>"] + (

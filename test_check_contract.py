@@ -4238,6 +4238,36 @@ class NvccModelTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
         self.assertEqual(json.loads(out)["results"][0]["runs"][0]["targets"], ["80", "90"])
 
+    def test_a_target_the_machines_nvcc_does_not_support_is_refused(self):
+        # CUDA 13 dropped sm_70: the real build fails, and so must the trace.
+        listed = subprocess.run([NVCC, "--list-gpu-code"], stdout=subprocess.PIPE,
+                                universal_newlines=True, check=True).stdout.split()
+        if "sm_70" in listed:
+            self.skipTest("this nvcc still builds sm_70")
+        self.script(self.LIBRARY % "-arch=sm_70", architectures=(70, 80))
+        rc, out, err = run_main(["--repo-root", self.root, "build", "--out", self.path("out")])
+        self.assertIn("nvcc fatal   : Unsupported gpu architecture 'sm_70'", out)
+        self.assertEqual(rc, 1, out)
+        release = re.search(r"release ([0-9.]+),", subprocess.run(
+            [NVCC, "--version"], stdout=subprocess.PIPE, universal_newlines=True).stdout).group(1)
+        numbers = sorted((int(c[3:]) for c in listed if c.startswith("sm_")))
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        self.assertIn({"level": "error", "code": "B018", "backend": "cuda/gputiny",
+                       "path": "backends/cuda/gputiny/build.sh", "line": None,
+                       "message": "running build.sh <output-dir> shows: build.sh builds with sm_70, "
+                       "which the machine's nvcc (release %s) does not support (nvcc "
+                       "--list-gpu-code lists sm_%d to sm_%d); list only targets it builds"
+                       % (release, numbers[0], numbers[-1])}, json.loads(out)["results"][0]["issues"])
+        self.assertEqual(rc, 1, out)
+
+    def test_the_shims_nvcc_answers_as_the_machines(self):
+        real = [subprocess.run([NVCC, option], stdout=subprocess.PIPE, universal_newlines=True,
+                               check=True).stdout.strip() for option in ("--version", "--list-gpu-code")]
+        self.script('[ "$(nvcc --version)" = %s ]\n[ "$(nvcc --list-gpu-code)" = %s ]\n'
+                    % tuple(shlex.quote(r) for r in real) + self.LIBRARY % "")
+        rc, out, err = run_main(["--repo-root", self.root, "trace"])
+        self.assertEqual(rc, 0, out)
+
     def test_a_missing_options_file_fails_as_nvcc_fails(self):
         self.script(self.LIBRARY % "--options-file=nowhere.txt")
         rc, out, err = run_main(["--repo-root", self.root, "trace"])
@@ -5421,7 +5451,7 @@ class TraceLimitsTest(TreeTest):
         with tempfile.TemporaryDirectory() as top:
             os.mkdir(os.path.join(top, "calls"))
             shims = check_contract.Shims(os.path.join(top, "toolkit"), os.path.join(top, "calls"),
-                                         os.devnull, "")
+                                         os.devnull, check_contract.MachineNvcc())
             try:
                 for index, words in enumerate(calls):
                     left = []
