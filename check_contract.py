@@ -918,7 +918,11 @@ GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
 CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
-LINKED_SUFFIXES = (".o", ".obj", ".a")  # what a link takes in whole (a shared library it only names)
+LINKED_SUFFIXES = (".o", ".obj", ".a")
+# Where CMake, Meson and configure test a compiler (its identification, try_compile,
+# conftest.c): a call that compiles or writes there, or runs there, is a probe, not the build.
+PROBE_PLACE_RE = re.compile(r"(?:^|/)(?:CMakeFiles/(?:CMakeScratch|CMakeTmp|[0-9][0-9.]*/CompilerId"
+                            r"[A-Za-z]*)(?:/|\Z)|meson-private/|conftest(?:\.[A-Za-z0-9+]+)?\Z)")  # what a link takes in whole (a shared library it only names)
 OPTION_FILE_DEPTH = 8  # options files named by options files that the reader follows
 OPTION_FILE_WORD_RE = re.compile(r'(?:"[^"]*"|[^\s"])+')
 
@@ -1219,6 +1223,10 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
             call.ptx.append(item[1])
             if item[0] == "sm":
                 call.sass.append(item[1])
+    places = call.inputs + call.outputs + call.objects + ([cwd + "/"] if cwd else [])
+    if any(PROBE_PLACE_RE.search(place) for place in places):
+        call.inputs, call.outputs, call.objects, call.abi_defines, call.rejected = [], [], [], [], []
+        call.probes += 1
     if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
         call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
     elif "ptx" in modes:
@@ -6226,7 +6234,8 @@ def traced_build(trace, calls, platform, library=None):
             if call in linked:
                 targets += [t for t in entry["targets"] if t not in targets]
                 ptx += [t for t in call.ptx if t not in ptx]
-        for index, word in enumerate(words[1:], 1):
+        probe = call is not None and call.probes and not call.outputs  # it builds nothing
+        for index, word in enumerate(words[1:] if not probe else (), 1):
             define = word if word.startswith("-D") and word != "-D" else (
                 "-D" + words[index + 1] if word == "-D" and index + 1 < len(words) else None)
             if define is not None and define not in defines:

@@ -1079,6 +1079,20 @@ class CompilerCallTest(unittest.TestCase):
         self.assertEqual(self.call("nvcc", "-c", "k.cu", "-optf", "o1").unknown,
                          ["-optf o1, a file of options the checker cannot read"])
 
+    def test_build_systems_compiler_probes_build_nothing(self):
+        for words, cwd in ((["cc", "-march=armv8-a", "-o", "conftest", "conftest.c"], "/b"),
+                           (["gcc", "-c", "-mcpu=cortex-m3", "CMakeCCompilerId.c"],
+                            "/b/CMakeFiles/3.25.1/CompilerIdC"),
+                           (["nvcc", "-arch=sm_52", "-o", "cmTC_1", "x.cu"],
+                            "/b/CMakeFiles/CMakeScratch/TryCompile-a1"),
+                           (["cc", "-march=znver4", "-o", "/b/meson-private/sanity", "s.c"], None)):
+            with self.subTest(words=words):
+                call = check_contract.compiler_call(words, 1, cwd)
+                self.assertEqual((call.outputs, call.inputs, call.targets(None)), ([], [], []))
+        call = check_contract.compiler_call(["cc", "-march=x86-64", "-c", "k.c", "-o", "k.o"], 1,
+                                            "/b/CMakeFiles/k.dir")
+        self.assertEqual((call.outputs, call.targets(None)), (["/b/CMakeFiles/k.dir/k.o"], ["x86-64"]))
+
     def test_an_unknown_command_word_with_a_compilers_arguments_is_a_compiler(self):
         unknown = check_contract.RUNTIME + '$(command -v nvcc)' + check_contract.RUNTIME
         self.assertEqual(self.call(unknown, "-gencode", "arch=compute_89,code=sm_89", "-o",
@@ -5466,6 +5480,39 @@ class TraceLimitsTest(TreeTest):
                     self.assertEqual(left[1], left[0], words)
             finally:
                 shims.close()
+
+
+CMAKE_BUILD = Executable(
+    '#!/bin/bash\nset -eu\nmkdir -p "$1"\nout=$(cd "$1" && pwd)\ncd "$(dirname "$0")"\n'
+    'cmake -S . -B "$out/build" -DCMAKE_BUILD_TYPE=Release >/dev/null\ncmake --build "$out/build"\n'
+    'cp "$out/build/libk.so" "$out/libk.so"\n')
+
+
+@unittest.skipUnless(shutil.which("cmake") and shutil.which("cc"), "cmake or cc is not installed")
+class ToolkitProbesTest(TreeTest):
+    """The shims pass for the toolkit where build systems test it."""
+
+    def cmake_backend(self, platform, source, languages, architectures, options=""):
+        self.tree({
+            "backends/%s/k/k.backend.json" % platform: {
+                "name": "k", "abi_version": 1, "status": "experimental", "sources": [source],
+                "build": {"script": "build.sh", "output": "libk.so", "architectures": architectures}},
+            "backends/%s/k/%s" % (platform, source): "#define K_ABI_VERSION 1\n"
+            "int k_abi_version(void) { return K_ABI_VERSION; }\n",
+            "backends/%s/k/CMakeLists.txt" % platform: "cmake_minimum_required(VERSION 3.18)\n"
+            "project(k %s)\nadd_library(k SHARED %s)\n%s" % (languages, source, options),
+            "backends/%s/k/build.sh" % platform: CMAKE_BUILD})
+
+    def test_cmakes_compiler_probes_are_not_the_build(self):
+        # CMake identifies cc with -mcpu=cortex-m3 and -D__CLASSIC_C__ among its tries.
+        self.cmake_backend("cpu", "k.c", "C", ["x86-64"],
+                           "target_compile_options(k PRIVATE -march=x86-64)\n")
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), out)
+        default = result["runs"][0]
+        self.assertEqual((default["targets"], default["defines"]), (["x86-64"], ["-Dk_EXPORTS"]))
+        self.assertTrue(any("CMakeScratch" in c["cwd"] and c["probe"] for c in default["calls"]))
 
 
 class TraceAgreesWithRealBuildTest(unittest.TestCase):
