@@ -1299,8 +1299,11 @@ def anything_applied(journal: dict) -> bool:
 
 
 def tool_at(state: State) -> str:
-    """The command line that reaches `state` from any directory, for the
-    next command a message tells the user to run."""
+    """The command line that reaches `state` from where the user stands, for
+    the next command a message tells the user to run: --state only where the
+    command without it would find another state directory."""
+    if state.root == state_root(argparse.Namespace(state=None)):
+        return "overlay_setup.py"
     return "overlay_setup.py --state %s" % shell_quote(state.root)
 
 

@@ -6412,3 +6412,31 @@ class PipInstallTest(OverlayTestCase):
         done = self.trial(self.install + " && printf x >> %s" % data)
         self.assertEqual(done.returncode, 14, (done.stdout, done.stderr))
         self.assertIn("  revert: the install differs from before: %s" % data, done.stdout)
+
+
+class ReadableOutputTest(OverlayTestCase):
+    """What the tool prints is read by a person at a terminal: the next
+    command to run as that person would type it from where they stand."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        environ = unittest.mock.patch.dict(os.environ)
+        environ.start()
+        self.addCleanup(environ.stop)
+        os.environ.pop("OVERLAY_STATE", None)
+        write_tree(self.tmp, {"k.c": "int k(void) { return 1; }\n",
+                              "fast.c": "int k(void) { return 2; }\n"})
+
+    def test_a_hint_names_the_state_directory_only_where_it_is_needed(self) -> None:
+        rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
+        self.assertEqual((rc, err), (0, ""), out)
+        state = re.search(r"^state: (.*)$", out, re.M).group(1)
+        self.assertIn("; run `overlay_setup.py revert` to take it back\n", out)
+        os.mkdir("sub")
+        os.chdir("sub")
+        rc, out, err = call("--state", state, "status")
+        self.assertEqual(out.splitlines()[-1],
+                         "next: build, measure, then `overlay_setup.py --state %s revert`" % state)
+        os.environ["OVERLAY_STATE"] = state
+        rc, out, err = call("status")
+        self.assertEqual(out.splitlines()[-1], "next: build, measure, then `overlay_setup.py revert`")
