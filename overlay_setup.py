@@ -82,7 +82,7 @@ Usage:
 Exit codes:
   0  done (also: revert with nothing to revert)
   1  failed; the message says what to run next
-  2  usage: a wrong option, a relative or unnormalised path, a bad module name,
+  2  usage: a wrong option, a path whose '..' leaves a symlink, a bad module name,
      a missing input file or directory
   3  revert or gc-stale finished, but the files named are not back
      byte-exact: the build rewrote or deleted them and nothing had backed
@@ -100,7 +100,7 @@ of the state directories they could not handle).
 Codes (stable, never reused; docs/overlay_setup.md says what each means and
 how to fix it):
   E1xx  arguments and preconditions
-        E100 command line not understood, E101 path not absolute/normalised,
+        E100 command line not understood, E101 path going up from a symlink,
         E102 input missing or unreadable, E103 already overlaid, E104 not a
         regular file (symlink, directory), E105 bad module name, E106
         overlapping paths, E107 missing directory, E108 owner pid not
@@ -718,20 +718,25 @@ def written(exc: OSError) -> str:
 
 
 def require_abs_normal(path: str, option: str) -> str:
-    """`path` made absolute against the current directory (which the kernel
-    gives without symlinks, so leading '..' are exact); a '..' or '.' after a
-    name, or an unnormalised absolute path, is refused: a symlink on the way
-    would make its lexical meaning a lie."""
-    relative = path and not os.path.isabs(path)
-    named = path.split("/")
-    while relative and named and named[0] in ("..", "."):
-        named = named[1:]
-    if relative and ".." not in named and "." not in named and "" not in named[:-1]:
-        path = os.path.normpath(os.path.join(os.getcwd(), path))
-    if not path or not os.path.isabs(path) or os.path.normpath(path) != path or path == "/":
-        raise UsageError("E101", "%s must be a normalised path (got %r); pass it as "
-                         "e.g. %s" % (option, path, os.path.normpath(os.path.abspath(path or "."))))
-    return path
+    """`path` made absolute against the current directory and normalised.
+    A '..' is taken lexically only where it leaves an existing directory
+    that no symlink leads to (the current directory is one: the kernel
+    gives it without symlinks); else the normalised path could name another
+    file, and it is refused."""
+    if not path or path == "/":
+        raise UsageError("E101", "%s must name a file (got %r)" % (option, path))
+    full = os.path.join(os.getcwd(), path)
+    parts = full.split("/")
+    for n, part in enumerate(parts):
+        before = "/".join(parts[:n]) or "/"
+        if part == ".." and (not os.path.isdir(before)
+                             or os.path.realpath(before) != os.path.normpath(before)):
+            raise UsageError("E101", "%s %r goes up ('..') from %s, which %s, so its normalised "
+                             "form may name another file; pass the path without '..', e.g. %s"
+                             % (option, path, os.path.normpath(before),
+                                "is no directory" if not os.path.isdir(before)
+                                else "is or lies under a symbolic link", os.path.realpath(full)))
+    return os.path.normpath(full)
 
 
 def is_within(path: str, root: str) -> bool:
@@ -5362,12 +5367,22 @@ def find_state_dirs(root: str) -> List[str]:
     return sorted(found)
 
 
+def prune(state: State) -> None:
+    """Remove a state directory of the state home that holds nothing, its
+    lock held: renamed aside first, so that its name is either the whole
+    directory or free.  A command that was waiting for its lock then finds
+    no journal to write and stops with a message, before any change."""
+    aside = os.path.join(state_home(), ".pruned-%s-%d" % (os.path.basename(state.root), os.getpid()))
+    os.rename(state.root, aside)
+    shutil.rmtree(aside)
+
+
 def cmd_gc_stale(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.root or os.getcwd())
     if not os.path.isdir(root):
         raise UsageError("E107", "--root %s is not a directory; pass the directory to search"
                          % root)
-    failures = 0
+    failures = pruned = 0
     not_exact = False
     registered = []
     for directory in registered_states():
@@ -5394,6 +5409,9 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                     if not args.dry_run:
                         remove_orphaned_backups(state, journal)
                         unregister(state)
+                        if in_state_home(directory):
+                            prune(state)
+                            pruned += 1
                     continue
                 # The owner's liveness decides for a completed overlay only.
                 crashed = interrupted(state, journal)
@@ -5423,6 +5441,9 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             print("overlay_setup: E601 %s: could not write %s (%s); run `overlay_setup.py "
                   "gc-stale` again once the cause is fixed" % (directory, written(exc),
                                                               exc.strerror), file=sys.stderr)
+    if pruned:
+        print("removed %d state director%s with nothing applied from %s"
+              % (pruned, "y" if pruned == 1 else "ies", state_home()))
     if not reported and not failures:
         # Silence would not tell "nothing stale" from "looked nowhere".
         print("nothing stale: %d state director%s with nothing applied under %s or in the "

@@ -531,20 +531,30 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.output(), "7.0")
         self.assertOk(self.tool("revert"))
 
-    def test_unnormalised_paths_are_usage_errors(self) -> None:
-        self.assertEqual(self.tool("add-native", "--source", "proj/../proj/kernel_b.c",
+    def test_a_path_with_dots_and_no_symlink_is_taken_as_its_normalised_form(self) -> None:
+        self.assertOk(self.tool("add-native", "--source", "proj/../proj/kernel_b.c", "--patched",
+                                self.patched, "--artifact", self.proj + "/./../proj/libkernels.so",
+                                "--no-build"))
+        entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
+        self.assertEqual([r["path"] for r in entry["sources"] + entry["artifacts"]],
+                         [self.p("kernel_b.c"), self.lib])
+        self.assertOk(self.tool("revert"))
+
+    def test_a_path_going_up_from_a_symlink_or_a_missing_directory_is_refused(self) -> None:
+        os.mkdir(os.path.join(self.tmp, "elsewhere"))
+        os.symlink(os.path.join(self.tmp, "elsewhere"), os.path.join(self.proj, "link"))
+        self.assertEqual(self.tool("add-native", "--source", "proj/link/../kernel_b.c",
                                    "--patched", self.patched, "--no-build"), (
-            2, "", "overlay_setup: E101 --source must be a normalised path (got "
-            "'proj/../proj/kernel_b.c'); pass it as e.g. %s\n" % self.p("kernel_b.c")))
-        self.assertEqual(self.tool("add-native", "--source", self.proj + "/../proj/kernel_b.c",
-                                   "--patched", self.patched, "--no-build"), (
-            2, "", "overlay_setup: E101 --source must be a normalised path (got '%s/../proj/"
-            "kernel_b.c'); pass it as e.g. %s\n" % (self.proj, self.p("kernel_b.c"))))
+            2, "", "overlay_setup: E101 --source 'proj/link/../kernel_b.c' goes up ('..') from "
+            "%s/link, which is or lies under a symbolic link, so its normalised form may name "
+            "another file; pass the path without '..', e.g. %s/kernel_b.c\n" % (self.proj, self.tmp)))
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"), "--patched",
-                                   self.patched, "--artifact", "proj/./libkernels.so",
+                                   self.patched, "--artifact", "proj/none/../libkernels.so",
                                    "--no-build"), (
-            2, "", "overlay_setup: E101 --artifact must be a normalised path (got "
-            "'proj/./libkernels.so'); pass it as e.g. %s\n" % self.lib))
+            2, "", "overlay_setup: E101 --artifact 'proj/none/../libkernels.so' goes up ('..') "
+            "from %s/none, which is no directory, so its normalised form may name another file; "
+            "pass the path without '..', e.g. %s\n" % (self.proj, self.lib)))
+        self.assertFalse(os.path.exists(self.state))
 
     def test_build_command_or_no_build_is_required(self) -> None:
         self.assertEqual(self.tool("add-native", "--source", self.p("kernel_b.c"),
@@ -6440,3 +6450,23 @@ class ReadableOutputTest(OverlayTestCase):
         os.environ["OVERLAY_STATE"] = state
         rc, out, err = call("status")
         self.assertEqual(out.splitlines()[-1], "next: build, measure, then `overlay_setup.py revert`")
+
+    def test_gc_stale_removes_reverted_state_directories_of_the_state_home_only(self) -> None:
+        rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
+        default = re.search(r"^state: (.*)$", out, re.M).group(1)
+        self.assertOk(call("revert"))
+        self.assertOk(call("--state", self.state, "add-native", "--source", "k.c", "--patched",
+                           "fast.c", "--no-build"))
+        self.assertOk(call("--state", self.state, "revert"))
+        self.assertTrue(os.path.isdir(default))
+        self.assertEqual(call("gc-stale", "--dry-run")[0], 0)
+        self.assertTrue(os.path.isdir(default))
+        home = os.path.dirname(default)
+        self.assertEqual(call("gc-stale"), (
+            0, "removed 1 state directory with nothing applied from %s\n"
+               "nothing stale: 2 state directories with nothing applied under %s or in the "
+               "registry\n" % (home, self.tmp), ""))
+        self.assertEqual(sorted(os.listdir(home)), ["applied"])  # the registry of --state directories
+        self.assertTrue(os.path.isdir(self.state))  # one the user named is the user's
+        self.assertOk(call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build"))
+        self.assertOk(call("revert"))
