@@ -4035,7 +4035,7 @@ set -euo pipefail
 out_dir=$1
 cap=${2:-80}
 mkdir -p "$out_dir"
-"${NVCC:-nvcc}" -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode "arch=compute_${cap},code=sm_${cap}" $EXTRA_GENCODE \\
+"${NVCC:-nvcc}" -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode "arch=compute_${cap},code=sm_${cap}" ${EXTRA_GENCODE:-} \\
     "$(dirname "$0")/tiny.cu" -o "$out_dir/libgputiny.so"
 """)
 
