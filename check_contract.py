@@ -5145,7 +5145,8 @@ TRACE_SHIM = r"""#!/bin/sh
 # arguments, creates the files the real compiler would (a shared object nm
 # and strip read, an executable that does nothing, an empty object file,
 # a depfile with one rule) and answers
-# version probes; it compiles nothing and runs nothing.
+# version probes (with the real compiler's answer, where the machine has
+# one); it compiles nothing and runs nothing else.
 name=${0##*/} via= word=${0##*/}
 case $name in
 ccache|sccache)
@@ -5203,11 +5204,27 @@ for arg in "$@"; do
     -o=*) case $name in nvcc*) out=${arg#-o=} ;; *) out=${arg#-o} ;; esac ;;
     -o*) case $name in nvcc*) ;; *) out=${arg#-o} ;; esac ;;  # nvcc: -odir, -optf
     -) stdin=1 ;;
-    --version|-dumpversion|-dumpfullversion|-dumpmachine|--list-gpu-arch|--list-gpu-code)
+    --version|-dumpversion|-dumpfullversion|-dumpmachine|--list-gpu-arch|--list-gpu-code|-print-*|--print-*)
         probe=$arg ;;
+    -v) [ $# -gt 1 ] || probe=$arg ;;
     esac
 done
 [ -z "$stdin" ] || cat > /dev/null  # a source read from stdin: take it, as a compiler would
+# A question to a compiler (its version, its target, its paths) is answered by
+# the real one where the machine has it, which compiles nothing; not nvcc's
+# (the session asked it once) nor hipcc's (a driver that runs the toolkit's
+# programs, which the shims' toolkit does not hold).
+if [ -n "$probe" ] && [ -z "${CHECK_CONTRACT_ASKED-}" ]; then
+    case $name in nvcc*|hipcc*) ;; *)
+        real=$(IFS=:; for dir in $PATH; do
+            [ "$dir" != %(bin)s ] && [ -f "$dir/$name" ] && [ -x "$dir/$name" ] || continue
+            case $(readlink -f "$dir/$name") in */ccache|*/sccache) continue ;; esac  # it runs the shim
+            echo "$dir/$name"; break
+        done)
+        export CHECK_CONTRACT_ASKED=1
+        [ -z "$real" ] || exec "$real" "$@" ;;
+    esac
+fi
 case $probe in
 --version)
     case $name in
@@ -5525,7 +5542,7 @@ class Shims:
             handle.write(TRACE_SHIM % {
                 "log": shell_quote(log), "prepend": COMPILERS["nvcc"].prepend,
                 "append": COMPILERS["nvcc"].append, "nvcc_version": shell_quote(nvcc.version),
-                "nvcc_numbers": " ".join(nvcc.numbers),
+                "nvcc_numbers": " ".join(nvcc.numbers), "bin": shell_quote(bin_dir),
                 "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
                 "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
         # Hard links, not symbolic ones: a link costs a directory entry, not an inode.

@@ -5514,6 +5514,21 @@ class ToolkitProbesTest(TreeTest):
         self.assertEqual((default["targets"], default["defines"]), (["x86-64"], ["-Dk_EXPORTS"]))
         self.assertTrue(any("CMakeScratch" in c["cwd"] and c["probe"] for c in default["calls"]))
 
+    def test_cc_answers_what_it_is_as_the_real_cc(self):
+        real = [subprocess.run(["cc", option], stdout=subprocess.PIPE, universal_newlines=True,
+                               check=True).stdout.strip() for option in ("--version", "-dumpmachine")]
+        self.tree({"backends/cpu/k/k.backend.json": {
+            "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.c"],
+            "build": {"script": "build.sh", "output": "libk.so", "architectures": ["x86-64"]}},
+            "backends/cpu/k/k.c": "#define K_ABI_VERSION 1\n",
+            "backends/cpu/k/build.sh": Executable(
+                '#!/bin/sh\nset -eu\n[ "$(cc --version)" = %s ]\n[ "$(${CC:-cc} -dumpmachine)" = %s ]\n'
+                'mkdir -p "$1"\ncc -shared -march=x86-64 -o "$1/libk.so" "$(dirname "$0")/k.c"\n'
+                % tuple(shlex.quote(r) for r in real))})
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), out)
+
 
 class TraceAgreesWithRealBuildTest(unittest.TestCase):
     def test_trace_agrees_with_a_real_cc_build_of_the_cpu_backend(self):
