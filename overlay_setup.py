@@ -432,6 +432,15 @@ def durable_copy(source: str, target: str) -> str:
     return digest[0]
 
 
+def folder_identity(path: str) -> Optional[list]:
+    """(device, inode) of the folder holding `path`; None when there is none."""
+    try:
+        st = os.lstat(os.path.dirname(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return [st.st_dev, st.st_ino] if stat.S_ISDIR(st.st_mode) else None
+
+
 def file_identity(path: str) -> list:
     """What changes whenever a file's content is rewritten (ctime included)."""
     st = os.lstat(path)
@@ -3776,6 +3785,7 @@ class NativeEntry:
     protected = journal_field("protected")
     dirs = journal_field("dirs")
     jit = journal_field("jit")
+    folders_turned = journal_field("folders_turned")  # {folder: the link its build left}
 
     def __init__(self, state: State, journal: dict, record: dict):
         self.state, self.journal, self.record = state, journal, record
@@ -3804,6 +3814,7 @@ class NativeEntry:
                  "scan": None, "untracked": None, "protected": []}
         for number, (source, patched) in enumerate(changes):
             record = record_file(source, "source")
+            record["folder"] = folder_identity(source)  # an upgrade replaces it
             record["patched_sha256"] = hashlib.sha256(patched).hexdigest() \
                 if patched is not None else None
             if record["present"]:
@@ -3977,6 +3988,9 @@ class NativeEntry:
             if record.get("role") == ORIGINAL:  # small: its content proves it too
                 record["built_sha256"] = file_sha256(record["path"])
         entry["links_seen"] = changed_links(state, entry)
+        entry["folders_turned"] = {path: seen(path) for path in self.folders_turned_links()}
+        for record in entry["sources"]:
+            record["folder"] = folder_identity(record["path"])  # as the build left it
         noop = status == 0 and entry["artifacts"] and all(
             record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
         self.enter(self.BUILT_NOTHING if noop else self.BUILT if status == 0 else self.BUILD_FAILED)
@@ -4105,11 +4119,12 @@ class NativeEntry:
                 if not stat.S_ISREG(os.lstat(backup).st_mode):
                     raise altered_backup(record["path"], backup, "a regular file (a symlink, "
                                          "directory or special file)")
+        turned = set(self.links_the_build_made())
         for path in [record["path"] for record in self.files] + [
                 cache["path"] for cache in self.caches] + [
                 product["path"] for product in self.untracked or []]:
             link = symlink_on_the_way(path)
-            if link:
+            if link and link not in turned:
                 raise path_changed(path, link,
                                    "a symlink" if os.path.islink(link) else "no directory")
         for cache in self.caches:
@@ -4124,6 +4139,61 @@ class NativeEntry:
                                          "directory or special file)")
                 with open_snapshot(archive) as tar:
                     checked_members(archive, tar)
+
+    def install_gone(self) -> Optional[str]:
+        """Why the install the entry patched is no longer there (the folder
+        of a source, as the apply or the last build left it, removed or
+        replaced since, as pip's upgrade and uninstall do), or None.  What
+        the backups hold is the old install's: nothing of it is written into
+        the new one.  A build that did not finish tells nothing (it may have
+        removed the folder itself), and a symlink in the folder's place is
+        E505's."""
+        if self.phase == self.APPLYING:
+            return None
+        for record in self.sources:
+            if record.get("folder") is None:  # the build removed it, or a journal of 1.0
+                continue
+            folder = os.path.dirname(record["path"])
+            try:
+                st = os.lstat(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                return "%s is gone since the apply (the install was removed)" % folder
+            if stat.S_ISDIR(st.st_mode) and [st.st_dev, st.st_ino] != record["folder"]:
+                return ("%s is another folder than the one patched (the install was replaced, "
+                        "as an upgrade does)" % folder)
+        return None
+
+    def close(self) -> None:
+        """Drop the entry of an install that is gone (install_gone), writing
+        nothing into what stands there now; a cache outside it comes back."""
+        state, journal = self.state, self.journal
+        self.stop_leftover_build()
+        for record in self.sources:
+            drop_claim(state, record["path"])
+        folders = [os.path.dirname(record["path"]) for record in self.sources]
+        for cache in self.caches:
+            if not any(is_within(cache["path"], folder) for folder in folders):
+                self.restore_cache(cache)
+        journal["entries"].remove(self.record)
+        if not journal["entries"]:
+            journal["next_id"] = 1
+        state.save(journal)
+        remove_path(os.path.join(state.root, "backups", str(self.id)))
+
+    def links_the_build_made(self) -> List[str]:
+        """The folders that the entry's completed build turned into symlinks
+        (out -> out-1) and that are still what it left: undone before the
+        files under them come back.  One turned after the build is E505's."""
+        return sorted(path for path, identity in (self.folders_turned or {}).items()
+                      if seen(path) == identity)
+
+    def folders_turned_links(self) -> List[str]:
+        """Folders of the build directory that the scan before the first
+        build saw and that are symlinks now."""
+        trees = build_trees(self.build_record)
+        return sorted(path for path, info in (prebuild_scan(self.state, self.record) or {}).items()
+                      if isinstance(info, list) and info[:1] == ["d"] and os.path.islink(path)
+                      and any(is_within(path, tree) for tree in trees))
 
     def running_build(self) -> Optional[dict]:
         """The journaled build process of the entry when it still runs here."""
@@ -4204,7 +4274,9 @@ class NativeEntry:
         after the build (`force` restores and removes those all the same)."""
         state, journal = self.state, self.journal
         self.stop_leftover_build()
-        found = untracked_products(state, self.record)
+        turned = self.links_the_build_made()
+        found = [product for product in untracked_products(state, self.record)
+                 if product["path"] not in turned]
         products = [] if keep_untracked else found
         mine = {id(record) for record in self.files + found}
         ours = [record for record in still_ours(journal) if id(record) not in mine]
@@ -4224,6 +4296,9 @@ class NativeEntry:
             products = [product for product in products if product["created"]
                         or product["kind"] == "d"
                         or build_product(product["path"], build_trees(self.build_record))]
+        for link in turned:  # the folder comes back, and the files restored into it
+            remove_file(link)
+            os.mkdir(link)
         held = self.held_by_others([record["path"] for record in self.files]
                                    + [product["path"] for product in products])
         products = [product for product in products if product["path"] not in held]
@@ -4546,7 +4621,8 @@ def revert_all(state: State, journal: dict, force: bool,
                keep_untracked: bool) -> Tuple[List[str], List[str]]:
     """Switch the Python overlay off and restore every native entry in reverse
     order; returns what was done and the files not back byte-exact."""
-    entries = native_entries(state, journal)
+    gone = {entry.id: entry.install_gone() for entry in native_entries(state, journal)}
+    entries = [entry for entry in native_entries(state, journal) if not gone[entry.id]]
     for entry in entries:
         entry.check_restorable()
     if not force:
@@ -4558,7 +4634,7 @@ def revert_all(state: State, journal: dict, force: bool,
                                    "if another overlay patched it since, revert that one first; "
                                    "else run `%s revert --force` to restore the original "
                                    "anyway" % (changed[0], tool_at(state)))
-        changed = rebuilt_since_apply(state, journal["entries"])
+        changed = rebuilt_since_apply(state, [entry.record for entry in entries])
         if changed:
             raise OverlayError("E509", "%s was changed after the overlay's build (neither the "
                                "original nor what that build made): another overlay or build "
@@ -4592,7 +4668,12 @@ def revert_all(state: State, journal: dict, force: bool,
                      + sorted({record["path"] for entry in entries
                                for record in entry.files
                                if not any(is_within(record["path"], tree) for tree in trees)}))
-    for entry in reversed(entries):
+    for entry in reversed(native_entries(state, journal)):
+        if gone[entry.id]:
+            entry.close()
+            done.append("entry %d closed: %s; nothing of the old install was written back"
+                        % (entry.id, gone[entry.id]))
+            continue
         inexact += entry.revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
             entry.id, ", ".join(record["path"] for record in entry.sources)))

@@ -5125,6 +5125,73 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(original["b.c"], tree_state(proj)["b.c"])
 
 
+OUT_PROJECT = {
+    "k.c": "int k(void) { return 1; }\n",
+    "Makefile": "out/libk.so: k.c\n\tmkdir -p out && $(CC) -shared -fPIC -o $@ k.c\n",
+}
+
+
+class RevertEndsTest(OverlayTestCase):
+    """Every revert ends: whatever shape the build left a recorded change in,
+    and whatever became of the install since the apply."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.proj = self.built_project(OUT_PROJECT)
+        self.fast = os.path.join(self.tmp, "fast.c")
+        write_text_file(self.fast, "int k(void) { return 2; }\n")
+        self.before = tree_state(self.proj)
+
+    def apply(self, build: str = "make") -> None:
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                "--patched", self.fast, "--artifact",
+                                os.path.join(self.proj, "out", "libk.so"), "--build-cmd", build,
+                                "--build-cwd", self.proj))
+
+    def test_a_product_folder_the_build_turned_into_a_symlink_comes_back(self) -> None:
+        self.apply("mv out out-1 && ln -s out-1 out && make")
+        self.assertTrue(os.path.islink(os.path.join(self.proj, "out")))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_an_install_removed_since_the_apply_closes_the_entry_and_writes_nothing(
+            self) -> None:
+        for force in ([], ["--force"]):
+            with self.subTest(force=force):
+                self.apply()
+                shutil.rmtree(self.proj)
+                rc, out, err = self.tool("revert", *force)
+                self.assertEqual((rc, err), (0, ""))
+                self.assertIn("entry 1 closed: %s is gone since the apply (the install was "
+                              "removed); nothing of the old install was written back\n"
+                              % self.proj, out)
+                self.assertFalse(os.path.exists(self.proj))
+                self.assertEqual(read_json(os.path.join(self.state, "journal.json"))["entries"],
+                                 [])
+                self.proj = self.built_project(OUT_PROJECT)
+
+    def test_an_install_upgraded_since_the_apply_keeps_the_new_version(self) -> None:
+        for force in ([], ["--force"]):
+            with self.subTest(force=force):
+                self.apply()
+                # as pip upgrades: the old folder stashed aside, the new one written
+                old = self.proj + ".old"
+                os.rename(self.proj, old)
+                write_tree(self.proj, dict(OUT_PROJECT, **{"k.c": "int k(void) { return 3; }\n"}))
+                quiet(["make"], self.proj).check_returncode()
+                shutil.rmtree(old)
+                upgraded = tree_state(self.proj)
+                rc, out, err = self.tool("revert", *force)
+                self.assertEqual((rc, err), (0, ""))
+                self.assertIn("entry 1 closed: %s is another folder than the one patched (the "
+                              "install was replaced, as an upgrade does); nothing of the old "
+                              "install was written back\n" % self.proj, out)
+                self.assertEqual(tree_state(self.proj), upgraded)
+                shutil.rmtree(self.proj)
+                self.proj = self.built_project(OUT_PROJECT)
+
+
 class ClaimRaceTest(OverlayTestCase):
     """Two state directories claiming one source at the same moment: real
     processes, both loaded and waiting on one pipe, released together."""
