@@ -5507,17 +5507,21 @@ class Trace:
         self.tampered = []        # what the script changed of the trace's own files
         self.changed = []         # checkout paths the run changed
         self.commands = []        # the command lines of bash's trace
+        self.search = []          # the directories on the script's PATH it could see
 
     def show(self, text):
         return show_places(self.places, text)
 
 
 def show_places(places, text):
-    """text with each temporary path of places written as what it stands for."""
+    """text with each temporary path of places written as what it stands
+    for, wherever it is followed by / or by no other character of a name
+    (-arch=<output-dir>, -I<output-dir>/inc)."""
     for path, name in places:
         if text == path:
             return name
         text = text.replace(path + "/", name + "/" if name != "." else "")
+        text = re.sub(re.escape(path) + r"(?![\w.+~-])", lambda match: name, text)
     return text
 
 
@@ -5883,6 +5887,12 @@ class TraceSession:
                 "%s, every process it started is killed when it ends, and the checkout is "
                 "compared with what it was" % (self.problem, UNISOLATED, kept_variables()))
 
+    def shows(self, path):
+        """Whether a script run in this session sees path."""
+        return self.problem is not None or any(
+            path == p or path.startswith(p.rstrip("/") + "/")
+            for step, p, _ in self.plan if step in ("ro-bind", "bind", "symlink"))
+
     def close(self):
         if self.shims is not None:
             self.shims.close()
@@ -6190,6 +6200,7 @@ def trace_script(session, backend, arch, timeout, stream):
         trace = Trace(shown, child, calls, read_uncaught(lines, shims.toolkit), written,
                       binaries, out, places)
         trace.commands = lines
+        trace.search = [d for d in env["PATH"].split(os.pathsep) if session.shows(d)]
         trace.tampered = shims.changes()
         if trace.tampered:  # the next run gets shims made anew
             shims.close()
@@ -6322,7 +6333,11 @@ def trace_backend(repo, run, backend, args, stream, session):
             continue
         if child.returncode != 0:
             limit = shim_limit(trace, facts)
-            if limit is None:
+            missing = missing_command(trace)
+            if missing is not None:
+                report("error", "R001", "the script failed with exit status %d: it runs %s, which "
+                       "is not on its PATH" % (child.returncode, missing))
+            elif limit is None:
                 report("error", "R001", "the script failed with exit status %d" % child.returncode)
             else:
                 report("warning", "X003", "the script failed with exit status %d, and %s: the "
@@ -6352,6 +6367,17 @@ def trace_backend(repo, run, backend, args, stream, session):
                         trace_summary(runs[0]), sum(r["elapsed"] for r in runs), found)
     result.trace = runs
     return result
+
+
+def missing_command(trace):
+    """The command a run ran last when it ended with the shell's status for
+    a command not found (127) and no directory on its PATH it could see
+    holds that command, else None."""
+    import shutil
+    words = xtrace_words(trace.commands[-1]) if trace.commands else []
+    if trace.child.returncode != 127 or not words or "/" in words[0]:
+        return None
+    return None if shutil.which(words[0], path=os.pathsep.join(trace.search)) else words[0]
 
 
 def show_paths(paths, most=5):
@@ -6704,8 +6730,11 @@ def cmd_init(args):
             said.write("init: %s is the only *.sh here, so build.script; running ./%s "
                        "<output-dir> with the compiler shims in place\n"
                        % (script, backend.rel(script)))
-        facts = init_trace(repo, backend, facts.default_target)
-    output, archs, elsewhere = inferred_build(script, facts, platform)
+        facts, show = init_trace(repo, backend, facts.default_target)
+    try:
+        output, archs, elsewhere = inferred_build(script, facts, platform)
+    except CannotTell as exc:  # its words are the traced calls', temporary paths in them
+        raise CannotTell(show(str(exc)) if traced else str(exc))
     abi = 1
     for source in sources:
         text, _, _ = read_text(os.path.join(target, source))
@@ -6782,7 +6811,8 @@ def replaced_ignore(path):
 
 def init_trace(repo, backend, default_target):
     """The ScriptFacts of the backend's build script run under the compiler
-    shims, for init, paths shown as the repository's or <output-dir>;
+    shims, for init, paths shown as the repository's or <output-dir>, and
+    the run's show(), for the words of a message read from them;
     CannotTell when the run does not show them."""
     import io
     script = backend.build_script
@@ -6807,6 +6837,11 @@ def init_trace(repo, backend, default_target):
     failure = (child.error if child.error is not None else
                "it did not finish within %gs" % TRACE_TIMEOUT if child.timed_out else
                "it failed with exit status %d" % child.returncode if child.returncode else None)
+    missing = missing_command(trace) if failure is not None else None
+    if missing is not None:
+        raise CannotTell("init: %s runs %s, which is not on its PATH (exit status %d); install it "
+                         "where the script finds it, or give --no-trace to read the script "
+                         "without running it" % (script, missing, child.returncode))
     if failure is not None:
         limit = shim_limit(trace, facts) if child.returncode else None
         if limit is not None:
@@ -6823,7 +6858,7 @@ def init_trace(repo, backend, default_target):
         call.outputs = [trace.show(o) for o in call.outputs]
     facts.out_dir = "<output-dir>"
     facts.default_target = default_target
-    return facts
+    return facts, trace.show
 
 
 def cmd_build(args):

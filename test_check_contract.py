@@ -4703,6 +4703,38 @@ class TraceTierTest(TreeTest):
                       "<output-dir>/libfat.so; targets 89\n", out)
         self.assertTrue(out.endswith("\n1 backend(s) passed, 0 failed, 0 skipped\n"), out)
 
+    def test_a_library_written_beside_the_output_directory_is_named_so(self):
+        # Outside <output-dir> but inside the trace's temporary directory: named from
+        # <output-dir>, the one place of it the user knows.
+        self.backend('#!/usr/bin/env bash\nmkdir -p "$1" "$1/../../x64"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/../../x64/libk.so" k.cu\n')
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual(rc, 1)
+        self.assertIn(("B013", "running build.sh <output-dir> shows: build script build.sh writes "
+                       "its library to <output-dir>/../../x64/libk.so, not under its <output-dir> "
+                       "argument ($1): the build tier and CI look for libk.so in <output-dir>; "
+                       "write -o \"$1/libk.so\""),
+                      [(i["code"], i["message"]) for i in result["issues"]])
+
+    def test_a_temporary_path_inside_a_word_is_shown_as_what_it_stands_for(self):
+        self.backend('#!/usr/bin/env bash\nmkdir -p "$1"\n'
+                     'nvcc -arch=$1 -I$1/inc -shared -o "$1/libk.so" k.cu\n')
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual(result["runs"][0]["calls"][0]["words"][:3],
+                         ["nvcc", "-arch=<output-dir>", "-I<output-dir>/inc"])
+
+    def test_a_command_the_machine_does_not_have_is_named(self):
+        self.backend('#!/usr/bin/env bash\nset -e\nmkdir -p "$1"\ncheck-contract-no-such-tool\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
+        rc, report, err = self.trace()
+        (result,) = report["results"]
+        self.assertEqual((rc, [(i["code"], i["message"]) for i in result["issues"]]), (1, [
+            ("R001", "running build.sh <output-dir>%s shows: the script failed with exit status "
+             "127: it runs check-contract-no-such-tool, which is not on its PATH" % arch)
+            for arch in (" 80", "")]))
+
     def test_the_compiler_picked_from_cuda_home_or_path_is_traced(self):
         # The shape the script reader misread (B005): assignments after then/else.
         self.backend('#!/usr/bin/env bash\nset -euo pipefail\nout=$1\nmkdir -p "$out"\n'
@@ -5598,6 +5630,27 @@ class InitTraceTest(TreeTest):
                          "No such file or directory); make it run as ./build.sh <output-dir>, or "
                          "give --no-trace to read it without running it\n")
         self.assertFalse(os.path.exists(self.path("backends/cuda/k/k.backend.json")))
+
+    def test_init_names_a_command_the_machine_does_not_have(self):
+        self.backend(Executable('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
+                                'check-contract-no-such-tool --make-archs\n'
+                                'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'))
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init: build.sh runs "
+                         "check-contract-no-such-tool, which is not on its PATH (exit status "
+                         "127); install it where the script finds it, or give --no-trace to read "
+                         "the script without running it\n")
+
+    def test_init_shows_the_output_directory_in_every_word(self):
+        self.backend(Executable('#!/usr/bin/env bash\nmkdir -p "$1"\n'
+                                'nvcc -arch=$1 -shared -o "$1/libk.so" k.cu\n'))
+        rc, out, err = self.init()
+        self.assertEqual((rc, out), (1, ""))
+        self.assertEqual(err, "check_contract.py: error: init: cannot tell which architectures "
+                         "build.sh builds (-arch=<output-dir>, whose code <output-dir> nvcc does "
+                         "not read); give each target in a flag of its own (-gencode, -arch or "
+                         "-code) and run init again, or write the manifest yourself\n")
 
     def test_init_refuses_a_compiler_the_shims_cannot_see(self):
         self.backend(Executable('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
