@@ -4731,6 +4731,14 @@ def read_input(path: str, what: str, hint: str = "") -> bytes:
     return data
 
 
+def read_patch(args: argparse.Namespace) -> bytes:
+    """The bytes of PATCH, read once: each round of a trial applies them
+    again, and a piped patch (`trial <(git diff)`) can be read only once."""
+    if getattr(args, "patch_bytes", None) is None:
+        args.patch_bytes = read_input(args.patch, "patch ", "; pass a unified diff")
+    return args.patch_bytes
+
+
 LEGACY_STATE = ".overlay"  # version 1.0's default state directory, in the current directory
 
 
@@ -5006,8 +5014,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.p < 0:
         raise UsageError("E109", "-p must be 0 or more")
     artifacts, caches, build = native_options(args)
-    text = read_input(args.patch, "patch ", "; pass a unified diff").decode(
-        "utf-8", "surrogateescape")
+    text = read_patch(args).decode("utf-8", "surrogateescape")
     name = os.path.basename(args.patch)
     file_patches = parse_patch(text, args.p, name)
     natives: List[Tuple[str, Optional[bytes]]] = []
@@ -5136,8 +5143,7 @@ def updated_contents(state: State, entry: dict, args: argparse.Namespace) -> Dic
                 for path in sources}
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     name = os.path.basename(args.patch)
-    text = read_input(args.patch, "patch ", "; pass a unified diff").decode(
-        "utf-8", "surrogateescape")
+    text = read_patch(args).decode("utf-8", "surrogateescape")
     contents = {}
     for file_patch in parse_patch(text, args.p, name):
         path = os.path.join(root, file_patch.path)

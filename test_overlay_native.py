@@ -5555,6 +5555,18 @@ class TrialTest(OverlayTestCase):
                               "status 13)\n", done.stdout)
                 self.assertEqual(tree_state(self.proj), self.before)
 
+    def test_a_piped_patch_is_read_once_for_every_round(self) -> None:
+        # trial <(git diff) --repeat 3: the shell's pipe can be read once.
+        read_end, write_end = os.pipe()
+        with open(self.diff, "rb") as handle:
+            os.write(write_end, handle.read())
+        os.close(write_end)
+        self.addCleanup(os.close, read_end)
+        done = self.trial("--repeat", "3", patch="/dev/fd/%d" % read_end)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("(3 runs)", done.stdout)
+        self.assertEqual(tree_state(self.proj), self.before)
+
     def test_a_state_with_something_applied_is_refused_naming_it(self) -> None:
         fast = os.path.join(self.tmp, "fast.c")
         write_text_file(fast, "int a(void) { return 2; }\n")
