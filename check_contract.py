@@ -5557,6 +5557,7 @@ class Shims:
             handle.write(SHIM_LIBRARY)
         os.symlink(".", os.path.join(self.toolkit, "llvm"))
         os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
+        toolkit_headers(os.path.join(self.toolkit, "include"))
         with open(self.bash_env, "w", encoding="utf-8") as handle:
             handle.write(TRACE_BASH_ENV % {"xtrace": shell_quote(xtrace)})
         self._chmod(0o444, 0o555)
@@ -5593,6 +5594,42 @@ class Shims:
         except OSError:
             pass  # what the script left in their place goes too
         shutil.rmtree(self.toolkit, ignore_errors=True)
+
+
+# Where the machine's CUDA and HIP headers may be, after the caller's own variables.
+CUDA_HEADER_HOMES = ("CUDA_HOME", "CUDA_PATH", "/usr/local/cuda", "/opt/cuda")
+HIP_HEADER_HOMES = ("ROCM_PATH", "HIP_PATH", "/opt/rocm", "/usr")
+# Stand-ins where the machine has none: what toolkit checks test for (a file
+# there, a version macro in it), for a release as recent as MachineNvcc.RECENT.
+STUB_HEADERS = {
+    "cuda.h": "#define CUDA_VERSION 12080\n",
+    "cuda_runtime_api.h": "#define CUDART_VERSION 12080\n",
+    "cuda_runtime.h": '#include "cuda.h"\n#include "cuda_runtime_api.h"\n',
+    "hip/hip_runtime.h": "#define HIP_VERSION_MAJOR 6\n"}
+
+
+def toolkit_headers(include):
+    """The toolkit's include/ for a script that checks for a toolkit by its
+    headers ($CUDA_HOME/include/cuda_runtime.h): links to the machine's CUDA
+    headers (each entry) and HIP headers (hip/), stand-ins where it has none.
+    The shims compile nothing, so no header is read but by such a check."""
+    os.mkdir(include)
+    homes = [os.environ.get(h, "") if h.isupper() else h for h in CUDA_HEADER_HOMES]
+    cuda = next((os.path.join(h, "include") for h in homes if h and os.path.isfile(
+        os.path.join(h, "include", "cuda_runtime.h"))), None)
+    for entry in sorted(os.listdir(cuda)) if cuda else ():
+        os.symlink(os.path.join(cuda, entry), os.path.join(include, entry))
+    homes = [os.environ.get(h, "") if h.isupper() else h for h in HIP_HEADER_HOMES]
+    hip = next((os.path.join(h, "include", "hip") for h in homes if h and os.path.isfile(
+        os.path.join(h, "include", "hip", "hip_runtime.h"))), None)
+    if hip:
+        os.symlink(hip, os.path.join(include, "hip"))
+    for name, text in STUB_HEADERS.items():
+        path = os.path.join(include, name)
+        if not os.path.lexists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write("/* A stand-in written by check_contract.py trace. */\n" + text)
 
 
 def shim_names():

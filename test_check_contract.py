@@ -5546,6 +5546,26 @@ class ToolkitProbesTest(TreeTest):
         self.assertEqual((default["targets"], default["defines"]), (["x86-64"], ["-Dk_EXPORTS"]))
         self.assertTrue(any("CMakeScratch" in c["cwd"] and c["probe"] for c in default["calls"]))
 
+    def test_the_toolkit_holds_the_headers_a_toolkit_check_looks_for(self):
+        self.tree({"backends/cpu/k/k.backend.json": {
+            "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.c"],
+            "build": {"script": "build.sh", "output": "libk.so", "architectures": ["x86-64"]}},
+            "backends/cpu/k/k.c": "#define K_ABI_VERSION 1\n",
+            "backends/cpu/k/build.sh": Executable(
+                '#!/bin/sh\nset -eu\ntest -f "$CUDA_HOME/include/cuda_runtime.h"\n'
+                'grep -q "define CUDART_VERSION" "$CUDA_PATH/include/cuda_runtime_api.h"\n'
+                'test -f "$ROCM_PATH/include/hip/hip_runtime.h"\n'
+                'mkdir -p "$1"\ncc -shared -march=x86-64 -o "$1/libk.so" "$(dirname "$0")/k.c"\n')})
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), out)
+        with tempfile.TemporaryDirectory() as top:
+            check_contract.toolkit_headers(os.path.join(top, "include"))
+            header = os.path.join(top, "include", "cuda_runtime.h")
+            if os.path.isdir("/usr/local/cuda/include"):  # the machine's own, not a stand-in
+                self.assertEqual(os.path.realpath(header),
+                                 os.path.realpath("/usr/local/cuda/include/cuda_runtime.h"))
+
     def test_cc_answers_what_it_is_as_the_real_cc(self):
         real = [subprocess.run(["cc", option], stdout=subprocess.PIPE, universal_newlines=True,
                                check=True).stdout.strip() for option in ("--version", "-dumpmachine")]
