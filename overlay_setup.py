@@ -91,7 +91,8 @@ Exit codes:
   10-14  trial: the step that failed (the install is reverted first):
      10 the reference run, 11 apply or its build, 12 the verification,
      13 the candidate run, 14 the revert (or the install differs from before)
-  130  interrupted (Ctrl-C), also while the tool starts; trial reverts first
+  130  interrupted (Ctrl-C), also while the tool starts; add-native, apply and
+       trial revert what they applied first (a second Ctrl-C stops that)
      (143 for SIGTERM)
 
 Failures are one line on stderr: `overlay_setup: CODE what is wrong; what to do`
@@ -263,6 +264,10 @@ class OverlayError(Exception):
 
 class UsageError(OverlayError):
     status = 2
+
+
+class RolledBack(KeyboardInterrupt):
+    """Ctrl-C stopped a command, which took back what it had applied."""
 
 
 class Stopped(BaseException):
@@ -3382,7 +3387,31 @@ class NativePlan:
     def run(self, journal: dict, command: str, python_update=None,
             in_trial: bool = False) -> Optional["NativeEntry"]:
         """Carry the plan out (with the Python part), rolling back if anything
-        fails before the build."""
+        fails before the build, and on Ctrl-C at any point (a trial reverts
+        by itself); a second Ctrl-C stops that and leaves it to `revert`."""
+        entry_id, modules_before = journal["next_id"], set(journal["python"]["modules"])
+        try:
+            return self.carry_out(journal, command, python_update, in_trial)
+        except KeyboardInterrupt:
+            if in_trial:
+                raise
+            here = tool_at(self.state)
+            print("overlay_setup: interrupted; reverting what this run applied (Ctrl-C again "
+                  "leaves it to `%s revert`)" % here, file=sys.stderr, flush=True)
+            try:
+                self.undo(entry_id, modules_before)
+            except KeyboardInterrupt:
+                print("overlay_setup: interrupted again: that revert stopped halfway",
+                      file=sys.stderr, flush=True)
+                raise
+            except (OSError, OverlayError) as exc:
+                raise OverlayError("E601", "interrupted, and taking back what this run applied "
+                                   "failed (%s); run `%s revert` once the cause is fixed"
+                                   % (getattr(exc, "strerror", None) or exc, here))
+            raise RolledBack()
+
+    def carry_out(self, journal: dict, command: str, python_update,
+                  in_trial: bool) -> Optional["NativeEntry"]:
         state = self.state
         entry = None
         entry_id = journal["next_id"]
@@ -3411,20 +3440,25 @@ class NativePlan:
             entry.build()
         return entry
 
-    def rollback(self, entry_id: int, modules_before: set, exc: OSError) -> None:
+    def undo(self, entry_id: int, modules_before: set) -> None:
         """Undo what this command did (the journal on disk says how far it got)."""
         state = self.state
+        journal = state.load()
+        modules = journal["python"]["modules"]
+        if set(modules) - modules_before:
+            for name in set(modules) - modules_before:
+                del modules[name]
+            write_python_overlay(state, journal)
+            state.save(journal)
+        for entry in list(journal["entries"]):
+            if entry["id"] == entry_id:
+                NativeEntry(state, journal, entry).revert()
+        remove_orphaned_backups(state, journal)
+
+    def rollback(self, entry_id: int, modules_before: set, exc: OSError) -> None:
+        state = self.state
         try:
-            journal = state.load()
-            modules = journal["python"]["modules"]
-            if set(modules) - modules_before:
-                for name in set(modules) - modules_before:
-                    del modules[name]
-                write_python_overlay(state, journal)
-                state.save(journal)
-            for entry in list(journal["entries"]):
-                if entry["id"] == entry_id:
-                    NativeEntry(state, journal, entry).revert()
+            self.undo(entry_id, modules_before)
         except (OSError, OverlayError) as second:
             raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
                                "run `%s revert` once the cause is fixed"
@@ -6226,6 +6260,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               % (signal.Signals(exc.signum).name, tool_at(State(state_root(args)))),
               file=sys.stderr)
         return 128 + exc.signum
+    except RolledBack:
+        print("overlay_setup: interrupted; what this run applied is reverted", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         here = tool_at(State(state_root(args)))
         print("overlay_setup: interrupted; run `%s status`, then `%s revert`" % (here, here),

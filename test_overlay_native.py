@@ -5434,7 +5434,7 @@ class OverlayDocsTest(unittest.TestCase):
         docs = " ".join(read_text(os.path.join(HERE, "docs", "overlay_setup.md")).split())
         messages = docs[docs.index("## Messages and codes"):docs.index("| Code | Status |")]
         uncoded = re.findall(r'print\("(overlay_setup: [a-z][^%`"]*)', read_text(TOOL))
-        self.assertEqual(len(uncoded), 3, uncoded)
+        self.assertEqual(len(uncoded), 6, uncoded)
         for line in uncoded:
             self.assertIn(line.strip(), messages)
 
@@ -6549,3 +6549,77 @@ class ReadableOutputTest(OverlayTestCase):
         self.assertTrue(os.path.isdir(self.state))  # one the user named is the user's
         self.assertOk(call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build"))
         self.assertOk(call("revert"))
+
+
+class InterruptedApplyTest(OverlayTestCase):
+    """Ctrl-C during add-native or apply takes back what that run applied,
+    as pip or git would; a second Ctrl-C leaves it to `revert`."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        write_tree(self.tmp, {"proj/k.c": "int k(void) { return 1; }\n",
+                              "fast.c": "int k(void) { return 2; }\n",
+                              "fix.diff": "--- a/k.c\n+++ b/k.c\n@@ -1 +1 @@\n"
+                                          "-int k(void) { return 1; }\n+int k(void) { return 3; }\n"})
+        self.source = os.path.join(self.tmp, "proj", "k.c")
+        self.here = "overlay_setup.py --state %s" % self.state
+
+    def interrupt_build(self, *argv: str) -> tuple:
+        """Run the tool, SIGINT it once its build printed `started`: (rc, stderr)."""
+        proc = subprocess.Popen([sys.executable, TOOL, "--state", self.state] + list(argv)
+                                + ["--build-cmd", "echo started; sleep 30"], cwd=self.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True)
+        try:
+            for line in proc.stdout:
+                if "started" in line:
+                    break
+            else:
+                self.fail("the build never started: %s" % proc.stderr.read())
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return proc.returncode, err
+
+    def assert_nothing_applied(self) -> None:
+        with open(self.source) as handle:
+            self.assertEqual(handle.read(), "int k(void) { return 1; }\n")
+        rc, out, err = self.tool("status")
+        self.assertIn(out.splitlines()[-1], ("next: nothing applied; nothing to do",
+                                             "no overlay at %s" % self.state), out)
+
+    def test_ctrl_c_during_the_build_of_add_native_or_apply_reverts_what_it_applied(self) -> None:
+        for argv in (["add-native", "--source", self.source, "--patched", "fast.c"],
+                     ["apply", "fix.diff", "--root", "proj"]):
+            with self.subTest(command=argv[0]):
+                rc, err = self.interrupt_build(*argv, "--build-cwd", "proj")
+                self.assertEqual((rc, err.splitlines()[-2:]), (130, [
+                    "overlay_setup: interrupted; reverting what this run applied (Ctrl-C again "
+                    "leaves it to `%s revert`)" % self.here,
+                    "overlay_setup: interrupted; what this run applied is reverted"]), err)
+                self.assert_nothing_applied()
+
+    def test_a_second_ctrl_c_leaves_the_revert_to_revert_and_says_so(self) -> None:
+        # Real SIGINTs, sent at two changes in a row (OVERLAY_TEST_KILL_AT):
+        # the first pair where the first lands in the apply and the second in
+        # the revert the first one started.
+        for point in range(1, 40):
+            done = subprocess.run([sys.executable, TOOL, "--state", self.state, "add-native",
+                                   "--source", self.source, "--patched", "fast.c", "--no-build"],
+                                  cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  universal_newlines=True,
+                                  env=dict(os.environ, OVERLAY_TEST_KILL_AT="%d,%d" % (point, point + 1),
+                                           OVERLAY_TEST_KILL_SIGNAL="INT"))
+            if "interrupted again" in done.stderr or done.returncode != 130:
+                break
+            self.assert_nothing_applied()
+        self.assertEqual((done.returncode, done.stderr), (130, (
+            "overlay_setup: interrupted; reverting what this run applied (Ctrl-C again leaves it "
+            "to `{0} revert`)\n"
+            "overlay_setup: interrupted again: that revert stopped halfway\n"
+            "overlay_setup: interrupted; run `{0} status`, then `{0} revert`\n").format(self.here)))
+        self.assertOk(self.tool("revert"))
+        self.assert_nothing_applied()
