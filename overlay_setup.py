@@ -4082,7 +4082,7 @@ class NativeEntry:
         print("build finished in %.1fs" % seconds)
         return 0
 
-    def update(self, contents: Dict[str, bytes], timeout: Optional[float]) -> None:
+    def update(self, contents: Dict[str, Optional[bytes]], timeout: Optional[float]) -> None:
         """Swap the new patched `contents` in and build again.  This build is
         compared with the tree just before it: what was made or written since
         the last build (results, notes, another entry's products) is not this
@@ -4094,7 +4094,8 @@ class NativeEntry:
             # Journaled before the write; until it lands, the old patched
             # content is as much ours as the new one.
             record["previous_patched_sha256"] = record.get("patched_sha256")
-            record["patched_sha256"] = hashlib.sha256(contents[record["path"]]).hexdigest()
+            record["patched_sha256"] = None if contents[record["path"]] is None else \
+                hashlib.sha256(contents[record["path"]]).hexdigest()
         if entry["build"] is not None:
             entry["earlier_untracked"] = untracked_products(state, entry)
             entry["builds"] = entry.get("builds", 1) + 1
@@ -4108,7 +4109,10 @@ class NativeEntry:
         for record in entry["sources"]:
             path = record["path"]
             if path in contents and file_sha256(path) != record["patched_sha256"]:
-                put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
+                if contents[path] is None:
+                    remove_file(path)
+                else:
+                    put_file(path, {"mode": record.get("mode", 0o644)}, data=contents[path])
         print("state: %s" % state.root, flush=True)
         if entry["build"] is not None:
             self.build()
@@ -5161,24 +5165,32 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def updated_contents(state: State, entry: dict, args: argparse.Namespace) -> Dict[str, bytes]:
+def updated_contents(state: State, entry: dict, args: argparse.Namespace
+                     ) -> Tuple[Dict[str, Optional[bytes]], List[str]]:
     """The new patched content of the entry's sources: from --patched, from
     a patch applied to the originals (the backups), or, with neither, what
-    the sources hold now (fixed in place)."""
+    the sources hold now (fixed in place).  A patch replaces the whole
+    change: a source it no longer changes goes back to its original (None:
+    it was absent); those are returned too."""
     sources = {record["path"]: record for record in entry["sources"]}
     if args.patched is not None:
         if len(sources) != 1:
             raise UsageError("E109", "entry %d patches %d sources; pass a PATCH instead of "
                              "--patched" % (entry["id"], len(sources)))
         return {next(iter(sources)): read_input(args.patched, "--patched ",
-                                                "; pass the patched file")}
+                                                "; pass the patched file")}, []
     if args.patch is None:
         return {path: read_input(path, "", "; restore it, or run `%s revert`" % tool_at(state))
-                for path in sources}
+                for path in sources}, []
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     name = os.path.basename(args.patch)
     text = read_patch(args).decode("utf-8", "surrogateescape")
-    contents = {}
+    def original(record: dict) -> Optional[bytes]:
+        if not record["present"]:
+            return None
+        with open(state.state_path(record["backup"]), "rb") as handle:
+            return handle.read()
+    patches = {}
     for file_patch in parse_patch(text, args.p, name):
         path = os.path.join(root, file_patch.path)
         record = sources.get(os.path.normpath(path))
@@ -5186,16 +5198,16 @@ def updated_contents(state: State, entry: dict, args: argparse.Namespace) -> Dic
             raise OverlayError("E103", "%s: %s is not a source of entry %d (%s); apply it as a "
                                "change of its own" % (name, path, entry["id"],
                                                      ", ".join(sorted(sources))))
-        original = None
-        if record["present"]:
-            with open(state.state_path(record["backup"]), "rb") as handle:
-                original = handle.read()
-        result = apply_hunks(file_patch, original, name)
+        patches[record["path"]] = file_patch
+    contents = {path: original(record) for path, record in sources.items()
+                if path not in patches}
+    for path, file_patch in patches.items():
+        result = apply_hunks(file_patch, original(sources[path]), name)
         if result is None:
             raise OverlayError("E303", "%s: %s is deleted by the patch; `update` only changes "
                                "content: revert and apply it instead" % (name, path))
-        contents[record["path"]] = result
-    return contents
+        contents[path] = result
+    return contents, sorted(path for path in sources if path not in patches)
 
 
 def cmd_update(args: argparse.Namespace) -> int:
@@ -5224,10 +5236,12 @@ def cmd_update(args: argparse.Namespace) -> int:
                                "left running, moves those files aside and restores the rest), "
                                "then apply again" % (entry["id"], ", ".join(build_trees(
                                    entry["build"])), tool_at(state)))
-        contents = updated_contents(state, entry, args)
+        contents, back = updated_contents(state, entry, args)
         NativeEntry(state, journal, entry).update(contents, args.timeout)
-    print("entry %d updated: %s; the originals stay backed up for `%s revert`"
-          % (entry["id"], ", ".join(sorted(contents)), tool_at(state)))
+    print("entry %d updated: %s; %sthe originals stay backed up for `%s revert`"
+          % (entry["id"], ", ".join(sorted(set(contents) - set(back))),
+             "back to the original, as the patch no longer changes them: %s; " % ", ".join(back)
+             if back else "", tool_at(state)))
     return 0
 
 

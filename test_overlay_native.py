@@ -8,6 +8,7 @@ import argparse
 import atexit
 import contextlib
 import difflib
+import functools
 import hashlib
 import io
 import json
@@ -1935,6 +1936,26 @@ class PatchTest(OverlayTestCase):
         subprocess.run(git + ["commit", "-qm", "base"], check=True)
         self.git = git
         on_python_path(self, self.proj)
+
+    def test_update_replaces_the_whole_change_a_source_left_out_goes_back(self) -> None:
+        before = tree_state(self.proj)
+        p = functools.partial(os.path.join, self.proj)
+        both = self.make_patch({"kernel_a.c": KERNELS["kernel_a.c"].replace("1.0", "2.0"),
+                                "kernel_c.c": KERNELS["kernel_c.c"].replace("9.0", "3.0"),
+                                "new.c": "int n;\n"}, name="both.diff")
+        one = self.make_patch({"kernel_a.c": KERNELS["kernel_a.c"].replace("1.0", "5.0")},
+                              name="one.diff")
+        self.assertOk(self.tool("apply", both, "--root", self.proj, "--no-build"))
+        rc, out, err = self.tool("update", one, "--root", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertIn("entry 1 updated: %s; back to the original, as the patch no longer "
+                      "changes them: %s, %s;" % (p("kernel_a.c"), p("kernel_c.c"),
+                                                 p("new.c")), out)
+        self.assertEqual(read_text(p("kernel_c.c")), KERNELS["kernel_c.c"])
+        self.assertFalse(os.path.exists(p("new.c")))
+        self.assertIn("5.0", read_text(p("kernel_a.c")))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.proj), before)
 
     def make_patch(self, edits: dict, deletes: tuple = (), name: str = "change.diff") -> str:
         """A real `git diff` of edits made in the work copy."""
