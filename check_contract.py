@@ -5320,8 +5320,10 @@ libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 CLONE_NEWNS, CLONE_NEWUSER, PR_SET_CHILD_SUBREAPER, MNT_DETACH = 0x20000, 0x10000000, 36, 2
 # A user namespace may not drop a mount's nosuid, nodev, noexec or atime
-# flags: a read-only remount repeats them (statvfs's bit, mount's bit).
+# flags: a read-only remount repeats them (statvfs's bit, mount's bit); a
+# mount with neither relatime nor noatime is strictatime.
 KEPT_FLAGS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
+ST_ATIME, MS_STRICTATIME = 1024 | 4096, 1 << 24
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203,
               "s390x": 217}
 
@@ -5352,6 +5354,7 @@ def read_only(target, below=True):  # target, and with below every mount under i
             flags, kept = MS_REMOUNT | MS_BIND | MS_RDONLY, os.statvfs(point).f_flag
             for bit, flag in KEPT_FLAGS:
                 flags |= flag if kept & bit else 0
+            flags |= 0 if kept & ST_ATIME else MS_STRICTATIME
             mount("none", point, None, flags)
 
 
@@ -5760,7 +5763,8 @@ def namespace_problem(top):
         said = (status or b"").partition(b"\n")[2].decode("utf-8", "replace").strip() or \
             (done.stdout.decode("utf-8", "replace").strip().splitlines() or [""])[-1] or \
             "exit status %d" % done.returncode
-        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), said)
+        return "unshare %s fails (%s)" % (" ".join(UNSHARE_OPTIONS), show_places(
+            [(toolkit, "<toolkit>"), (writable, "<output-dir>"), (probe, "<output-dir>/..")], said))
     return None
 
 
