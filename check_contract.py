@@ -231,6 +231,12 @@ SH_PREFIX_UNFOLLOWED = ("-C", "--chdir", "-S", "--split-string")
 SH_QUERY_COMMANDS = frozenset(("grep", "egrep", "fgrep", "diff", "cmp", "pkg-config", "nvidia-smi",
                                "rocminfo", "rocm_agent_enumerator", "lspci", "ldconfig", "ls",
                                "stat", "find"))
+# Commands that create no directory, whatever their arguments.
+SH_MAKES_NO_DIRECTORY = frozenset(("cd", "pushd", "popd", "echo", "printf", "test", "[", "[[", ":",
+                                   "true", "false", "shift", "set", "unset", "read", "exit", "return",
+                                   "type", "which", "hash", "shopt", "dirname", "basename", "realpath",
+                                   "readlink", "pwd", "ls", "cat", "grep", "nproc", "uname", "sleep",
+                                   "export", "local", "declare", "readonly", "typeset"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
 # Programs that run commands of their own, which the reader does not see.
 SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
@@ -1307,12 +1313,15 @@ class ScriptFacts:
     line, condition): op "add" (a compiler's -o, cp, mv, ln) or "remove"
     (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
-    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death")
+    __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death", "dangling",
+                 "failures")
 
     def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None,
                  death=None):
         self.calls = calls
         self.death = death  # (line, why) where the default invocation surely fails
+        self.dangling = {}  # {file in <output-dir>: what it links to}, for links that dangle
+        self.failures = []  # (line, why) of commands that surely fail, the script going on
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
@@ -1378,6 +1387,9 @@ def check_build_facts(backend, rel, facts, traced=False):
             "the build tier and CI would fail there"), where, line)
         if not outputs:
             return
+    for line, why in facts.failures[:1]:
+        backend.error("B019", "%s%s <output-dir> fails at line %d: %s" % (said, rel, line, why),
+                      where, line)
     warned = len(backend.diagnostics)
     if not outputs:
         if facts.unfollowed:
@@ -1393,7 +1405,14 @@ def check_build_facts(backend, rel, facts, traced=False):
     landed, maybe = facts.landing()
     output, call = outputs[-1]
     library = posixpath.normpath(backend.output) if backend.output is not None else None
-    if library is not None and library not in landed:
+    if library in facts.dangling:
+        link = show_word(facts.dangling[library])
+        backend.error("B013", "%s%s leaves %s in <output-dir> as a link to %s, which is not there "
+                      "when the script ends%s; link to a file in <output-dir>, or copy the library "
+                      "there" % (said, rel, library, link, "" if link.startswith(("/", "$", "<", "~"))
+                                 else " (a relative link is read from the directory it is in, "
+                                 "<output-dir>)"), where)
+    elif library is not None and library not in landed:
         why = maybe.get(library) or maybe.get(None)
         if why:
             backend.warning("B017", "%scannot tell whether %s is in <output-dir> when %s ends: %s"
@@ -1486,9 +1505,10 @@ def check_compiled_sources(repo, backend, calls, repository_path, traced=False, 
     """S008, S009: what the compiler calls (CompilerCall, run or read)
     compiled, against `sources`.  repository_path(path) gives a compiled
     path's place relative to the repository root, or None outside it; a
-    file the repository does not hold was made by the build, not declared.
-    Without `complete` (a compiler the calls may miss), a declared source
-    no call compiles is not reported."""
+    file the repository does not hold was made by the build, not declared,
+    or, when it is not there after the run either, is no file at all (the
+    real compiler fails on it).  Without `complete` (a compiler the calls
+    may miss), a declared source no call compiles is not reported."""
     said = "running %s shows: " % backend.build_script if traced else ""
     prefix = backend.rel_dir + "/"
     declared = {rel for _, rel, problem in backend.sources if rel and not problem}
@@ -1498,9 +1518,18 @@ def check_compiled_sources(repo, backend, calls, repository_path, traced=False, 
     for call in calls:
         for path in call.inputs:
             rel = repository_path(posixpath.normpath(path))
-            if rel is None or rel in reported or not os.path.isfile(os.path.join(repo.root, rel)):
+            if rel is None or rel in reported:
                 continue
             local = rel[len(prefix):] if rel.startswith(prefix) else None
+            if not os.path.isfile(os.path.join(repo.root, rel)):
+                # In the backend directory, not declared (else S001 says so), not made by the run.
+                if traced and local is not None and local not in declared and not os.path.lexists(path):
+                    reported.add(rel)
+                    backend.error("S008", "%s%s compiles %s, which is no file (neither the repository "
+                                  "nor the build has it), so the real compiler fails on it; correct "
+                                  "the name, or add the file to %s and declare it"
+                                  % (said, backend.build_script, rel, backend.rel_dir), rel, call.line)
+                continue
             compiled.add(local)
             if local in declared:
                 continue
@@ -2055,12 +2084,15 @@ class ScriptReader:
         self.options = {"expand_aliases": True} if POSIX_SHEBANG_RE.match(text) else {}
         self.aliases = {}
         self.traps = {}
+        self.links = {}          # {path in <output-dir>: (link text, line)} of ln -s
+        self.removed = {}        # {path elsewhere: line} that rm or mv took away
         errexit = SHEBANG_OPTIONS_RE.match(text)
         if errexit:
             self.options.update((OPTION_LETTERS[c], True) for c in errexit.group(1) if c in OPTION_LETTERS)
         self.quiet = 0           # > 0 where a failure does not stop the script (if's condition, a || b)
         self.subshells = 0
         self.death = None        # (line, why): where the default invocation surely fails
+        self.failures = []       # (line, why) of commands that surely fail, the script going on
         self.unsure = False      # a variable may be set where the reader does not see it
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
@@ -2091,8 +2123,11 @@ class ScriptReader:
             self.unfollowed.append((1, "shell text nested deeper than it reads"))
 
     def facts(self):
-        return ScriptFacts(self.calls, self.default_target(), self.unfollowed,
-                           placements=self.placements, death=self.death)
+        facts = ScriptFacts(self.calls, self.default_target(), self.unfollowed,
+                            placements=self.placements, death=self.death)
+        facts.failures = self.failures
+        facts.dangling = self.dangling(facts.landing()[0])
+        return facts
 
     def run_exit_trap(self):
         """What `trap CMD EXIT` set runs when the script (or a subshell) ends."""
@@ -2462,6 +2497,9 @@ class ScriptReader:
         if not argv:
             return True if argv is not None else None
         command = argv[0]
+        if command not in SH_MAKES_NO_DIRECTORY and not is_compiler_name(command) and any(
+                OUT_DIR in a or not known(a) for a in argv):
+            self.change(self.options, "<output-dir> made", True)  # mkdir -p "$1", or may be
         if command in self.functions and bypass is None:
             return self.call_function(line, command, argv[1:])
         builtin = SH_BUILTINS.get(command)
@@ -2474,6 +2512,13 @@ class ScriptReader:
         if call is not None:
             call.condition = self.condition
             self.calls.append(call)
+            writes = [o for o in call.outputs if o.startswith(OUT_DIR + "/")]
+            if writes and "<output-dir> made" not in self.options and not self.unsure and (
+                    self.condition is None and not self.subshells):
+                self.failures.append((self.line or line, (
+                    "%s cannot write %s: nothing before it creates <output-dir>, and the build tier "
+                    "and CI pass one that does not exist yet; add mkdir -p \"$1\""
+                    % (call.compiler, show_word(writes[0])))))
             self.placements.extend(("add", posixpath.normpath(o[len(OUT_DIR) + 1:]), call.line, None)
                                    for o in call.outputs if o.startswith(OUT_DIR + "/"))
             return True
@@ -2719,6 +2764,7 @@ class ScriptReader:
     def builtin_place(self, line, argv):
         """cp, mv, ln, install and rm: what they put into <output-dir> or take out of it."""
         command, operands, directory, words = argv[0], [], None, iter(argv[1:])
+        symbolic, targets = False, {}  # ln -s: the text of each link, as written
         for word in words:
             if word in ("-t", "--target-directory") or word.startswith("--target-directory="):
                 directory = word.partition("=")[2] or next(words, "")
@@ -2726,6 +2772,10 @@ class ScriptReader:
                 next(words, None)
             elif not word.startswith("-") or word == "-":
                 operands.append(self.joined(word))
+                targets[operands[-1]] = word
+            else:
+                symbolic = symbolic or word == "--symbolic" or (word[1:2] != "-" and "s" in word)
+        symbolic = symbolic and command == "ln"
         if command == "rm":
             for path in operands:
                 self.place("remove", path, line)
@@ -2737,12 +2787,14 @@ class ScriptReader:
             if len(operands) > 1 or destination.endswith("/") or destination == OUT_DIR:
                 directory = destination
             else:  # cp a "$1/libx.so"; "$1/lib" may be the file or a directory it goes into
-                self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1])
+                self.place("add", destination, line, "." in destination.rsplit("/", 1)[-1],
+                           targets[operands[0]] if symbolic and operands else None)
         for source in operands:
             name = source.rstrip("/").rsplit("/", 1)[-1]
             if directory is not None:  # cp build/* "$1/", cp -r build/. "$1/": names it cannot tell
                 self.place("add", directory.rstrip("/") + "/" + name, line,
-                           name not in ("", ".", "..") and not any(c in name for c in "*?["))
+                           name not in ("", ".", "..") and not any(c in name for c in "*?["),
+                           targets[source] if symbolic else None)
             if command == "mv":
                 self.place("remove", source, line)
         return True
@@ -2753,17 +2805,41 @@ class ScriptReader:
             return self.cwd + "/" + path
         return path
 
-    def place(self, op, path, line, named=True):
+    def place(self, op, path, line, named=True, link=None):
         """Record what a command puts into <output-dir> or takes out of it
-        (`named`: whether `path` surely names the file, not a directory)."""
+        (`named`: whether `path` surely names the file, not a directory;
+        `link`: the text of a symbolic link made there), and what it
+        removes elsewhere, where a link may point."""
         inside = path == OUT_DIR or path.startswith(OUT_DIR + "/")
+        if op == "remove" and not inside:
+            self.change(self.removed, path, line if self.condition is None else None)
         if not inside and known(path):
             return  # elsewhere
         if inside and known(path) and named:
             path = posixpath.normpath(path[len(OUT_DIR):].lstrip("/")) if path != OUT_DIR else ""
             self.placements.append((op, "" if path == "." else path, line, self.condition))
+            if op == "add":
+                self.change(self.links, path, (link, line) if link and self.condition is None else None)
         elif op == "add":
             self.placements.append((op, None, line, self.condition))
+
+    def dangling(self, landed):
+        """{file in <output-dir>: the text of the link it is}, for each link
+        surely left there whose target is surely not there when the script
+        ends: relative to <output-dir> and not in it, or removed after."""
+        found = {}
+        for path, entry in self.links.items():
+            if type(entry) is not tuple or path not in landed:
+                continue
+            text = entry[0]
+            if not text.startswith(("/",) + MARKERS):
+                target = posixpath.normpath(posixpath.join(posixpath.dirname(path), text))
+                if not target.startswith("../") and target != ".." and target not in landed:
+                    found[path] = text
+            elif any(line is not None and (text == gone or text.startswith(gone.rstrip("/") + "/"))
+                     for gone, line in self.removed.items()):
+                found[path] = text
+        return found
 
     def builtin_printf(self, line, argv):
         if argv[1:2] == ["-v"] and len(argv) > 3 and SH_NAME_RE.match(argv[2]):
@@ -5511,6 +5587,7 @@ class Trace:
         self.changed = []         # checkout paths the run changed
         self.commands = []        # the command lines of bash's trace
         self.search = []          # the directories on the script's PATH it could see
+        self.dangling = {}        # {path under <output-dir>: its link's text, shown} of links that dangle
 
     def show(self, text):
         return show_places(self.places, text)
@@ -6242,6 +6319,10 @@ def trace_script(session, backend, arch, timeout, stream):
                       binaries, out, places)
         trace.commands = lines
         trace.search = [d for d in env["PATH"].split(os.pathsep) if session.shows(d)]
+        for path in written:  # read now: <output-dir> is gone when the run is compared
+            full = os.path.join(out, path)
+            if os.path.islink(full) and not os.path.exists(full):
+                trace.dangling[path] = show_places(places, os.readlink(full))
         trace.tampered = shims.changes()
         if trace.tampered:  # the next run gets shims made anew
             shims.close()
@@ -6278,8 +6359,9 @@ def traced_facts(trace):
         calls.append(call)
     # What is in <output-dir> when the script ends is what it leaves there, however it got there.
     left = [("add", path, None, None) for path in sorted(trace.written)]
-    return ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir,
-                       placements=left), calls
+    facts = ScriptFacts([c for c in calls if c is not None], out_dir=trace.out_dir, placements=left)
+    facts.dangling = trace.dangling
+    return facts, calls
 
 
 def traced_build(trace, calls, platform, library=None):

@@ -707,11 +707,11 @@ class BuildScriptTest(TreeTest):
                                                  "const char *%s_error_string(int);\n"
                                                  % (name.upper(), name, name),
                 "backends/cuda/%s/build.sh" % name: Executable(
-                    "#!/bin/bash\n# Build lib%s.so\nout=$1\nnvcc -shared -arch=sm_%d k.cu \\\n"
+                    "#!/bin/bash\n# Build lib%s.so\nout=$1\nmkdir -p \"$out\"\nnvcc -shared -arch=sm_%d k.cu \\\n"
                     "  -o \"$out/lib%s.so\"\n" % (name, cap, name))})
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["line"]) for i in self.issues()[1])
-        self.assertEqual(found, [("cuda/b", "B006", 4), ("cuda/b", "B007", 4)])
+        self.assertEqual(found, [("cuda/b", "B006", 5), ("cuda/b", "B007", 5)])
 
     def test_missing_script_is_an_error(self):
         files = demo_files()
@@ -800,7 +800,7 @@ class BuildScriptTest(TreeTest):
         self.assertEqual(issues[0]["line"], 8)
 
     def test_set_o_pipefail_is_not_an_output(self):
-        script = Executable("#!/bin/sh\nset -o pipefail\nmarch=${2:-x86-64}\n"
+        script = Executable("#!/bin/sh\nset -o pipefail\nmkdir -p \"$1\"\nmarch=${2:-x86-64}\n"
                             "gcc -march=$march -shared ops.c -o $1/libdemo.so\nset -o errexit\n")
         self.tree(demo_files(**{"backends/cpu/demo/build.sh": script}))
         self.assertClean()
@@ -835,7 +835,7 @@ class BuildScriptTest(TreeTest):
     def test_arch_branch_before_default_branch_is_not_reached(self):
         files = fat_files()
         files["backends/cuda/fat/build.sh"] = Executable(
-            '#!/usr/bin/env bash\nout_dir="$1"\nif [ $# -lt 2 ]; then\n'
+            '#!/usr/bin/env bash\nout_dir="$1"\nmkdir -p "$1"\nif [ $# -lt 2 ]; then\n'
             "  targets=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89\n"
             "           -gencode arch=compute_90,code=sm_90)\n"
             'else\n  targets=(-gencode "arch=compute_$2,code=sm_$2")\nfi\n'
@@ -846,7 +846,7 @@ class BuildScriptTest(TreeTest):
     def single_target(self, default_expr, architectures, default_arch):
         files = fat_files(architectures=architectures, default_arch=default_arch)
         files["backends/cuda/fat/build.sh"] = Executable(
-            '#!/bin/bash\nset -eu\nout=$1\ncap=%s\n'
+            '#!/bin/bash\nset -eu\nout=$1\nmkdir -p "$out"\ncap=%s\n'
             'nvcc -shared -arch=sm_$cap ops.cu -o "$out"/libfat.so\n' % default_expr)
         return files
 
@@ -904,7 +904,7 @@ class BuildScriptTest(TreeTest):
                                                  "const char *%s_error_string(int);\n"
                                                  % (name.upper(), name, name),
                 "backends/cuda/%s/build.sh" % name: Executable(
-                    "#!/bin/bash\nout=$1\n%s\n%s\n" % (first, second))})
+                    "#!/bin/bash\nout=$1\nmkdir -p \"$out\"\n%s\n%s\n" % (first, second))})
         self.tree(files)
         found = sorted((i["backend"], i["code"], i["message"]) for i in self.issues()[1])
         self.assertEqual(found, [
@@ -925,7 +925,7 @@ class BuildScriptTest(TreeTest):
             "backends/hip/rocm/k.hip": "#define ROCM_ABI_VERSION 1\nint rocm_abi_version(void);\n"
                                        "const char *rocm_error_string(int);\n",
             "backends/hip/rocm/build.sh": Executable(
-                "#!/bin/bash\nout_dir=$1\nhipcc --offload-arch=gfx942 \\\n  --offload-arch=gfx90a "
+                "#!/bin/bash\nout_dir=$1\nmkdir -p \"$1\"\nhipcc --offload-arch=gfx942 \\\n  --offload-arch=gfx90a "
                 "-shared k.hip -o \"${out_dir}/librocm.so\"\n")})
         self.assertClean()
 
@@ -937,7 +937,7 @@ class BuildScriptTest(TreeTest):
                           "architectures": architectures}},
             "backends/hip/rocm/k.hip": "#define ROCM_ABI_VERSION 1\nint rocm_abi_version(void);\n"
                                        "const char *rocm_error_string(int);\n",
-            "backends/hip/rocm/build.sh": Executable("#!/bin/bash\n" + script)}
+            "backends/hip/rocm/build.sh": Executable("#!/bin/bash\nmkdir -p \"$1\"\n" + script)}
 
     def test_hip_target_lists_features_and_generic_targets_are_read(self):
         for script in ('hipcc --offload-arch=gfx90a:xnack+,gfx11-generic -shared k.hip -o "$1/librocm.so"\n',
@@ -951,12 +951,12 @@ class BuildScriptTest(TreeTest):
         for command in ("gcc-12", "ccache cc", "CCACHE_DISABLE=1 cc", "sccache clang-18"):
             with self.subTest(command=command):
                 self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
-                    "#!/bin/sh\n%s -shared -march=x86-64 ops.c -o \"$1/libdemo.so\"\n" % command)}))
+                    "#!/bin/sh\nmkdir -p \"$1\"\n%s -shared -march=x86-64 ops.c -o \"$1/libdemo.so\"\n" % command)}))
                 self.assertClean()
 
     def test_a_probe_to_dev_null_is_not_the_output(self):
         self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
-            '#!/bin/sh\ncc -shared -march=x86-64 ops.c -o "$1/libdemo.so"\n'
+            '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=x86-64 ops.c -o "$1/libdemo.so"\n'
             'cc -march=x86-64 -x c /dev/null -o /dev/null\n')}))
         self.assertClean()
 
@@ -965,7 +965,7 @@ class BuildScriptTest(TreeTest):
             with self.subTest(flag=flag):
                 self.tree(fat_files())
                 write_tree(self.root, {"backends/cuda/fat/build.sh": Executable(
-                    '#!/bin/bash\nnvcc -shared %s ops.cu -o "$1/libfat.so"\n' % flag)})
+                    '#!/bin/bash\nmkdir -p "$1"\nnvcc -shared %s ops.cu -o "$1/libfat.so"\n' % flag)})
                 self.assertIssue("B011", "build.sh builds with %s, which is no fixed list of targets "
                                  "(it depends on the compiler's version or the machine it runs on); "
                                  "list the targets, one flag each" % flag)
@@ -1010,11 +1010,11 @@ class BuildScriptTest(TreeTest):
 
     def test_abi_version_define_must_agree_with_the_manifest(self):
         self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
-            '#!/bin/sh\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=2 ops.c -o "$1/libdemo.so"\n')}))
+            '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=2 ops.c -o "$1/libdemo.so"\n')}))
         self.assertIssue("B016", "build.sh compiles with -DDEMO_ABI_VERSION=2 but abi_version is 1; "
                          "the library would report another ABI version than the manifest")
         write_tree(self.root, {"backends/cpu/demo/build.sh": Executable(
-            '#!/bin/sh\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=1 ops.c -o "$1/libdemo.so"\n')})
+            '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=x86-64 -DDEMO_ABI_VERSION=1 ops.c -o "$1/libdemo.so"\n')})
         self.assertClean()
 
     def test_planned_backend_gets_only_manifest_and_abi_checks(self):
@@ -1288,7 +1288,7 @@ class ScriptReaderTest(TreeTest):
 
     def test_colon_default_assignment(self):
         self.tree(demo_files(**{"backends/cpu/demo/build.sh": Executable(
-            '#!/bin/sh\n: "${MARCH:=x86-64}"\ncc -shared -march="$MARCH" ops.c -o "$1/libdemo.so"\n')}))
+            '#!/bin/sh\nmkdir -p "$1"\n: "${MARCH:=x86-64}"\ncc -shared -march="$MARCH" ops.c -o "$1/libdemo.so"\n')}))
         self.assertClean()
 
     def test_shift_before_the_target_argument(self):
@@ -1488,6 +1488,13 @@ class CompiledSourcesTest(TreeTest):
              "sources declares test_k.cu, but no compiler call of build.sh compiles it (a file only "
              "#included by another is a header: name it so, or list it in excluded)")])
         self.assertEqual(self.traced("k.cu old.cu test_k.cu", ["k.h", "k.cu", "old.cu", "test_k.cu"]), [])
+
+    def test_a_compiled_file_that_does_not_exist_is_an_error(self):
+        self.assertEqual(self.traced("k.cu missing.cu", ["k.h", "k.cu"]), [
+            ("error", "S008", "backends/cuda/k/missing.cu", "running build.sh <output-dir> shows: "
+             "build.sh compiles backends/cuda/k/missing.cu, which is no file (neither the repository "
+             "nor the build has it), so the real compiler fails on it; correct the name, or add the "
+             "file to backends/cuda/k and declare it")])
 
 
 BASH_STUB = r"""#!/bin/sh
@@ -1892,6 +1899,37 @@ class ReaderAgreesWithBashTest(TreeTest):
                                  [("B017", line, "cannot tell whether build.sh builds only what the "
                                    "checker reads; the checker does not follow line %d (%s)" % (line, what))])
 
+    def test_a_library_link_that_dangles_is_b013_read_and_traced(self):
+        for script, link, why in (
+                ('mkdir -p "$1" build\nnvcc -shared -arch=sm_80 -o build/libfat.so ops.cu\n'
+                 'ln -sf build/libfat.so "$1/libfat.so"\n', "build/libfat.so",
+                 " (a relative link is read from the directory it is in, <output-dir>)"),
+                ('mkdir -p "$1"\ntmp=$(mktemp -d)\nnvcc -shared -arch=sm_80 -o "$tmp/libfat.so" ops.cu\n'
+                 'ln -sf "$tmp/libfat.so" "$1/libfat.so"\nrm -rf "$tmp"\n', "$(mktemp -d)/libfat.so", "")):
+            with self.subTest(script=script):
+                (status, calls, landed), = run_in_bash(['cd "$(dirname "$0")"\n' + script + '[ -e "$1/libfat.so" ]\n'])
+                self.assertEqual((status, landed), (1, {"libfat.so"}))  # a link, to nothing
+                self.cuda_fat('cd "$(dirname "$0")"\n' + script)
+                message = ("leaves libfat.so in <output-dir> as a link to %s, which is not there when "
+                           "the script ends%s; link to a file in <output-dir>, or copy the library there")
+                self.assertIssue("B013", "build.sh " + message % (link, why))
+                rc, out, err = self.check("trace", "--format", "json")
+                self.assertEqual([(i["code"], re.sub(r"tmp\.\w+", "tmp.X", i["message"]))
+                                  for i in json.loads(out)["results"][0]["issues"]],
+                                 [("B013", "running build.sh <output-dir> %sshows: build.sh " % run + message % (
+                                     link.replace("$(mktemp -d)", "$TMPDIR/tmp.X"), why)) for run in ("80 ", "")])
+
+    def test_a_script_that_never_creates_its_output_directory_is_b019(self):
+        self.cuda_fat('cd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["line"], i["message"]) for i in issues], [
+            ("B019", 3, 'build.sh <output-dir> fails at line 3: nvcc cannot write $1/libfat.so: nothing '
+             'before it creates <output-dir>, and the build tier and CI pass one that does not exist '
+             'yet; add mkdir -p "$1"')])
+        self.cuda_fat('cd "$(dirname "$0")"\n[ -d "$1" ] || mkdir -p "$1"\n'
+                      'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertClean()
+
     def test_a_compiler_wrapped_in_a_function_of_its_name_is_read(self):
         self.cuda_fat('mkdir -p "$1"\nnvcc() { command nvcc -Xcompiler -fPIC "$@"; }\n'
                       'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
@@ -2043,7 +2081,7 @@ class ReaderHonestyTest(TreeTest):
         message = ("build script build.sh writes libfat.so with -o, but it is not in <output-dir> "
                    "when the script ends (moved or removed after); leave build.output there")
         self.assertIssue("B013", message)
-        self.cuda_fat('mkdir -p "$1"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
+        self.cuda_fat('mkdir -p "$1"\ncd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n'
                       'mv "$(dirname "$1")/$(basename "$1")/libfat.so" "$TMPDIR/x-$$.so"\n')
         self.assertClean()  # the reader cannot see that this names the library
         rc, out, err = self.check("trace", "--format", "json")
