@@ -141,8 +141,8 @@ how to fix it):
         or cache changed since the overlay's build, E510 a build product
         changed since the overlay's build, kept (exit status 3)
   E6xx  I/O errors during a change
-        E601 could not write (no space, permission); the state stays
-        recoverable
+        E601 could not write or read (no space, permission); the state
+        stays recoverable
 
 Test hooks (for the crash and I/O-error tests only; never set them in use):
   OVERLAY_TEST_KILL_AT=N    the process kills itself with SIGKILL just before
@@ -367,7 +367,10 @@ def copy_sparse(source: str, fd: int) -> None:
     reflink where the filesystem shares extents, else data segment by data
     segment (SEEK_DATA/SEEK_HOLE), so that holes stay holes and a sparse 1 GB
     file costs its data, not 1 GB."""
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise read_failure(exc, source)
     try:
         try:
             fcntl.ioctl(fd, FICLONE, src)
@@ -688,9 +691,14 @@ def file_sha256(path: str) -> Optional[str]:
         handle = open(path, "rb")
     except FileNotFoundError:  # removed since the lstat (a linker replacing it)
         return None
+    except OSError as exc:
+        raise read_failure(exc, path)
     with handle:
         while True:
-            block = handle.read(CHUNK)
+            try:
+                block = handle.read(CHUNK)
+            except OSError as exc:
+                raise read_failure(exc, path)
             if not block:
                 break
             hasher.update(block)
@@ -726,6 +734,20 @@ def written(exc: OSError) -> str:
     if exc.filename is not None:
         return exc.filename
     return _FAULTS["target"] or "a file"
+
+
+def read_failure(exc: OSError, path: str) -> OSError:
+    """`exc`, marked as the failure to read `path` (io_failure says so)."""
+    exc.filename = exc.filename or path
+    exc.reading = True  # type: ignore[attr-defined]
+    return exc
+
+
+def io_failure(exc: OSError) -> str:
+    """What an I/O error stopped, for a one-line message."""
+    if getattr(exc, "reading", False):
+        return "could not read %s" % exc.filename
+    return "could not write %s" % written(exc)
 
 
 # ---------------------------------------------------------------- paths
@@ -3460,12 +3482,12 @@ class NativePlan:
         try:
             self.undo(entry_id, modules_before)
         except (OSError, OverlayError) as second:
-            raise OverlayError("E601", "could not write %s (%s), and rolling back failed too (%s); "
+            raise OverlayError("E601", "%s (%s), and rolling back failed too (%s); "
                                "run `%s revert` once the cause is fixed"
-                               % (written(exc), exc.strerror, getattr(second, "strerror", second),
-                                  tool_at(state)))
-        raise OverlayError("E601", "could not write %s (%s); nothing stays applied: fix the cause "
-                           "and run the command again" % (written(exc), exc.strerror))
+                               % (io_failure(exc), exc.strerror,
+                                  getattr(second, "strerror", second), tool_at(state)))
+        raise OverlayError("E601", "%s (%s); nothing stays applied: fix the cause and run the "
+                           "command again" % (io_failure(exc), exc.strerror))
 
 
 def keep_original(path: str, backup: str, replaced: bool) -> Optional[str]:
@@ -5424,9 +5446,9 @@ def revert_state(state: State, force: bool, keep_untracked: bool) -> Tuple[List[
         try:
             done, inexact = revert_all(state, journal, force, keep_untracked)
         except OSError as exc:
-            raise OverlayError("E601", "could not write %s (%s) while reverting; the journal keeps "
-                               "what is left: fix the cause and run `%s revert` again"
-                               % (written(exc), exc.strerror, tool_at(state)))
+            raise OverlayError("E601", "%s (%s) while reverting; the journal keeps what is left: "
+                               "fix the cause and run `%s revert` again"
+                               % (io_failure(exc), exc.strerror, tool_at(state)))
         unregister(state)
     return done, inexact
 
@@ -5573,9 +5595,9 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             print("overlay_setup: %s %s" % (exc.code, exc.message), file=sys.stderr)
         except OSError as exc:
             failures += 1
-            print("overlay_setup: E601 %s: could not write %s (%s); run `overlay_setup.py "
-                  "gc-stale` again once the cause is fixed" % (directory, written(exc),
-                                                              exc.strerror), file=sys.stderr)
+            print("overlay_setup: E601 %s: %s (%s); run `overlay_setup.py gc-stale` again once "
+                  "the cause is fixed" % (directory, io_failure(exc), exc.strerror),
+                  file=sys.stderr)
     if pruned:
         print("removed %d state director%s with nothing applied from %s"
               % (pruned, "y" if pruned == 1 else "ies", state_home()))
@@ -6264,9 +6286,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             # journaled.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + signal.SIGPIPE
-        print("overlay_setup: E601 could not write %s (%s); the journal keeps what is applied: "
-              "fix the cause, then run `%s revert`"
-              % (written(exc), exc.strerror, tool_at(State(state_root(args)))), file=sys.stderr)
+        print("overlay_setup: E601 %s (%s); the journal keeps what is applied: fix the cause, "
+              "then run `%s revert`"
+              % (io_failure(exc), exc.strerror, tool_at(State(state_root(args)))), file=sys.stderr)
         return 1
     except Stopped as exc:
         print("overlay_setup: stopped by %s; the build was stopped with it and the patch stays "

@@ -4357,6 +4357,32 @@ class StateDirectorySafetyTest(OverlayTestCase):
         self.assertEqual(call("gc-stale", "--root", self.proj)[0], 0)
         self.assertEqual((tree_state(home), tree_state(self.proj)), (before, self.original))
 
+    def test_a_source_that_cannot_be_read_is_named_as_not_read(self) -> None:
+        # Only root reads a file of mode 0200: the tool runs as user nobody.
+        if os.geteuid() != 0 or shutil.which("runuser") is None:
+            self.skipTest("running the tool as a second user needs root and runuser")
+        python = next((path for path in (sys.executable, "/usr/bin/python3")
+                       if runs_as_nobody([path, "-c", "pass"])), None)
+        if python is None:
+            self.skipTest("no Python interpreter here that user nobody may run")
+        os.chmod(self.tmp, 0o755)
+        source = os.path.join(self.proj, "k.c")
+        os.chmod(source, 0o200)
+        os.makedirs(os.path.join(self.tmp, "home"))
+        for path in [self.proj, os.path.join(self.tmp, "home")] + [
+                os.path.join(self.proj, name) for name in os.listdir(self.proj)]:
+            os.chown(path, 65534, 65534)
+        before = tree_state(self.proj)
+        done = subprocess.run(["runuser", "-u", "nobody", "--", "env",
+                               "XDG_STATE_HOME=" + self.tmp + "/home", python, TOOL,
+                               "--state", os.path.join(self.tmp, "home", "state")] + self.add()[2:],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, cwd=self.tmp)
+        self.assertEqual((done.returncode, done.stderr), (
+            1, "overlay_setup: E601 could not read %s (Permission denied); nothing stays "
+            "applied: fix the cause and run the command again\n" % source))
+        self.assertEqual(tree_state(self.proj), before)
+
     def test_gc_stale_never_writes_the_lock_of_another_programs_directory(self) -> None:
         other = os.path.join(self.tmp, "app")
         write_tree(other, {"manifest.json": '{"name": "app"}\n', "lock": "held by app\n"})
