@@ -160,7 +160,8 @@ ARCH_FORMS = {
     # A processor (gfx90a) or a generic target (gfx11-generic), feature settings after it.
     "hip": (re.compile(r"gfx(?:[0-9a-f]{3,4}|[0-9]{1,2}(?:-[0-9])?-generic)(?::[a-z]+[+-])*\Z"),
             'a gfx target such as "gfx942"'),
-    "cpu": (re.compile(r"[a-z0-9][a-z0-9._+-]*\Z"), 'a -march value such as "x86-64"'),
+    # native is no target: it is whatever machine builds the library.
+    "cpu": (re.compile(r"(?!native\Z)[a-z0-9][a-z0-9._+-]*\Z"), 'a -march value such as "x86-64"'),
 }
 
 # C sources: comments and string literals in one pass, so that `"//"` in a
@@ -1195,6 +1196,10 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
                     args[index:index] = options_file_words(text)
         elif kind == "gencode":
             gencode(call, value)
+        elif kind == "arch" and "," in value:
+            call.rejected.append("-arch=%s: nvcc takes one architecture after -arch (a list is an "
+                                 "unsupported gpu architecture); write -gencode arch=compute_X,code=sm_X "
+                                 "for each" % value)
         elif kind == "arch":
             arch = value
         elif kind == "code":
@@ -1207,6 +1212,8 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
                     call.sass.append(target[3:])
                 elif target:
                     call.hip.append(target)
+        elif kind in ("march", "cpu") and value == "native":
+            call.open_targets.append("%s=native" % name)  # the machine it runs on
         elif kind == "march":
             call.march.append(value)
         elif kind == "cpu":
@@ -4264,6 +4271,11 @@ def check_status(repo, backend):
     elif not os.path.isfile(os.path.join(repo.root, entry)):
         backend.report(level, "T002", "reference.entrypoint %s does not exist (it is relative to "
                        "the repository root)" % describe(entry), key="reference.entrypoint")
+    elif not repo.inside(os.path.join(repo.root, entry)):
+        backend.error("S002", "reference.entrypoint %s is a symbolic link to %s, outside the "
+                      "repository, which parity would run; keep the reference in the repository"
+                      % (describe(entry), os.path.realpath(os.path.join(repo.root, entry))),
+                      key="reference.entrypoint")
 
 
 def inside_repository(path):
@@ -5141,9 +5153,12 @@ def parity_backend(repo, run, backend, args, stream):
         return TierResult(key, "skipped", "declares no reference.entrypoint")
     rel, problem = normalize_relpath(entry)
     path = os.path.join(repo.root, rel or "")
-    if problem or not os.path.isfile(path):
+    why = ("does not exist" if problem or not os.path.isfile(path) else None if repo.inside(path) else
+           "is a symbolic link to %s, outside the repository; parity runs no file from outside it"
+           % os.path.realpath(path))
+    if why:
         failure = Diagnostic("error", "P001", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
-                             "reference.entrypoint %s does not exist" % describe(entry))
+                             "reference.entrypoint %s %s" % (describe(entry), why))
         return TierResult(key, "failed", failure.message, diagnostics=[failure])
     command = [sys.executable, rel]
     stream.write("==> parity %s: %s\n" % (key, " ".join(command)))

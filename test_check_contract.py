@@ -917,6 +917,20 @@ class BuildScriptTest(TreeTest):
                                "must write build.output into its <output-dir> argument"),
         ])
 
+    def test_march_native_is_no_target(self):
+        self.tree(demo_files(demo_manifest(build={"script": "build.sh", "output": "libdemo.so",
+                                                  "architectures": ["native"]}),
+                             **{"backends/cpu/demo/build.sh": Executable(
+                                 '#!/bin/sh\nmkdir -p "$1"\ncc -shared -march=native ops.c -o "$1/libdemo.so"\n')}))
+        rc, issues = self.issues()
+        self.assertEqual(sorted((i["code"], i["message"]) for i in issues), [
+            ("B006", "build.architectures lists native but the default invocation of build.sh does "
+                     "not build it"),
+            ("B011", 'architecture "native" is not a -march value such as "x86-64"'),
+            ("B011", "build.sh builds with -march=native, which is no fixed list of targets (it depends "
+                     "on the compiler's version or the machine it runs on); list the targets, one flag each"),
+])
+
     def test_hip_offload_arch_is_read(self):
         self.tree({
             "backends/hip/rocm/rocm.backend.json": {
@@ -1176,7 +1190,7 @@ class CompilerCallTest(unittest.TestCase):
                  ["-arch=sm_90", "-code=sm_90"], ["-arch=compute_90", "-code=sm_89"], ["-arch=sm_90a"],
                  ["-arch=sm_100f"], ["-ptx", "-arch=sm_80"], ["-ptx", "-gencode", "arch=compute_80,code=sm_80"],
                  ["-cubin", "-arch=sm_80"], ["-fatbin", "-arch=sm_80"], ["-E", "-arch=sm_80"],
-                 ["-M", "-arch=sm_80"]]
+                 ["-M", "-arch=sm_80"], ["-arch=sm_80,sm_90"]]
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, "k.cu"), "w") as handle:
                 handle.write("__global__ void k() {}\n")
@@ -2186,6 +2200,25 @@ class StatusTest(TreeTest):
                 self.tree(demo_files(demo_manifest(reference={"entrypoint": entry})))
                 self.assertIssue("T002", "reference.entrypoint %s must be relative to the repository "
                                  "root, and inside it" % json.dumps(entry))
+
+    def test_entrypoint_linked_outside_the_repository_is_s002_and_parity_does_not_run_it(self):
+        outside = tempfile.mkdtemp(prefix="check-contract-outside-")
+        self.addCleanup(shutil.rmtree, outside, True)
+        with open(os.path.join(outside, "parity.py"), "w") as handle:
+            handle.write("print('ran outside')\n")
+        files = demo_files()
+        del files["backends/cpu/demo/parity.py"]
+        self.tree(files)
+        os.symlink(os.path.join(outside, "parity.py"), self.path("backends/cpu/demo/parity.py"))
+        real = os.path.realpath(os.path.join(outside, "parity.py"))
+        self.assertIssue("S002", 'reference.entrypoint "backends/cpu/demo/parity.py" is a symbolic link '
+                         "to %s, outside the repository, which parity would run; keep the reference "
+                         "in the repository" % real)
+        rc, out, err = self.check("parity", "--format", "json")
+        result, = json.loads(out)["results"]
+        self.assertEqual((rc, result["result"], [i["message"] for i in result["issues"]]), (1, "failed", [
+            'reference.entrypoint "backends/cpu/demo/parity.py" is a symbolic link to %s, outside the '
+            "repository; parity runs no file from outside it" % real]))
 
     def test_missing_model_dir_is_a_warning(self):
         self.tree(demo_files(demo_manifest(models=["models/qwen/", "models/llama/"]),
