@@ -6724,7 +6724,8 @@ class RepositoryTest(unittest.TestCase):
         with open(os.path.join(HERE, "bench", "README.md"), encoding="utf-8") as f:
             commands = re.findall(r"^    python3 (bench/\S+\.py)([^#\n]*)", f.read(), re.M)
         self.assertEqual(sorted({script for script, _ in commands}),
-                         ["bench/bench_check_contract.py", "bench/bench_overlay.py"])
+                         ["bench/bench_check_contract.py", "bench/bench_distribution.py",
+                          "bench/bench_overlay.py", "bench/differential_reader.py"])
         for script, args in commands:
             usage = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"],
                                    stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
