@@ -165,8 +165,9 @@ ARCH_FORMS = {
 }
 
 # C sources: comments and string literals in one pass, so that `"//"` in a
-# string is not taken for a comment.
-C_TOKEN_RE = re.compile(r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+# string is not taken for a comment; a backslash at the end of a line joins
+# the next one to it, in a // comment too.
+C_TOKEN_RE = re.compile(r'//(?:[^\n\\]|\\.)*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
                         re.S)
 C_DIRECTIVE_RE = re.compile(r"[ \t]*#[ \t]*([A-Za-z_][A-Za-z0-9_]*)?(.*)\Z", re.S)
 C_NAME_RE = re.compile(r"[ \t]*([A-Za-z_][A-Za-z0-9_]*)")
@@ -681,7 +682,11 @@ def arch_number(arch):
 
 
 def strip_c_comments(text):
-    """Text with comments blanked (newlines kept, so line numbers hold)."""
+    """Text with comments blanked (newlines kept, so line numbers hold), and
+    without a UTF-8 byte-order mark, which the preprocessor skips."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+
     def blank(match):
         token = match.group()
         if token[0] == "/":

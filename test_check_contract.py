@@ -3111,6 +3111,18 @@ class AbiReadingTest(TreeTest):
                                  "const char* demo_error_string(int code);\n" % condition)
                 self.assertClean()
 
+    def test_a_byte_order_mark_and_a_continued_line_comment_read_as_the_preprocessor_does(self):
+        tail = "uint32_t demo_abi_version(void);\nconst char* demo_error_string(int code);\n"
+        for header in (b"\xef\xbb\xbf#define DEMO_ABI_VERSION 1\n" + tail.encode(),
+                       ("// the old value was \\\n#define DEMO_ABI_VERSION 9\n#define DEMO_ABI_VERSION 1\n"
+                        + tail).encode()):
+            with self.subTest(header=header):
+                self.with_header(header)
+                macros = subprocess.run(["gcc", "-E", "-dM", "-x", "c", self.path("backends/cpu/demo/ops.h")],
+                                        stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+                self.assertEqual(re.findall(r"#define DEMO_ABI_VERSION (\w+)", macros), ["1"])
+                self.assertClean()
+
     def test_only_an_if_whose_value_is_zero_is_dead(self):
         for condition in ("0", "false", "1 - 1", "0 && FOO", "(0)"):
             with self.subTest(condition=condition):
