@@ -5636,8 +5636,9 @@ class Shims:
     bash the script starts sources.  The toolkit is read-only to the script
     (and in namespaces mounted so); its state is kept to show a change."""
 
-    def __init__(self, toolkit, log, xtrace, nvcc):
+    def __init__(self, toolkit, log, xtrace, nvcc, exports=()):
         self.toolkit = toolkit
+        self.exports = exports  # the functions the library a shim writes defines
         self.bash_env = os.path.join(toolkit, "bash_env")
         bin_dir = os.path.join(toolkit, "bin")
         os.makedirs(bin_dir)
@@ -5654,7 +5655,7 @@ class Shims:
             os.link(shim, os.path.join(bin_dir, name))
         os.mkdir(os.path.join(self.toolkit, "lib"))  # ROCm's clang: llvm/bin and lib/llvm/bin
         with open(os.path.join(self.toolkit, "lib", "shim.so"), "wb") as handle:
-            handle.write(SHIM_LIBRARY)
+            handle.write(shim_library(exports))
         os.symlink(".", os.path.join(self.toolkit, "llvm"))
         os.symlink("..", os.path.join(self.toolkit, "lib", "llvm"))
         toolkit_headers(os.path.join(self.toolkit, "include"))
@@ -6124,33 +6125,38 @@ def copy_git(root, copy):
     git(*(where + ("read-tree", "HEAD")))
 
 
-def shim_library():
-    """The shared object a shim writes for -shared: an x86-64 ELF file with
-    an empty dynamic symbol table, an empty code section named SHIM_SECTION
-    (strip keeps it) and no program header, which nm, strip and objdump
-    accept and nothing can load."""
+def shim_library(exports=()):
+    """The shared object a shim writes for -shared: an x86-64 ELF file whose
+    dynamic symbol table defines the functions `exports` names (the ABI a
+    script may look for with nm -D), in a one-byte code section named
+    SHIM_SECTION (strip keeps it), with no program header: nm, strip and
+    objdump accept it, and nothing can load it."""
     import struct
     names = b"\0.dynsym\0.dynstr\0" + SHIM_SECTION + b"\0.shstrtab\0"
     symbols, strings = bytes(24), b"\0"  # the null symbol; the empty name
+    for name in exports:  # global functions at the start of the code section (index 3)
+        symbols += struct.pack("<IBBHQQ", len(strings), 0x12, 0, 3, 0, 1)
+        strings += name.encode() + b"\0"
     at_symbols = 64
     at_strings = at_symbols + len(symbols)
-    at_names = at_strings + len(strings)
+    at_code = (at_strings + len(strings) + 15) & ~15
+    at_names = at_code + 1
     at_sections = (at_names + len(names) + 7) & ~7
     header = ELF_MAGIC + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack(
         "<HHIQQQIHHHHHH", ELF_TYPE_SHARED, 62, 1, 0, 0, at_sections, 0, 64, 0, 0, 64, 5, 4)
-    body = header + symbols + strings + names
+    body = header + symbols + strings
+    body += bytes(at_code - len(body)) + b"\xc3" + names  # the code: one ret
     body += bytes(at_sections - len(body))
 
     def section(name, kind, flags, offset, size, link=0, info=0, align=1, entsize=0):
         return struct.pack("<IIQQQQIIQQ", name, kind, flags, 0, offset, size, link, info, align,
                            entsize)
-    return (body + bytes(64) + section(1, SECTION_DYNSYM, 2, at_symbols, 24, 2, 1, 8, 24)
-            + section(9, 3, 2, at_strings, 1) + section(17, 1, 6, at_names, 0, align=16)
+    return (body + bytes(64) + section(1, SECTION_DYNSYM, 2, at_symbols, len(symbols), 2, 1, 8, 24)
+            + section(9, 3, 2, at_strings, len(strings)) + section(17, 1, 6, at_code, 1, align=16)
             + section(18 + len(SHIM_SECTION), 3, 0, at_names, len(names)))
 
 
 SHIM_SECTION = b".check_contract_shim"
-SHIM_LIBRARY = shim_library()
 
 
 def read_bounded(path, cap):
@@ -6258,7 +6264,7 @@ def read_uncaught(lines, toolkit):
 
 def written_files(out):
     """({path under out: size}, [the paths of ELF files], problem) of what the
-    run left in out.  A shim writes no ELF file but SHIM_LIBRARY (stripped
+    run left in out.  A shim writes no ELF file but shim_library()'s (stripped
     or not, its SHIM_SECTION names it): another was compiled by a program
     the shims did not stand in for.  No link is followed: out
     itself replaced by one is the problem, and nothing under it is read."""
@@ -6304,8 +6310,14 @@ def trace_script(session, backend, arch, timeout, stream):
             remove_tree(copy)
             shutil.copytree(session.snapshot, copy, symlinks=True)
             session.copy_state = copy_state(copy)
+        # A shim's library exports the backend's ABI, for a script that checks it with nm -D.
+        prefix = backend.abi_prefix
+        exports = (prefix + "_abi_version", prefix + "_error_string") if prefix else ()
+        if session.shims is not None and session.shims.exports != exports:
+            session.shims.close()
+            session.shims = None
         if session.shims is None:  # the shims name the same log and xtrace paths every run
-            session.shims = Shims(session.toolkit, log, xtrace, session.nvcc)
+            session.shims = Shims(session.toolkit, log, xtrace, session.nvcc, exports)
         shims = session.shims
         bin_dir = os.path.join(shims.toolkit, "bin")
         env = {k: os.environ[k] for k in TRACE_KEPT_VARIABLES if k in os.environ}

@@ -5484,8 +5484,9 @@ class TraceLimitsTest(TreeTest):
         self.assertNotIn("X001", err)
 
     def test_a_symbol_looked_for_in_the_shims_library_cannot_be_told(self):
+        # The shim's library defines the ABI's two functions (k_abi_version), no other.
         self.backend('nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n'
-                     'nm -D "$1/libk.so" | grep -q k_abi_version\n')
+                     'nm -D "$1/libk.so" | grep -q k_twice\n')
         rc, report, err = self.trace()
         self.assertEqual(rc, 0, err)
         self.assertCannotTell(report, "it runs nm on <output-dir>/libk.so, which a shim wrote "
@@ -5648,6 +5649,26 @@ class ToolkitProbesTest(TreeTest):
             if os.path.isdir("/usr/local/cuda/include"):  # the machine's own, not a stand-in
                 self.assertEqual(os.path.realpath(header),
                                  os.path.realpath("/usr/local/cuda/include/cuda_runtime.h"))
+
+    @unittest.skipUnless(all(shutil.which(t) for t in ("nm", "objdump", "strip")),
+                         "binutils is not installed")
+    def test_the_library_a_shim_writes_passes_nm_objdump_and_strip(self):
+        self.tree({"backends/cpu/k/k.backend.json": {
+            "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.c"],
+            "build": {"script": "build.sh", "output": "libk.so", "architectures": ["x86-64"]}},
+            "backends/cpu/k/k.c": "#define K_ABI_VERSION 1\nint k_abi_version(void) { return 1; }\n"
+                                  "const char *k_error_string(int c) { return \"\"; }\n",
+            "backends/cpu/k/build.sh": Executable(
+                '#!/bin/bash\nset -euo pipefail\nmkdir -p "$1"\n'
+                'cc -shared -fPIC -march=x86-64 -o "$1/libk.so" "$(dirname "$0")/k.c"\n'
+                'nm -D --defined-only "$1/libk.so" | grep -q " T k_abi_version$"\n'
+                'objdump -T "$1/libk.so" | grep -q k_error_string\n'
+                'strip --strip-unneeded "$1/libk.so"\nnm -D "$1/libk.so" | grep -q k_abi_version\n')})
+        rc, out, err = run_main(["--repo-root", self.root, "build", "--out", self.path("out")])
+        self.assertEqual(rc, 0, out)  # the real build passes its own checks
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((rc, result["issues"]), (0, []), out)
 
     def test_cc_answers_what_it_is_as_the_real_cc(self):
         real = [subprocess.run(["cc", option], stdout=subprocess.PIPE, universal_newlines=True,
