@@ -5399,10 +5399,11 @@ def state_given(args: argparse.Namespace) -> bool:
 
 
 def others_applied(args: argparse.Namespace, state: State) -> List[Tuple[State, Optional[dict]]]:
-    """Without --state and without an overlay here: this user's applied overlays."""
-    if state_given(args) or state.exists() or state.orphaned_backups():
+    """Without --state and without an overlay here (none, or one reverted):
+    this user's applied overlays."""
+    if state_given(args) or holds_something(state):
         return []
-    return applied_states()
+    return applied_states(skip=state.root)
 
 
 def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> str:
@@ -5417,21 +5418,18 @@ def commands_for(others: List[Tuple[State, Optional[dict]]], command: str) -> st
 def require_overlay(args: argparse.Namespace, state: State, command: str) -> None:
     """An overlay command run where there is none: E208 names the exact
     commands for this user's applied overlays, E207 says there are none."""
-    if state.orphaned_backups():
+    if state.orphaned_backups() or (state.exists() and anything_applied(state.load())):
         return
-    if state.exists():
-        if anything_applied(state.load()):
-            return
-        # A state directory stays after its revert: its overlay is gone all the same.
-        raise OverlayError("E207", "nothing is applied at %s; `apply` or `add-native` first"
-                           % state.root)
-    if os.path.isfile(registry_record(state.root)):
+    if not state.exists() and os.path.isfile(registry_record(state.root)):
         raise vanished_state(state)
     others = others_applied(args, state)
     if others:
         raise OverlayError("E208", "no overlay at %s, but this user has applied overlays at %s; "
                            "run %s" % (state.root, ", ".join(other.root for other, _ in others),
                                        commands_for(others, command)))
+    if state.exists():  # a state directory stays after its revert: its overlay is gone all the same
+        raise OverlayError("E207", "nothing is applied at %s; `apply` or `add-native` first"
+                           % state.root)
     raise OverlayError("E207", "no overlay at %s; `apply` or `add-native` first" % state.root)
 
 
@@ -5474,14 +5472,15 @@ def cmd_revert(args: argparse.Namespace) -> int:
                              "--state (or $OVERLAY_STATE), or drop --all")
         return revert_every_state(args)
     state = open_state(args)
-    if not state.exists() and not state.orphaned_backups():
+    if not holds_something(state):
         try:
             require_overlay(args, state, "revert")
         except OverlayError as exc:
             if exc.code != "E207":  # E208 and E209: it may be elsewhere, or lost
                 raise
-        print("nothing to revert: no overlay at %s" % state.root)
-        return 0
+        if not state.exists():
+            print("nothing to revert: no overlay at %s" % state.root)
+            return 0
     done, inexact = revert_state(state, args.force, args.keep_untracked)
     if not done:
         print("nothing to revert at %s" % state.root)

@@ -1080,6 +1080,29 @@ class DefaultStateTest(MadePackageTest):
         self.assertEqual(call("update"), (1, "", "overlay_setup: E207 no overlay at %s; `apply` "
                                           "or `add-native` first\n" % here))
 
+    def test_from_a_directory_whose_own_overlay_was_reverted_revert_names_the_applied_one(
+            self) -> None:
+        # A state directory stays after its revert: finding it, revert must not
+        # report a clean install while another default-state overlay is applied.
+        os.chdir(self.tmp)
+        write_tree(self.tmp, {"x.c": "int x;\n", "y.c": "int y;\n"})
+        self.assertOk(call("add-native", "--source", "x.c", "--patched", "y.c", "--no-build"))
+        self.assertOk(call("revert"))
+        here = overlay_setup.default_state_dir(self.tmp)
+        self.assertTrue(os.path.isdir(here))
+        os.chdir(self.pkg)
+        self.assertOk(self.add())
+        state = overlay_setup.default_state_dir(self.pkg)
+        os.chdir(self.tmp)
+        for command in ("revert", "update", "verify-native"):
+            self.assertEqual(call(command), (
+                1, "", "overlay_setup: E208 no overlay at %s, but this user has applied "
+                "overlays at %s; run `overlay_setup.py --state %s %s`\n"
+                % (here, state, state, command)))
+        self.assertOk(call("--state", state, "revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+        self.assertEqual(call("revert"), (0, "nothing to revert at %s\n" % here, ""))
+
     def test_an_unset_or_relative_state_home_means_local_state_of_home(self) -> None:
         home = os.path.join(self.tmp, "home")
         for value in (None, "relative/state", ""):
