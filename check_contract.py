@@ -325,7 +325,7 @@ class Backend:
     __slots__ = ("name", "platform", "dir", "rel_dir", "manifest_path", "manifest",
                  "status", "abi_version", "abi_prefix", "build_script", "output",
                  "architectures", "default_arch", "files", "diagnostics", "index_path",
-                 "sources", "ignore", "manifest_text", "key_lines")
+                 "sources", "ignore", "manifest_text", "key_lines", "owned")
 
     def __init__(self, name, platform, dir, rel_dir):
         self.name = name
@@ -348,6 +348,9 @@ class Backend:
         self.ignore = {}  # code -> why its warnings are accepted, from the manifest's "ignore"
         self.manifest_text = None  # the manifest as read, for the lines of its keys
         self.key_lines = None  # manifest_lines() of it, worked out for the first finding that asks
+        # A flat backend (the manifest directly in the platform directory): the
+        # directories of the platform directory it owns; None for <platform>/<name>/.
+        self.owned = None
 
     @property
     def key(self):
@@ -3550,12 +3553,20 @@ def candidate_dirs(repo):
     for platform_entry, _ in top_entries:
         platform = platform_entry.name
         platform_rel = repo_path(repo.backends_dir, platform)
-        entries = listed_dirs(repo, platform_entry.path, platform_rel, platform, files=True)
-        candidates, strays = [], []
-        for child, is_dir in sorted(entries, key=lambda e: e[0].name):
+        entries = sorted(listed_dirs(repo, platform_entry.path, platform_rel, platform, files=True),
+                         key=lambda e: e[0].name)
+        directories = {child.name for child, is_dir in entries if is_dir}
+        flats = [flat_backend(platform, platform_entry.path, platform_rel, child)
+                 for child, is_dir in entries if not is_dir and child.name.endswith(MANIFEST_SUFFIX)
+                 and child.name[:-len(MANIFEST_SUFFIX)] not in directories]
+        owned = {d for flat in flats for d in flat.owned}
+        candidates, strays = list(flats), []
+        for child, is_dir in entries:
             rel = platform_rel + "/" + child.name
-            if is_dir:
+            if is_dir and child.name not in owned:
                 candidates.append(Backend(child.name, platform, child.path, rel))
+            elif is_dir or flats:
+                continue  # a flat backend's: its own directory, its loose sources
             elif child.name.endswith(MANIFEST_SUFFIX):
                 name = child.name[:-len(MANIFEST_SUFFIX)]
                 strays.append(Diagnostic(
@@ -3571,6 +3582,24 @@ def candidate_dirs(repo):
                     % (child.name, platform_rel)))
         groups.append((platform, candidates, strays))
     return groups
+
+
+def flat_backend(platform, path, rel, manifest):
+    """The backend of a manifest directly in a platform directory: its
+    sources are relative to the platform directory, and it owns the
+    directories they (and its build script) are in."""
+    backend = Backend(manifest.name[:-len(MANIFEST_SUFFIX)], platform, path, rel)
+    data = read_text(manifest.path, regular=True)[0]
+    try:
+        m = json.loads(data) if data is not None else {}
+    except (ValueError, RecursionError):  # load() reports it
+        m = {}
+    m = m if isinstance(m, dict) else {}
+    build = m.get("build") if isinstance(m.get("build"), dict) else {}
+    paths = (m.get("sources") if isinstance(m.get("sources"), list) else []) + [build.get("script")]
+    backend.owned = {normalize_relpath(p)[0].split("/")[0] for p in paths
+                     if isinstance(p, str) and "/" in (normalize_relpath(p)[0] or "")}
+    return backend
 
 
 def repo_path(directory, name):
@@ -3630,7 +3659,12 @@ def classify(repo, backend):
     """Walk a candidate directory: (whether it is a backend, whether it has a
     manifest or kernel sources at all, its discovery findings)."""
     unlisted = []
-    backend.files = files = walk_files(backend.dir, unlisted, ignore_function(repo, backend.dir))
+    ignored = ignore_function(repo, backend.dir)
+    if backend.owned is not None:  # a flat backend: its files, and its directories' only
+        def ignored(path, git=ignored, owned=backend.owned):
+            return (path.endswith("/") and path.count("/") == 1 and path[:-1] not in owned) or (
+                git is not None and git(path))
+    backend.files = files = walk_files(backend.dir, unlisted, ignored)
     manifest_name = backend.name + MANIFEST_SUFFIX
     has_manifest = manifest_name in files
     relevant = has_manifest or any(p.endswith(KERNEL_SUFFIXES) for p in files)
@@ -3642,7 +3676,8 @@ def classify(repo, backend):
     # A manifest under another name: <other>.backend.json, or the likely
     # slips backend.json and <name>.json.
     slips = ("backend.json", backend.name + ".json")
-    stray = [p for p in files if p != manifest_name and (p.endswith(MANIFEST_SUFFIX) or p in slips)]
+    stray = [p for p in files if p != manifest_name and (p.endswith(MANIFEST_SUFFIX) or p in slips)
+             and not (backend.owned is not None and "/" not in p and p.endswith(MANIFEST_SUFFIX))]
     for name in stray:
         if "/" not in name:
             where = "the manifest of directory %s must be named %s" % (backend.name, manifest_name)
@@ -3864,8 +3899,9 @@ def check_keys(repo, backend):
     m = backend.manifest
     name, platform = m.get("name"), m.get("platform")
     if NAME.test(name) and name != backend.name:
-        backend.error("M004", 'name "%s" differs from its directory "%s"; they must be equal'
-                      % (name, backend.name), rel, key="name")
+        backend.error("M004", 'name "%s" differs from its %s "%s"; they must be equal'
+                      % (name, "directory" if backend.owned is None else "manifest's file name",
+                         backend.name), rel, key="name")
     if STRING.test(platform) and platform != backend.platform:
         backend.error("M005", 'platform "%s" differs from its directory "%s"'
                       % (platform, backend.platform), rel, key="platform")

@@ -316,6 +316,64 @@ class DiscoveryTest(TreeTest):
                               "check cannot see what it holds" % (rel, key, rel), out)
 
 
+class FlatLayoutTest(TreeTest):
+    """A manifest directly in its platform directory (backends/cuda/laya.backend.json)
+    whose sources are beside it and in directories of their own: a backend
+    that owns those directories; a sibling directory it does not name is
+    still a backend of its own, or D001."""
+
+    def flat(self, **changes):
+        manifest = {"name": "laya", "platform": "cuda", "abi_version": 3, "status": "validated",
+                    "sources": ["ops.h", "kernels/attn.cu", "kernels/norm.cu"],
+                    "build": {"script": "build.sh", "output": "liblaya.so", "architectures": [90]},
+                    "numerics": {"precision": "bf16", "accumulation": "fp32", "tolerance": {"attn": 0.01}},
+                    "reference": {"entrypoint": "backends/reference/laya_ref.py"}}
+        manifest.update(changes)
+        files = {"backends/cuda/laya.backend.json": manifest,
+                 "backends/cuda/ops.h": "#define LAYA_ABI_VERSION 3\nunsigned laya_abi_version(void);\n"
+                                        "const char* laya_error_string(int code);\n",
+                 "backends/cuda/kernels/attn.cu": '#include "../ops.h"\n',
+                 "backends/cuda/kernels/norm.cu": '#include "../ops.h"\n',
+                 "backends/cuda/build.sh": Executable(
+                     '#!/usr/bin/env bash\nset -euo pipefail\ncd "$(dirname "$0")"\nmkdir -p "$1"\n'
+                     'nvcc -shared -Xcompiler -fPIC -gencode arch=compute_90,code=sm_90 kernels/*.cu '
+                     '-o "$1/liblaya.so"\n'),
+                 "backends/reference/laya_ref.py": "print('ok')\n"}
+        self.tree(files)
+
+    def test_a_flat_backend_is_discovered_and_its_own_directories_are_not_reported(self):
+        self.flat()
+        rc, out, err = self.check()
+        self.assertEqual((rc, out, err), (0, "checked cuda/laya: status=validated abi=3\n"
+                                              "1 backend(s), 0 error(s), 0 warning(s)\n", ""))
+        self.assertEqual(self.check("list")[1], "cuda/laya platform=cuda status=validated\n")
+
+    def test_its_sources_are_resolved_against_the_platform_directory(self):
+        self.flat(sources=["ops.h", "kernels/attn.cu", "kernels/norm.cu", "kernels/rope.cu"])
+        self.assertIssue("S001", "source kernels/rope.cu does not exist")
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["path"]) for i in issues], [("S001", "backends/cuda/kernels/rope.cu")])
+        self.flat(sources=["ops.h", "kernels/attn.cu"])
+        self.assertIssue("S004", "kernel source kernels/norm.cu is not declared in sources; add it, "
+                         "or list it in excluded if it is not part of the library")
+
+    def test_a_validated_flat_backend_finds_its_reference(self):
+        self.flat()
+        rc, out, err = self.check("parity")
+        self.assertEqual(rc, 0, out + err)
+        self.flat(reference={"entrypoint": "backends/reference/missing.py"})
+        self.assertIssue("T002", 'reference.entrypoint "backends/reference/missing.py" does not exist '
+                         "(it is relative to the repository root)")
+
+    def test_an_undeclared_sibling_backend_is_still_reported(self):
+        self.flat()
+        self.tree({"backends/cuda/other/x.cu": "", "backends/cuda/stray.cu": ""})
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["backend"], i["path"]) for i in issues], [
+            ("S004", "cuda/laya", "backends/cuda/stray.cu"),
+            ("D001", "cuda/other", "backends/cuda/other")])
+
+
 class DiscoveryHolesTest(TreeTest):
     """What discovery once missed, or misnamed."""
 
@@ -334,12 +392,12 @@ class DiscoveryHolesTest(TreeTest):
     def test_a_manifest_in_an_unsupported_place_is_named_with_the_layout(self):
         manifest = dict(demo_manifest(), name="foo")
         self.tree({"backends/cpu/group/foo/foo.backend.json": manifest,
-                   "backends/cpu/group/foo/ops.c": "", "backends/cpu/bar.backend.json": manifest})
+                   "backends/cpu/group/foo/ops.c": "", "backends/cpu/group.backend.json": manifest})
         rc, issues = self.issues()
         self.assertEqual([(i["code"], i["path"], i["message"]) for i in issues], [
-            ("D002", "backends/cpu/bar.backend.json", "manifest bar.backend.json is never discovered: "
+            ("D002", "backends/cpu/group.backend.json", "manifest group.backend.json is never discovered: "
              "a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; move it to "
-             "backends/cpu/bar/bar.backend.json"),
+             "backends/cpu/group/group.backend.json"),
             ("D002", "backends/cpu/group/foo/foo.backend.json", "manifest foo/foo.backend.json is never "
              "discovered: a backend is a directory backends/cpu/<name>/ holding <name>.backend.json; "
              "move backends/cpu/group/foo/ there")])
