@@ -4106,6 +4106,11 @@ class NativeEntry:
             what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not "
                     "in them; it stays applied for inspection: " % (seconds, ", ".join(
                         record["path"] for record in entry["artifacts"])))
+            ahead = self.dated_after_the_patch()
+            if ahead:
+                raise OverlayError("E404", what + "%s; set the clock right (or `touch` the "
+                                   "install's files to now), then run `%s update`, or run `%s "
+                                   "revert`" % (ahead, here, here))
             if headers_build_ext_skips(build["cmd"], entry):
                 raise OverlayError("E404", what + "setuptools' build_ext rebuilds an extension "
                                    "when one of its sources changed, not for a header it "
@@ -4117,6 +4122,26 @@ class NativeEntry:
                                "--invalidate-cache, then run `%s revert`" % (here, here))
         print("build finished in %.1fs" % seconds)
         return 0
+
+    def dated_after_the_patch(self) -> Optional[str]:
+        """An artifact dated after the patched sources were written: the
+        clock is behind the install's timestamps, so a build that compares
+        them (make) finds nothing newer to rebuild.  None when there is none."""
+        try:
+            written_at = max(os.stat(record["path"]).st_mtime for record in self.sources)
+        except (OSError, ValueError):
+            return None
+        for record in self.artifacts:
+            try:
+                dated = os.stat(record["path"]).st_mtime
+            except OSError:
+                continue
+            if dated > written_at:
+                return ("%s is dated %s, after the patched source %s was written: this "
+                        "machine's clock is behind the install's timestamps, so the build found "
+                        "nothing newer to rebuild" % (record["path"], time.strftime(
+                            "%Y-%m-%d %H:%M:%S", time.localtime(dated)), self.sources[0]["path"]))
+        return None
 
     def update(self, contents: Dict[str, Optional[bytes]], timeout: Optional[float]) -> None:
         """Swap the new patched `contents` in and build again.  This build is

@@ -5225,6 +5225,30 @@ class RevertEndsTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(tree_state(self.proj), self.before)
 
+    def test_a_clock_behind_the_install_is_named_as_a_timestamp_problem(self) -> None:
+        # The install's files dated after now (built where the clock was ahead,
+        # or this clock is behind): the patched source looks older than its
+        # library, and make rebuilds nothing.
+        ahead = time.time() + 86400
+        library = os.path.join(self.proj, "out", "libk.so")
+        os.utime(library, (ahead, ahead))
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "k.c"),
+                                 "--patched", self.fast, "--artifact", library,
+                                 "--build-cmd", "make", "--build-cwd", self.proj)
+        self.assertEqual(rc, 1)
+        self.assertEqual(err, "overlay_setup: E404 the build finished in %.1fs but changed no "
+                              "--artifact (%s): the patch is not in them; it stays applied for "
+                              "inspection: %s is dated %s, after the patched source %s was "
+                              "written: this machine's clock is behind the install's timestamps, "
+                              "so the build found nothing newer to rebuild; set the clock right "
+                              "(or `touch` the install's files to now), then run "
+                              "`overlay_setup.py --state %s update`, or run `overlay_setup.py "
+                              "--state %s revert`\n"
+                         % (float(re.search(r"finished in ([0-9.]+)s", err).group(1)), library,
+                            library, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ahead)),
+                            os.path.join(self.proj, "k.c"), self.state, self.state))
+        self.assertOk(self.tool("revert"))
+
     def test_an_install_removed_since_the_apply_closes_the_entry_and_writes_nothing(
             self) -> None:
         for force in ([], ["--force"]):
