@@ -216,6 +216,7 @@ OUTPUT_LINE_LIMIT = 1 << 16  # a longer line of build output is shown in pieces
 OUTPUT_POLL = 0.2  # seconds between looks at whether the build process exited
 OUTPUT_QUIET = 1.0  # a partial line is shown after the build was silent this long
 OUTPUT_GRACE = 2.0  # seconds the output is still read after the build process exited
+LINGER_LIMIT = 10.0  # seconds the build's group is waited for after its shell exited
 # Object files, libraries, depfiles and GPU code objects a build may rewrite.
 VCS_FOLDERS = (".git", ".hg", ".svn")
 BUILD_TOOLS = ("make", "gmake", "ninja", "ninja-build", "cmake")  # whose plans can be asked
@@ -3714,7 +3715,11 @@ def stream_build(command: str, cwd: str, timeout: Optional[float],
             os.write(gate_write, b"go\n")
             os.close(gate_write)
             gate_write = -1
-            return follow_build(process, start, timeout)
+            status, seconds = follow_build(process, start, timeout)
+            if status is not None:
+                wait_for_group(process.pid)
+                seconds = time.monotonic() - start
+            return status, seconds
         except BaseException:
             stop_process_group(process.pid, process)
             process.stdout.close()
@@ -3769,6 +3774,32 @@ def follow_build(process: subprocess.Popen, start: float,
         return None, time.monotonic() - start
     process.stdout.close()
     return process.wait(), time.monotonic() - start
+
+
+def group_members(pgid: int) -> List[int]:
+    """The live processes of process group or session `pgid` ([] without /proc)."""
+    return sorted(pid for pid, fields in live_process_stats() or ()
+                  if str(pgid) in (fields[2], fields[3]))
+
+
+def wait_for_group(pgid: int) -> None:
+    """A build is over when its whole process group and session are gone,
+    not when its shell exits: a job it left in the background (`make && {
+    ...; } &`) would write into the tree after the scan, or after revert.
+    What still runs LINGER_LIMIT seconds later is stopped and named."""
+    deadline = time.monotonic() + LINGER_LIMIT
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            members = group_members(pgid)
+            stop_process_group(pgid)
+            print("warning: the build's shell exited, but %s %s of its process group still ran "
+                  "%gs later; %s stopped, and the build taken as over"
+                  % ("process" if len(members) == 1 else "processes",
+                     ", ".join("%d (%s)" % (pid, process_name(pid)) for pid in members),
+                     LINGER_LIMIT, "it was" if len(members) == 1 else "they were"),
+                  file=sys.stderr)
+            return
+        time.sleep(0.05)
 
 
 def show_output(buffer: bytes, start: float) -> bytes:

@@ -4896,10 +4896,11 @@ class BuildProcessTest(OverlayTestCase):
                 self.assertOk(call("--state", self.state, "revert"))
                 self.assertEqual(tree_state(self.proj), self.original)
 
-    def test_a_helper_left_holding_the_output_is_not_waited_for(self) -> None:
+    def test_a_helper_left_holding_the_output_is_not_waited_for_past_the_limit(self) -> None:
         # A compile server started by the build keeps the build's stdout open.
         # The run is a fork that reads on for 0.2 s after the build exited,
-        # not for OUTPUT_GRACE's 2 s.
+        # not for OUTPUT_GRACE's 2 s, and waits for the helper 0.5 s more,
+        # not LINGER_LIMIT's 10 s, before it stops it.
         helper_pid = os.path.join(self.tmp, "helper.pid")
         build = "sh -c 'echo $$ > %s; exec sleep 60' & echo built" % helper_pid
 
@@ -4908,15 +4909,20 @@ class BuildProcessTest(OverlayTestCase):
                 os.kill(int(read_text(helper_pid)), signal.SIGKILL)
         self.addCleanup(stop_helper)
         grace, overlay_setup.OUTPUT_GRACE = overlay_setup.OUTPUT_GRACE, 0.2
+        limit, overlay_setup.LINGER_LIMIT = overlay_setup.LINGER_LIMIT, 0.5
         try:
             run = forked_tool(self.add_args(build) + ["--owner-pid", str(os.getpid())])
         finally:
-            overlay_setup.OUTPUT_GRACE = grace
+            overlay_setup.OUTPUT_GRACE, overlay_setup.LINGER_LIMIT = grace, limit
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertRegex(run.stdout, r"\] built\n")
+        pid = int(read_text(helper_pid))
         self.assertEqual(run.stderr, "warning: the build exited, but a process it started still "
-                                     "holds its output open; its output is no longer shown\n")
-        self.assertTrue(overlay_setup.pid_exists(int(read_text(helper_pid))))
+                                     "holds its output open; its output is no longer shown\n"
+                                     "warning: the build's shell exited, but process %d (sleep) "
+                                     "of its process group still ran 0.5s later; it was stopped, "
+                                     "and the build taken as over\n" % pid)
+        self.assertNotIn(pid, [live for live, _ in overlay_setup.live_process_stats()])
         self.assertOk(call("--state", self.state, "revert"))
 
     def test_output_without_newlines_is_shown_as_it_comes(self) -> None:
@@ -6717,3 +6723,46 @@ class InterruptedApplyTest(OverlayTestCase):
             "overlay_setup: interrupted; run `{0} status`, then `{0} revert`\n").format(self.here)))
         self.assertOk(self.tool("revert"))
         self.assert_nothing_applied()
+
+
+class BuildEndTest(MadePackageTest):
+    """A build is over when its whole process group and session are gone: a
+    job it leaves in the background is waited for, and one that outlives
+    the limit is stopped and named."""
+
+    PATCHED = ("fast.c", "faster.c")
+
+    def add(self, build: str) -> subprocess.CompletedProcess:
+        return forked_tool(["--state", self.state, "add-native", "--source",
+                            os.path.join(self.pkg, "k.c"), "--patched",
+                            os.path.join(self.tmp, "fast.c"), "--build-cmd", build,
+                            "--build-cwd", self.pkg, "--owner-pid", str(os.getpid())])
+
+    def test_a_job_the_build_leaves_in_the_background_is_part_of_the_build(self) -> None:
+        library = os.path.join(self.pkg, "libk.so")
+        original = overlay_setup.file_sha256(library)
+        done = self.add("make && { sleep 2; touch patched.o; } &")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotEqual(overlay_setup.file_sha256(library), original)
+        self.assertIn("warning: the build created files that no --artifact or --invalidate-cache "
+                      "covers (revert removes them): %s\n" % os.path.join(self.pkg, "patched.o"),
+                      done.stderr)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
+    def test_a_process_that_outlives_the_limit_is_stopped_and_named(self) -> None:
+        pid_file = os.path.join(self.tmp, "lingerer.pid")
+        limit, overlay_setup.LINGER_LIMIT = overlay_setup.LINGER_LIMIT, 0.5
+        try:
+            done = self.add("make && { sh -c 'echo $$ > %s; exec sleep 60' >/dev/null & }"
+                            % pid_file)
+        finally:
+            overlay_setup.LINGER_LIMIT = limit
+        self.assertEqual(done.returncode, 0, done.stderr)
+        pid = int(read_text(pid_file))  # gone, or a zombie its new parent has yet to reap
+        self.assertNotIn(pid, [live for live, _ in overlay_setup.live_process_stats()])
+        self.assertIn("warning: the build's shell exited, but process %d (sleep) of its process "
+                      "group still ran 0.5s later; it was stopped, and the build taken as over\n"
+                      % pid, done.stderr)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
