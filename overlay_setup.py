@@ -229,6 +229,7 @@ WRAPPERS = {"nice": ({"-n", "--adjustment"}, 0), "nohup": (set(), 0), "command":
             "ionice": ({"-c", "-n", "-p"}, 0), "taskset": (set(), 1), "sudo": ({"-u", "-g"}, 0)}
 SUBSTITUTION = "$SUBSTITUTION"  # what shell_words puts for a $(...) or `...`
 SHELL_KEYWORDS = ("{", "}", "!", "if", "then", "else", "elif", "fi", "do", "done", "while", "until")
+LOADABLE_RE = re.compile(r"\.(so(\.[0-9]+)*|cubin|fatbin|hsaco)$")  # what a JIT loads
 PRODUCT_RE = re.compile(r"\.(o|obj|a|so|dylib|dll|pyd|lib|exp|d|ptx|cubin|fatbin)(\.[0-9]+)*$")
 PROTECT_BUDGET = 1 << 30  # bytes of existing build products backed up without being asked
 # Before each build, the small pre-existing files of the build directory that
@@ -5343,6 +5344,7 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
     journal = state.load()
     checked = 0
     problems = []
+    named = []  # what a JIT built into a cache, which no --artifact named
     # An artifact is judged by the latest entry that rebuilt it: a later build
     # of a shared library legitimately changes what an earlier one produced.
     seen = set()
@@ -5359,6 +5361,17 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
                 problems.append("entry %d is %s, not built: run `%s revert` and apply again"
                                 % (entry["id"], entry["state"], here))
             continue
+        for cache in entry["caches"] if later and not entry["artifacts"] else []:
+            # Set aside at the apply: whatever library it holds now was built since.
+            built = sorted(path for path, info in scan_tree(cache["path"], [])[0].items()
+                           if info[0] == "f" and LOADABLE_RE.search(os.path.basename(path)))
+            if not built:
+                problems.append("nothing was built into --invalidate-cache %s since the apply: "
+                                "the build that fills it (a JIT at import) has not run yet, or "
+                                "did not see the patch" % cache["path"])
+            checked += len(built)
+            named += ["%s (built into --invalidate-cache %s since the apply)" % (path, cache["path"])
+                      for path in built]
         for record in entry["artifacts"]:
             if record["path"] in seen:
                 continue
@@ -5390,7 +5403,8 @@ def cmd_verify_native(args: argparse.Namespace) -> int:
         print("overlay_setup: E405 no built artifact to verify; pass --artifact to add-native or "
               "apply", file=sys.stderr)
         return 1
-    print("%d artifact(s) rebuilt from the patched sources" % checked)
+    print("%d artifact(s) rebuilt from the patched sources%s"
+          % (checked, ": " + ", ".join(named) if named else ""))
     return 0
 
 

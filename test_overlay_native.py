@@ -6068,6 +6068,26 @@ class FirstUseMessageTest(OverlayTestCase):
             1, "", "overlay_setup: E405 no built artifact to verify; pass --artifact to add-native "
             "or apply\n"))
 
+    def test_verify_native_after_a_jit_build_into_the_cache_names_what_it_built(self) -> None:
+        # A JIT at import (torch's load()) builds into the --invalidate-cache
+        # folder, under a name the user need not know beforehand.
+        cache = os.path.join(self.tmp, "jit-cache")
+        write_tree(cache, {"k/old.so": "old build\n"})
+        rc, out, err = self.tool(*self.add[:5], "--invalidate-cache", cache, "--no-build")
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(self.tool("verify-native"), (
+            1, "", "overlay_setup: E403 nothing was built into --invalidate-cache %s since the "
+            "apply: the build that fills it (a JIT at import) has not run yet, or did not see "
+            "the patch\n" % cache))
+        os.makedirs(os.path.join(cache, "k"))
+        quiet(["cc", "-shared", "-fPIC", "-I", self.proj, "-o", os.path.join(cache, "k", "k.so"),
+               self.patched], self.tmp).check_returncode()
+        self.assertEqual(self.tool("verify-native"), (
+            0, "1 artifact(s) rebuilt from the patched sources: %s (built into --invalidate-cache "
+            "%s since the apply)\n" % (os.path.join(cache, "k", "k.so"), cache), ""))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(read_text(os.path.join(cache, "k", "old.so")), "old build\n")
+
     def test_gc_stale_gives_the_code_of_a_state_whose_journal_is_gone(self) -> None:
         self.assertOk(self.tool(*self.add, "--no-build"))
         shutil.rmtree(self.state)
