@@ -202,6 +202,8 @@ BUILD_FILE_NAMES = ("Makefile", "makefile", "GNUmakefile", "CMakeLists.txt", "se
 BUILD_FILE_SUFFIXES = (".mk", ".cmake")
 SCAN_LIMIT = 50000
 CHUNK = 1 << 20
+HOLE_UNIT = 4096  # a run of zeros this long, at this alignment, is restored as a hole
+ZEROS = bytes(HOLE_UNIT)
 INPUT_LIMIT = 64 << 20  # a patch or a patched source, read whole into memory
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 GIT_HEADER_RE = re.compile(r"^(new file mode|deleted file mode|old mode|new mode) (\d+)$")
@@ -2331,9 +2333,9 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
             products.append({"path": path, "kind": info[0], "created": False})
     excluded = set(scan_exclusions(state, entry))  # backed up since the scan, or the state's
     for path, old in sorted(before.items()):
-        if path not in after and isinstance(old, list) and old and old[0] == "f" and \
-                path not in excluded:
-            products.append({"path": path, "kind": "f", "created": False, "deleted": True})
+        if path not in after and isinstance(old, list) and old and old[0] in ("f", "d") and \
+                path not in excluded:  # a folder is made again, as empty as CMake's scratch
+            products.append({"path": path, "kind": old[0], "created": False, "deleted": True})
     return merge_products(entry.get("earlier_untracked") or [], products)
 
 
@@ -3004,12 +3006,7 @@ def extract_snapshot(archive: str, destination: str) -> None:
                 write_point(path)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
-                    source = tar.extractfile(member)
-                    while True:
-                        block = source.read(CHUNK)
-                        if not block:
-                            break
-                        _write_all(fd, block)
+                    write_holes_skipped(fd, tar.extractfile(member))
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -3024,6 +3021,29 @@ def extract_snapshot(archive: str, destination: str) -> None:
         for member, path in reversed(directories):
             finish_member(member, path)
     fsync_dir(os.path.dirname(destination))
+
+
+def write_holes_skipped(fd: int, source) -> None:
+    """Write what `source` reads into the empty file `fd`, leaving each
+    HOLE_UNIT of zeros unwritten, a hole: a sparse file in a snapshot (tar
+    keeps its zeros) comes back as sparse as it was, not fully allocated."""
+    offset = 0
+    while True:
+        block = source.read(CHUNK)
+        if not block:
+            break
+        start = 0
+        while start < len(block):
+            end = start
+            while end < len(block) and block[end:end + HOLE_UNIT] != ZEROS[:min(
+                    HOLE_UNIT, len(block) - end)]:
+                end += HOLE_UNIT  # a run of data, written in one go
+            if end > start:
+                os.lseek(fd, offset + start, os.SEEK_SET)
+                _write_all(fd, block[start:end])
+            start = end + HOLE_UNIT if end < len(block) else end
+        offset += len(block)
+    os.ftruncate(fd, offset)
 
 
 def finish_member(member: tarfile.TarInfo, path: str) -> None:
@@ -4669,7 +4689,8 @@ def restore_file(state: State, record: dict) -> None:
 
 def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = None) -> None:
     """Remove the build's products; with `aside` (build directory, folder),
-    move them into that folder instead, keeping their paths."""
+    move them into that folder instead, keeping their paths.  The folders
+    the build removed are made again (their mtimes come back after)."""
     for product in products:
         path = product["path"]
         if product["kind"] != "d" and os.path.lexists(path) and not (
@@ -4686,6 +4707,10 @@ def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = Non
                 os.rmdir(product["path"])
             except OSError:
                 pass
+    for product in products:
+        if product["kind"] == "d" and product.get("deleted") and not os.path.lexists(
+                product["path"]):
+            os.makedirs(product["path"])
 
 
 def build_product(path: str, trees: List[str]) -> bool:

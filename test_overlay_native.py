@@ -6786,3 +6786,48 @@ class BuildEndTest(MadePackageTest):
                       % pid, done.stderr)
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.pkg), self.before)
+
+
+class ComeBackTest(MadePackageTest):
+    """How files come back: an empty directory the build removed, a sparse
+    file's holes, a file with hard links outside the tree, and a revert on a
+    disk the build filled."""
+
+    PATCHED = ("fast.c", "faster.c")
+
+    def add(self, build: str, *extra: str) -> tuple:
+        return self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"), "--patched",
+                         os.path.join(self.tmp, "fast.c"), "--build-cmd", build, "--build-cwd",
+                         self.pkg, *extra)
+
+    def test_an_empty_directory_the_build_removed_comes_back(self) -> None:
+        # As CMake drops its scratch folders: empty ones, nested too.
+        os.makedirs(os.path.join(self.pkg, "scratch", "inner"))
+        os.makedirs(os.path.join(self.pkg, "tmp"))
+        age_tree(self.pkg)
+        before = tree_state(self.pkg)
+        self.assertOk(self.add("make && rm -r scratch && rmdir tmp"))
+        self.assertFalse(os.path.exists(os.path.join(self.pkg, "scratch")))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(tree_state(self.pkg), before)
+
+    def test_a_sparse_file_in_a_cache_snapshotted_with_tar_keeps_its_holes(self) -> None:
+        # /dev/shm is another filesystem than the state: the cache goes into a tar.
+        cache = tempfile.mkdtemp(prefix="overlay-sparse-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, cache, True)
+        sparse = os.path.join(cache, "kernels.bin")
+        with open(sparse, "wb") as handle:
+            handle.seek(50 << 20)
+            handle.write(b"k" * 4096)
+            handle.truncate(100 << 20)
+        blocks = os.stat(sparse).st_blocks
+        if blocks * 512 >= 1 << 20:
+            self.skipTest("/dev/shm keeps no holes here")
+        before = tree_state(cache)
+        rc, out, err = self.add("make", "--invalidate-cache", cache)
+        self.assertEqual(rc, 0, (out, err))
+        self.assertIn('"method": "tar"', read_text(os.path.join(self.state, "journal.json")))
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(cache), before)
+        self.assertEqual(os.stat(sparse).st_blocks, blocks)
