@@ -2732,8 +2732,11 @@ class ReportOrderTest(TreeTest):
                self.lines["colour"], self.abi)))
 
     def test_json(self):
-        rc, issues = self.issues()
-        self.assertEqual(rc, 1)
+        rc, out, err = self.check("--format", "json")
+        self.assertEqual((rc, err), (1, ""))
+        report = json.loads(out)
+        self.assertEqual((report["errors"], report["warnings"], report["suppressed"]), (3, 2, []))
+        issues = report["issues"]
         self.assertEqual([(i["level"], i["code"], i["backend"], i["path"], i["line"]) for i in issues], [
             ("error", "S004", "cpu/alpha", "backends/cpu/alpha/x.c", None),
             ("error", "S004", "cpu/demo", "backends/cpu/demo/b.c", None),
