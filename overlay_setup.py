@@ -1216,8 +1216,9 @@ class State:
             for record in entry_files(entry):
                 target(record.get("path"), "target")
                 inside_roots(record["path"])
-                if record.get("backup") is not None:
-                    self.state_path(record["backup"])
+                for key in ("backup", "inode_backup"):
+                    if record.get(key) is not None:
+                        self.state_path(record[key])
                 xattrs = record.get("xattrs") or {}
                 if not (isinstance(xattrs, dict) and all(
                         isinstance(value, str) and re.match(r"^([0-9a-f]{2})*$", value)
@@ -3298,13 +3299,15 @@ def validate_native_plan(state: State, journal: dict, sources: List[str], artifa
                                "set aside; pass a directory inside it, or unmount it"
                                % cache)
     state_mount = mount_of(state.root)
-    for source in sources:
+    for source in sources + [path for path in artifacts
+                             if not any(is_within(path, cache) for cache in caches)]:
         st = os.lstat(source) if os.path.lexists(source) else None
         if st and st.st_nlink > 1 and mount_of(os.path.dirname(source)) != state_mount:
-            raise OverlayError("E106", "source %s has %d hard links, and the state directory %s "
+            raise OverlayError("E106", "%s %s has %d hard links, and the state directory %s "
                                "is on another filesystem or mount, so revert could not give the "
                                "links their file back; pass a --state on the same mount"
-                               % (source, st.st_nlink, state.root))
+                               % ("source" if source in sources else "--artifact", source,
+                                  st.st_nlink, state.root))
     for cache in caches:
         linked = linked_from_outside(cache) if os.path.isdir(cache) and \
             mount_of(cache) != state_mount else None  # a cache to snapshot: not renamed
@@ -3993,6 +3996,11 @@ class NativeEntry:
                 record["identity"] = file_identity(record["path"])
             elif record["present"]:
                 record["sha256"] = durable_copy(record["path"], state.state_path(record["backup"]))
+                if record["links"] > 1:  # its inode too, which its other names share
+                    record["inode_backup"] = record["backup"] + "-inode"
+                    mutation_point()
+                    os.link(record["path"], state.state_path(record["inode_backup"]),
+                            follow_symlinks=False)
                 record["identity"] = file_identity(record["path"])
         # The files of the artifacts' distributions are known to the plan
         # already: kept before the pre-existing files, which would copy them.
@@ -4679,12 +4687,40 @@ def restore_file(state: State, record: dict) -> None:
             return
     except OSError:
         pass
+    if record.get("inode_backup"):
+        restore_inode(state, record)
+        return
     backup = state.state_path(record["backup"])
     try:
         same_fs = os.stat(backup).st_dev == os.stat(os.path.dirname(path)).st_dev
     except FileNotFoundError:  # the build removed the directory: put_file makes it again
         same_fs = False
     put_file(path, record, source=backup, link_ok=same_fs)
+
+
+def restore_inode(state: State, record: dict) -> None:
+    """Give a file with other hard links (a library uv links from its cache)
+    its own inode back, so that every name of it holds the original again:
+    the inode gets the copy's content back if the build wrote in place
+    (through this name, so through all), and the name is linked to it again
+    if the build replaced it."""
+    path = record["path"]
+    inode = state.state_path(record["inode_backup"])
+    if file_sha256(inode) != record["sha256"]:
+        mutation_point()
+        fd = os.open(inode, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            copy_sparse(state.state_path(record["backup"]), fd)
+            set_metadata(fd, record)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    try:
+        same = os.path.samefile(path, inode) and not os.path.islink(path)
+    except OSError:
+        same = False
+    if not same:
+        put_file(path, record, source=inode, link_ok=True)
 
 
 def remove_products(products: List[dict], aside: Optional[Tuple[str, str]] = None) -> None:

@@ -6858,3 +6858,50 @@ class ComeBackTest(MadePackageTest):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(cache), before)
         self.assertEqual(os.stat(sparse).st_blocks, blocks)
+
+    def test_an_artifact_with_a_hard_link_outside_comes_back_through_its_inode(self) -> None:
+        # As uv's hardlink install mode shares a library with its cache: the
+        # build writes it in place (the cache's name sees the patch) or
+        # replaces it (the name leaves the cache's inode); either way revert
+        # gives the name its inode back, with the original content.
+        library = os.path.join(self.pkg, "libk.so")
+        original = read_text_bytes(library)
+        for build in ("make && cat k.o >> libk.so", "make -B"):
+            with self.subTest(build=build):
+                shared = os.path.join(self.tmp, "uv-cache", "libk.so")
+                os.makedirs(os.path.dirname(shared), exist_ok=True)
+                if os.path.lexists(shared):
+                    os.unlink(shared)
+                os.link(library, shared)
+                rc, out, err = self.add(build, "--artifact", library)
+                self.assertEqual(rc, 0, (out, err))
+                self.assertOk(self.tool("revert"))
+                self.assertEqual(read_text_bytes(shared), original)
+                self.assertTrue(os.path.samefile(library, shared))
+                os.unlink(shared)
+                self.assertEqual(tree_state(self.pkg), self.before)
+
+
+def read_text_bytes(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+class HardLinkedArtifactTest(MadePackageTest):
+    """An artifact whose inode revert must give back cannot be, from a state
+    directory on another filesystem: refused before anything changes."""
+
+    def test_a_hard_linked_artifact_with_the_state_on_another_filesystem_is_refused(self) -> None:
+        library = os.path.join(self.pkg, "libk.so")
+        os.link(library, os.path.join(self.tmp, "libk-shared.so"))
+        state = tempfile.mkdtemp(prefix="overlay-state-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, state, True)
+        before = tree_state(self.pkg)
+        self.assertEqual(call("--state", state, "add-native", "--source",
+                              os.path.join(self.pkg, "k.c"), "--patched",
+                              os.path.join(self.tmp, "k_new.c"), "--artifact", library,
+                              "--build-cmd", "make", "--build-cwd", self.pkg), (
+            1, "", "overlay_setup: E106 --artifact %s has 2 hard links, and the state directory "
+            "%s is on another filesystem or mount, so revert could not give the links their file "
+            "back; pass a --state on the same mount\n" % (library, state)))
+        self.assertEqual(tree_state(self.pkg), before)
