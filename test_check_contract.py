@@ -5036,8 +5036,10 @@ class TraceTierTest(TreeTest):
 
 class TraceIsolationTest(TreeTest):
     """Hostile build scripts, traced in namespaces (the first class) and by the
-    launcher alone (the second): what they try fails or is reported, and never
-    reaches the checker, the checkout or another backend."""
+    launcher alone (the second), as the tests' user and as nobody: in
+    namespaces what they try fails or is reported, and never reaches the
+    host, the checker, the checkout or another backend; without, they reach
+    what the isolation line says and no more of the checkout unreported."""
 
     ENV = {}
     NAMESPACES = True
