@@ -933,11 +933,12 @@ GENCODE_RE = re.compile(r"arch=(\w+),code=(\[[^\]]*\]|\"[^\"]*\"|\w+)\Z")
 CUDA_CODE_ITEM_RE = re.compile(r"(sm|compute)_([0-9]+[a-z]?)\Z")
 CUDA_TARGET_TYPO_RE = re.compile(r"(sm|compute)[-_]?([0-9]+[a-z]?)\Z")  # sm90, compute-90
 OPEN_TARGETS = ("all", "all-major", "native")
-LINKED_SUFFIXES = (".o", ".obj", ".a")
+LINKED_SUFFIXES = (".o", ".obj", ".a")  # what a link takes in whole (a shared library it only names)
 # Where CMake, Meson and configure test a compiler (its identification, try_compile,
 # conftest.c): a call that compiles or writes there, or runs there, is a probe, not the build.
-PROBE_PLACE_RE = re.compile(r"(?:^|/)(?:CMakeFiles/(?:CMakeScratch|CMakeTmp|[0-9][0-9.]*/CompilerId"
-                            r"[A-Za-z]*)(?:/|\Z)|meson-private/|conftest(?:\.[A-Za-z0-9+]+)?\Z)")  # what a link takes in whole (a shared library it only names)
+PROBE_PLACE_RE = re.compile(r"(?:^|/)(?:CMakeFiles/(?:(?:CMakeScratch|CMakeTmp|[0-9][0-9.]*/CompilerId"
+                            r"[A-Za-z]*)(?:/|\Z)|[0-9][0-9.]*/CMakeDetermineCompilerABI_)"
+                            r"|meson-private/|conftest(?:\.[A-Za-z0-9+]+)?\Z)")
 OPTION_FILE_DEPTH = 8  # options files named by options files that the reader follows
 OPTION_FILE_WORD_RE = re.compile(r'(?:"[^"]*"|[^\s"])+')
 
@@ -5230,8 +5231,9 @@ def parity_backend(repo, run, backend, args, stream):
 # HIP_PATH and ROCM_PATH name.  A shim is a sh script that records its
 # arguments, creates the files the real compiler would (the one its -o
 # names, never /dev/null; the objects and depfiles named after its inputs),
-# answers --version-style probes and does nothing else: no toolchain is needed and
-# nothing is compiled.  The script itself does run: what it does besides
+# passes --version-style questions and build systems' compiler probes to the
+# real compiler where the machine has one, and does nothing else: no toolchain
+# is needed, and nothing of the build is compiled.  The script itself does run: what it does besides
 # calling compilers (mkdir, make, cp) happens, inside the copy and the
 # temporary directory.  It runs from a launcher (TRACE_LAUNCHER) with an empty
 # environment; where unprivileged namespaces are allowed, in user, mount, PID
@@ -5310,7 +5312,7 @@ nvcc*)  # the text of each options file it reads, after the call, in the order n
     done
     set +f ;;
 esac
-out= next= probe= stdin= made=program suffix=.o dep= depfile=
+out= next= probe= place= stdin= made=program suffix=.o dep= depfile=
 for arg in "$@"; do
     case $next in
     o) out=$arg next=; continue ;;
@@ -5339,24 +5341,39 @@ for arg in "$@"; do
     --version|-dumpversion|-dumpfullversion|-dumpmachine|--list-gpu-arch|--list-gpu-code|-print-*|--print-*)
         probe=$arg ;;
     -v) [ $# -gt 1 ] || probe=$arg ;;
+    conftest|conftest.*|*/conftest|*/conftest.*|*/meson-private/*|__cmake_determine_cuda) place=probe ;;
     esac
 done
-[ -z "$stdin" ] || cat > /dev/null  # a source read from stdin: take it, as a compiler would
+case $PWD/ in
+*/CMakeFiles/CMakeScratch/*|*/CMakeFiles/CMakeTmp/*|*/CMakeFiles/[0-9]*/CompilerId*|*/meson-private/*)
+    place=probe ;;
+esac
 # A question to a compiler (its version, its target, its paths) is answered by
-# the real one where the machine has it, which compiles nothing; not nvcc's
-# (the session asked it once) nor hipcc's (a driver that runs the toolkit's
-# programs, which the shims' toolkit does not hold).
-if [ -n "$probe" ] && [ -z "${CHECK_CONTRACT_ASKED-}" ]; then
-    case $name in nvcc*|hipcc*) ;; *)
-        real=$(IFS=:; for dir in $PATH; do
-            [ "$dir" != %(bin)s ] && [ -f "$dir/$name" ] && [ -x "$dir/$name" ] || continue
+# the real one where the machine has it, which compiles nothing; so is a
+# build system's probe of it (CMake's compiler identification and
+# try_compile, configure's conftest, Meson's sanity check), which builds
+# only its own test program: the build system learns the machine's compiler.
+# Not hipcc (a driver that runs the toolkit's programs, which the shims'
+# toolkit does not hold), nor nvcc's questions (the session asked it once).
+if [ -n "$probe$place" ] && [ -z "${CHECK_CONTRACT_ASKED-}" ]; then
+    case $name,$place in hipcc*|nvcc*,) ;; *)
+        path= real=
+        set -f
+        IFS=:
+        for dir in $PATH; do  # PATH without the shims, and the first real compiler on it
+            [ "$dir" != %(bin)s ] || continue
+            path=${path:+$path:}$dir
+            [ -z "$real" ] && [ -f "$dir/$name" ] && [ -x "$dir/$name" ] || continue
             case $(readlink -f "$dir/$name") in */ccache|*/sccache) continue ;; esac  # it runs the shim
-            echo "$dir/$name"; break
-        done)
+            real=$dir/$name
+        done
+        unset IFS
+        set +f
         export CHECK_CONTRACT_ASKED=1
-        [ -z "$real" ] || exec "$real" "$@" ;;
+        [ -z "$real" ] || PATH=$path exec "$real" "$@" ;;
     esac
 fi
+[ -z "$stdin" ] || cat > /dev/null  # a source read from stdin: take it, as a compiler would
 case $probe in
 --version)
     case $name in
@@ -6324,7 +6341,9 @@ def written_files(out):
             if stat.S_ISREG(info.st_mode) and info.st_size >= len(ELF_MAGIC):
                 data, _ = read_bounded(path, READ_CHUNK)
                 shim = b"\0" + SHIM_SECTION + b"\0"
-                if data and data[:len(ELF_MAGIC)] == ELF_MAGIC and shim not in data:
+                # A build system's probe is compiled by the real compiler (see TRACE_SHIM).
+                if data and data[:len(ELF_MAGIC)] == ELF_MAGIC and shim not in data and \
+                        not PROBE_PLACE_RE.search(rel):
                     binaries.append(rel)
     return written, sorted(binaries), None
 

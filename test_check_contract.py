@@ -5514,6 +5514,9 @@ class TraceLimitsTest(TreeTest):
     def test_cmake_with_the_cuda_language_cannot_be_told(self):
         if shutil.which("cmake") is None:
             self.skipTest("cmake is not installed")
+        if shutil.which("nvcc") is not None:
+            self.skipTest("nvcc answers CMake's checks here (ToolkitProbesTest."
+                          "test_a_cmake_cuda_project_gets_past_cmakes_checks)")
         self.backend('cmake -S . -B "$1" && cmake --build "$1"\n', **{
             "backends/cuda/k/CMakeLists.txt": "cmake_minimum_required(VERSION 3.18)\n"
             "project(k LANGUAGES CUDA)\nadd_library(k SHARED k.cu)\n"
@@ -5690,7 +5693,8 @@ class ToolkitProbesTest(TreeTest):
         (result,) = json.loads(out)["results"]
         self.assertEqual((rc, result["issues"]), (0, []), out)
         default = result["runs"][0]
-        self.assertEqual((default["targets"], default["defines"]), (["x86-64"], ["-Dk_EXPORTS"]))
+        self.assertEqual((default["targets"], default["defines"]),
+                         (["x86-64"], ["-Dk_EXPORTS", "-DNDEBUG"]))
         self.assertTrue(any("CMakeScratch" in c["cwd"] and c["probe"] for c in default["calls"]))
 
     def test_the_toolkit_holds_the_headers_a_toolkit_check_looks_for(self):
@@ -5732,6 +5736,21 @@ class ToolkitProbesTest(TreeTest):
         rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
         (result,) = json.loads(out)["results"]
         self.assertEqual((rc, result["issues"]), (0, []), out)
+
+    @unittest.skipUnless(NVCC, "nvcc is not installed")
+    def test_a_cmake_cuda_project_gets_past_cmakes_checks(self):
+        # CMake learns the toolkit from nvcc -v and its compiler-id builds, which the real
+        # nvcc answers; it links with the host compiler by its path, which the trace cannot see.
+        self.cmake_backend("cuda", "k.cu", "CUDA", [80], "set_target_properties(k PROPERTIES "
+                           "CUDA_ARCHITECTURES 80)\n")
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual(rc, 0, out)
+        self.assertEqual([run["targets"] for run in result["runs"]], [["80"], ["80"]])
+        self.assertEqual(sorted({(i["code"], i["message"].split(": ", 1)[1]) for i in result["issues"]}), [
+            ("X001", "the script leaves <output-dir>/%s, a compiled file no shim wrote: a compiler "
+             "the trace cannot intercept made it (one run by its path, from make or sh?); what that "
+             "call built is not in this report" % library) for library in ("build/libk.so", "libk.so")])
 
     def test_cc_answers_what_it_is_as_the_real_cc(self):
         real = [subprocess.run(["cc", option], stdout=subprocess.PIPE, universal_newlines=True,
