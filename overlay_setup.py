@@ -779,6 +779,24 @@ def require_abs_normal(path: str, option: str) -> str:
     return os.path.normpath(full)
 
 
+def shown(path: str) -> str:
+    """`path` as a person at a terminal reads it: relative to the current
+    directory where it lies under it, else as it is."""
+    try:
+        here = os.getcwd()
+    except OSError:  # the current directory was removed
+        return path
+    return os.path.relpath(path, here) if path != here and is_within(path, here) else path
+
+
+def shown_list(paths: List[str], more: str = "") -> str:
+    """Paths as shown(), the first four and a count of the rest (`more` after it)."""
+    names = [shown(path) for path in paths]
+    if len(names) > 5:  # a patched common header can reach hundreds of objects
+        names[4:] = ["and %d more%s" % (len(names) - 4, more)]
+    return ", ".join(names)
+
+
 def is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -3474,16 +3492,12 @@ class NativePlan:
                 with claims_locked():
                     self.check_claims()
                     entry = NativeEntry.apply(state, journal, self, command)
-                shown = ["%s (%s)" % (r["path"], r["why"]) for r in entry.record["protected"]
-                         if r["role"] != ORIGINAL]
-                count = len(shown)
-                if count > 5:  # a patched common header can reach hundreds of objects
-                    # A trial reverts before the user could run `status`.
-                    shown[4:] = ["and %d more%s" % (count - 4,
-                                                    "" if in_trial else " (`status` lists them)")]
-                if shown:
+                products = ["%s (%s)" % (shown(r["path"]), r["why"])
+                            for r in entry.record["protected"] if r["role"] != ORIGINAL]
+                if products:  # a trial reverts before the user could run `status`
                     print("backed up %d build product(s) the build may rewrite: %s"
-                          % (count, ", ".join(shown)))
+                          % (len(products), shown_list(products, "" if in_trial
+                                                       else " (`status` lists them)")))
             if python_update is not None:
                 python_update()
         except OSError as exc:
@@ -4868,11 +4882,11 @@ def revert_all(state: State, journal: dict, force: bool,
             continue
         inexact += entry.revert(keep_untracked, force)
         done.append("entry %d restored: %s" % (
-            entry.id, ", ".join(record["path"] for record in entry.sources)))
+            entry.id, shown_list([record["path"] for record in entry.sources])))
     if checked:
         done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
                     "are not, unless named with --artifact"
-                    % (", ".join(checked), "it" if len(checked) == 1 else "them"))
+                    % (shown_list(checked), "it" if len(checked) == 1 else "them"))
     del journal["reverting"]
     state.save(journal)
     remove_path(state.backups)
@@ -5155,10 +5169,10 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     here = tool_at(state)
     if build is None:
         print("entry %d applied without a build: %s; run `%s revert` to take it back"
-              % (entry.record["id"], source, here))
+              % (entry.record["id"], shown(source), here))
     else:
         print("entry %d applied: %s; run `%s verify-native`, measure, then `%s revert`"
-              % (entry.record["id"], source, here, here))
+              % (entry.record["id"], shown(source), here, here))
     return 0
 
 

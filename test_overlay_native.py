@@ -120,10 +120,16 @@ def tree_state(root: str) -> dict:
     return found
 
 
+def shown(path: str) -> str:
+    """A path as the tool shows it: relative to the current directory where it lies under it."""
+    here = os.getcwd()
+    return os.path.relpath(path, here) if path.startswith(here + "/") else path
+
+
 def checked(*directories: str) -> str:
     """The line revert ends its list with: the directories it checked."""
     return ("checked %s; a build's writes outside %s (an install step into a prefix) are not, "
-            "unless named with --artifact\n" % (", ".join(directories),
+            "unless named with --artifact\n" % (", ".join(map(shown, directories)),
                                                 "it" if len(directories) == 1 else "them"))
 
 
@@ -304,7 +310,7 @@ class CProjectTest(OverlayTestCase):
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(out, "entry 1 restored: %s\n%sreverted %s\n"
-                         % (self.p("kernel_b.c"), checked(self.proj), self.state))
+                         % (shown(self.p("kernel_b.c")), checked(self.proj), self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
         self.assertEqual(self.output(), "4.0")
@@ -347,7 +353,7 @@ class CProjectTest(OverlayTestCase):
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(out, "entry 2 restored: %s\nentry 1 restored: %s\n%sreverted %s\n"
-                         % (self.p("kernel_a.c"), self.p("kernel_b.c"), checked(self.proj),
+                         % (shown(self.p("kernel_a.c")), shown(self.p("kernel_b.c")), checked(self.proj),
                             self.state))
         self.assertEqual(tree_state(self.proj), before)
         self.assertEqual(self.make("-q").returncode, 0)
@@ -724,7 +730,7 @@ class CProjectTest(OverlayTestCase):
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(call("revert", "--all"), (
             0, "entry 1 restored: %s\n%sreverted %s\n"
-            % (self.p("kernel_b.c"), checked(self.proj), default_state),
+            % (shown(self.p("kernel_b.c")), checked(self.proj), default_state),
             ""))
         self.assertEqual(overlay_setup.registered_states(), [])
         self.assertEqual(tree_state(self.proj), before)
@@ -1055,7 +1061,7 @@ class DefaultStateTest(MadePackageTest):
         self.assertIn("state: %s\nowner: " % state, out)
         self.assertIn("entry 1: built", out)
         self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                          % (shown(os.path.join(self.pkg, "k.c")), checked(self.pkg),
                                              state), ""))
         self.assertEqual(tree_state(self.pkg), self.before)
 
@@ -1172,7 +1178,7 @@ class DefaultStateTest(MadePackageTest):
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("state: %s\n" % legacy, out)
         self.assertEqual(call("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
-                                          % (os.path.join(self.pkg, "k.c"),
+                                          % (shown(os.path.join(self.pkg, "k.c")),
                                              checked(os.path.join(self.pkg, "k.c")), legacy), ""))
         self.assertEqual(registry_entries(), [])
         shutil.rmtree(legacy)
@@ -1351,7 +1357,7 @@ class OwnedFilesTest(MadePackageTest):
                       "make -n -W), %s (predicted by make -n -W)"
                       % (os.path.join(self.pkg, "k.o"), os.path.join(self.pkg, "libk.so")), out)
         self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
-                                               % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                               % (shown(os.path.join(self.pkg, "k.c")), checked(self.pkg),
                                                   self.state), ""))
         self.assertEqual(tree_state(self.pkg), before)
         self.assertEqual(read_text(os.path.join(work, "results.txt")), "0.93\n")
@@ -1413,7 +1419,7 @@ class OwnedFilesTest(MadePackageTest):
         write_text_file(library, "version 2 of the package\n")  # an upgrade replaced it
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, out), (3, "entry 1 restored: %s\n%sreverted %s\n"
-                                     % (os.path.join(self.pkg, "k.c"), checked(self.pkg),
+                                     % (shown(os.path.join(self.pkg, "k.c")), checked(self.pkg),
                                         self.state)))
         self.assertEqual(err, "overlay_setup: E510 kept %s: changed after the overlay's build "
                               "(not what the build left, nor the original), so it is not the "
@@ -1455,7 +1461,7 @@ class OwnedFilesTest(MadePackageTest):
                                 "cc -c -o k.o k.c", "--build-cwd", bare))
         self.assertTrue(os.path.isfile(os.path.join(bare, "k.o")))
         self.assertEqual(self.tool("revert"), (0, "entry 1 restored: %s\n%sreverted %s\n"
-                                               % (os.path.join(bare, "k.c"), checked(bare),
+                                               % (shown(os.path.join(bare, "k.c")), checked(bare),
                                                   self.state), ""))
         self.assertEqual(tree_state(bare), before)
 
@@ -1516,7 +1522,7 @@ class PreExistingFileTest(MadePackageTest):
 
     def reverted(self) -> tuple:
         return (0, "entry 1 restored: %s\n%sreverted %s\n"
-                % (os.path.join(self.pkg, "k.c"), checked(self.pkg), self.state), "")
+                % (shown(os.path.join(self.pkg, "k.c")), checked(self.pkg), self.state), "")
 
     def test_a_version_file_the_build_rewrites_comes_back_byte_exact(self) -> None:
         before = self.link_step_runs("echo \"version = '1.0+dirty'\" > _version.py")
@@ -1866,7 +1872,8 @@ class PlanRunsNothingTest(OverlayTestCase):
                                  os.path.join(self.tmp, "fast.c"), "--build-cmd", "ninja",
                                  "--build-cwd", root)
         self.assertEqual(rc, 0, err)
-        self.assertIn("%s (predicted from ninja's graph)" % os.path.join(root, ".ninja_log"), out)
+        self.assertIn("%s (predicted from ninja's graph)" % os.path.relpath(os.path.join(root, ".ninja_log")),
+                      out)
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(root), before)
         self.assertEqual(read_text(os.path.join(root, ".ninja_log")), self.OLD_LOG)
@@ -3645,8 +3652,8 @@ class ProtectTest(OverlayTestCase):
                                  "--no-protect",
                                  "--protect", self.p("b.o"), "--protect", self.p("b.d"))
         self.assertEqual((rc, err), (0, ""))
-        self.assertIn("backed up 2 build product(s) the build may rewrite: %s (--protect), %s "
-                      "(--protect)\n" % (self.p("b.o"), self.p("b.d")), out)
+        self.assertIn("backed up 2 build product(s) the build may rewrite: proj/b.o (--protect), "
+                      "proj/b.d (--protect)\n", out)  # relative to the current directory
         self.assertEqual(self.tool("revert")[0], 0)
         self.assertEqual(read_text(self.p("b.c")), source)
 
@@ -3667,8 +3674,7 @@ class ProtectTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("backed up 7 build product(s) the build may rewrite: %s, and 3 more "
                       "(`status` lists them)\n" % ", ".join(
-                          "%s/%s (predicted by make -n -W)" % (many, name)
-                          for name in objects[:4]), out)
+                          "many/%s (predicted by make -n -W)" % name for name in objects[:4]), out)
         listed = self.tool("status")[1]
         self.assertEqual([name for name in objects if "build product %s/%s\n" % (many, name)
                           in listed], objects)
@@ -3714,7 +3720,7 @@ class ProtectTest(OverlayTestCase):
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, out), (overlay_setup.NOT_EXACT,
                                      "entry 1 restored: %s\n%sreverted %s\n"
-                                     % (self.p("b.c"), checked(self.proj), self.state)))
+                                     % (shown(self.p("b.c")), checked(self.proj), self.state)))
         self.assertEqual(err, "overlay_setup: E506 not byte-exact: the build rewrote {0} with no "
                               "backup; the next build makes it again (to keep it next time, pass "
                               "--protect {0})\n".format(self.p("b.d")))
@@ -6060,7 +6066,7 @@ class FirstUseMessageTest(OverlayTestCase):
                          many, "--", "true"])
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertIn("backed up 6 build product(s) the build may rewrite: %s, and 2 more\n"
-                      % ", ".join("%s/%s (predicted by make -n -W)" % (many, name)
+                      % ", ".join("many/%s (predicted by make -n -W)" % name
                                   for name in objects[:4]), done.stderr)
 
     def test_a_patch_another_overlay_applied_is_named_as_its_not_a_hunk_mismatch(self) -> None:
@@ -6676,6 +6682,23 @@ class ReadableOutputTest(OverlayTestCase):
         os.environ["OVERLAY_STATE"] = state
         rc, out, err = call("status")
         self.assertEqual(out.splitlines()[-1], "next: build, measure, then `overlay_setup.py revert`")
+
+    def test_paths_are_shown_from_the_current_directory_and_a_long_list_is_summed_up(self) -> None:
+        artifacts = []
+        for number in range(1, 8):
+            write_tree(self.tmp, {"d%d/lib.so" % number: "x\n"})
+            artifacts += ["--artifact", os.path.join(self.tmp, "d%d" % number, "lib.so")]
+        rc, out, err = call("add-native", "--source", os.path.join(self.tmp, "k.c"), "--patched",
+                            "fast.c", "--no-build", *artifacts)
+        state = re.search(r"^state: (.*)$", out, re.M).group(1)
+        self.assertEqual((rc, out.splitlines()[-1], err), (
+            0, "entry 1 applied without a build: k.c; run `overlay_setup.py revert` to take it back",
+            ""))
+        self.assertEqual(call("revert"), (
+            0, "entry 1 restored: k.c\n"
+               "checked d1/lib.so, d2/lib.so, d3/lib.so, d4/lib.so, and 4 more; a build's writes "
+               "outside them (an install step into a prefix) are not, unless named with "
+               "--artifact\nreverted %s\n" % state, ""))
 
     def test_gc_stale_removes_reverted_state_directories_of_the_state_home_only(self) -> None:
         rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
