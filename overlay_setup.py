@@ -193,6 +193,8 @@ VERSION = "1.0.0"
 FORMAT_VERSION = 1
 TOOL_NAME = "overlay_setup"
 JOURNAL_NAME = "journal.json"  # in the state directory
+RESERVE_NAME = "reserve"  # in the state directory while an entry is applied
+RESERVE_SIZE = 1 << 20  # bytes held for the journal at least (reserve_space)
 OLD_JOURNAL_NAME = "manifest.json"  # version 1.0's name for it, still read
 NATIVE_SUFFIXES = (".cu", ".cuh", ".hip", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp")
 # Build descriptions a patch may tune (flags, architectures), patched in place
@@ -1189,6 +1191,39 @@ class State:
         if os.path.lexists(old) and not os.path.isdir(old):  # a folder of that name is no journal
             os.unlink(old)
             fsync_dir(self.root)
+
+    def reserve_space(self, journal: dict) -> None:
+        """Hold some space on the state's disk while the build runs, which
+        may fill it with its own files: freed once the build is over (or by
+        the next command, after a run killed in it), so that the build's end
+        is journaled and revert can run, which removes what the build made.
+        Best effort: a disk too full for it already gets none."""
+        path = os.path.join(self.root, RESERVE_NAME)
+        if os.path.exists(path):
+            return
+        size = max(RESERVE_SIZE, 4 * len(json.dumps(journal)))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            for start in range(0, size, CHUNK):
+                _write_all(fd, bytes(min(CHUNK, size - start)))
+            os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            self.release_space()
+            return
+        os.close(fd)
+
+    def release_space(self) -> bool:
+        """Free the space reserve_space held; whether there was any."""
+        try:
+            os.unlink(os.path.join(self.root, RESERVE_NAME))
+        except FileNotFoundError:
+            return False
+        fsync_dir(self.root)
+        return True
 
     def state_path(self, relative: str) -> str:
         """A path recorded relative to the state directory, checked to stay inside it."""
@@ -4083,6 +4118,7 @@ class NativeEntry:
         build = entry["build"]
         fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
         ours = still_ours(journal) + fresh
+        state.reserve_space(journal)
         mutation_point()
         print("building in %s: %s" % (build["cwd"], build["cmd"]), flush=True)
 
@@ -4098,6 +4134,9 @@ class NativeEntry:
             if state_vanished(state):  # while the build started
                 raise build_deleted_state(state, entry)
             raise
+        finally:
+            with contextlib.suppress(OSError):
+                state.release_space()
         if state_vanished(state):
             raise build_deleted_state(state, entry)
         build.pop("process", None)
@@ -4988,6 +5027,8 @@ class Locked:
             if self.create:
                 raise unwritable_state(self.state, exc)
             raise
+        with contextlib.suppress(OSError):
+            self.state.release_space()  # what a run killed in its build held
         try:
             if self.create and not self.state.exists():
                 self.state.save(empty_journal())

@@ -6928,3 +6928,37 @@ class HardLinkedArtifactTest(MadePackageTest):
             "%s is on another filesystem or mount, so revert could not give the links their file "
             "back; pass a --state on the same mount\n" % (library, state)))
         self.assertEqual(tree_state(self.pkg), before)
+
+
+class DiskFullTest(OverlayTestCase):
+    """A build that fills the disk with its own new file: the journal is
+    still written, and revert frees the space and finishes."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.disk = os.path.join(self.tmp, "disk")
+        os.mkdir(self.disk)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", self.disk],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode:
+            self.skipTest("cannot mount a tmpfs here (mount needs root or CAP_SYS_ADMIN)")
+        self.addCleanup(subprocess.run, ["umount", "-l", self.disk])
+        self.pkg = self.built_copy(os.path.join(self.disk, "pkg"), {
+            "k.c": "double k(void) { return 1.0; }\n", "Makefile": MadePackageTest.MAKEFILE},
+            ["make", "-s"], aged=True)
+        write_text_file(os.path.join(self.tmp, "fast.c"), "double k(void) { return 2.0; }\n")
+        self.state = os.path.join(self.disk, "state")
+
+    def test_a_build_that_fills_the_disk_is_journaled_and_reverted(self) -> None:
+        before = tree_state(self.pkg)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.pkg, "k.c"),
+                                 "--patched", os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                                 "make && { head -c 5000000 /dev/zero > filler.o; true; }",
+                                 "--build-cwd", self.pkg)
+        self.assertEqual((rc, err.count("E601")), (0, 0), (out, err))
+        # the build's file took all the space there was: the reserve's is all that is free
+        self.assertGreater(os.path.getsize(os.path.join(self.pkg, "filler.o")), 1 << 20)
+        self.assertLess(os.statvfs(self.disk).f_bavail * os.statvfs(self.disk).f_frsize,
+                        overlay_setup.RESERVE_SIZE + (64 << 10))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(tree_state(self.pkg), before)
