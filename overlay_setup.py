@@ -5819,12 +5819,14 @@ TRIAL_EXIT = {"reference": 10, "apply": 11, "verify": 12, "candidate": 13, "reve
 
 
 def trial_watched(root: str, build_cwd: str, trees: List[str],
-                  artifacts: List[str]) -> List[str]:
-    """What a trial compares before and after: --root, --build-cwd, the
-    directories the build writes in, and each --artifact outside them (its
-    folder when that holds a build.ninja: a JIT's build directory, which the
-    build rewrites around it)."""
-    watched = {root, build_cwd} | set(trees)
+                  artifacts: List[str], kept: List[str]) -> List[str]:
+    """What a trial compares before and after, everything the overlay is
+    responsible for: --root, --build-cwd, the directories the build writes
+    in (its installed distributions' folders among them), the caches and
+    --protect paths (`kept`), and each --artifact outside them (its folder
+    when that holds a build.ninja: a JIT's build directory, which the build
+    rewrites around it)."""
+    watched = {root, build_cwd} | set(trees) | set(kept)
     for artifact in artifacts:
         if not any(is_within(artifact, path) for path in watched):
             folder = os.path.dirname(artifact)
@@ -5930,10 +5932,12 @@ def cmd_trial(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
-    artifacts = [os.path.normpath(os.path.abspath(path)) for path in args.artifact]
+    artifacts, caches = ([os.path.normpath(os.path.abspath(path)) for path in paths]
+                         for paths in (args.artifact, args.invalidate_cache))
     watched = trial_watched(root, build_cwd, build_trees_of(
-        args, build_cwd, artifact_distributions(artifacts, [])) if args.build_cmd else [],
-                            artifacts)
+        args, build_cwd, artifact_distributions(artifacts, caches)) if args.build_cmd else [],
+                            artifacts, caches + [os.path.normpath(os.path.abspath(path))
+                                                 for path in args.protect])
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
               "watched": watched, "runs": [], "verify": None, "revert": None,

@@ -6962,3 +6962,28 @@ class DiskFullTest(OverlayTestCase):
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""), out)
         self.assertEqual(tree_state(self.pkg), before)
+
+
+class TrialWatchedTest(OverlayTestCase):
+    """trial's verdict covers everything the overlay is responsible for, and
+    its watched: line names it all: the build directories read from the
+    command, the caches set aside, the files kept by --protect."""
+
+    def test_the_watched_line_names_caches_protected_files_and_build_directories(self) -> None:
+        proj = self.built_project(TRIAL_PROJECT)
+        cache = os.path.join(self.tmp, "cache")
+        write_tree(cache, {"entry": "cached\n"})
+        notes = os.path.join(self.tmp, "notes.txt")
+        write_text_file(notes, "kept\n")
+        diff = os.path.join(self.tmp, "seven.diff")
+        write_text_file(diff, "--- a/b.c\n+++ b/b.c\n@@ -2 +2 @@\n"
+                              "-int b(void) { return K; }\n+int b(void) { return 7; }\n")
+        work = os.path.join(self.tmp, "work")
+        os.mkdir(work)
+        os.chdir(work)
+        done = forked_tool(["--state", self.state, "trial", diff, "--root", proj,
+                            "--invalidate-cache", cache, "--protect", notes,
+                            "--build-cmd", "cd ../proj && make", "--", "true"])
+        self.assertEqual(done.returncode, 0, (done.stdout, done.stderr))
+        self.assertIn("  watched: %s (writes elsewhere" % ", ".join([cache, notes, proj, work]),
+                      done.stdout)
