@@ -1463,9 +1463,12 @@ def check_build_facts(backend, rel, facts, traced=False):
         backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
                       "(${2:-%s})" % (said, default, rel, facts.default_target,
                                       facts.default_target), where)
-    if facts.unfollowed and "B017" not in [d.code for d in backend.diagnostics[warned:]]:
-        backend.warning("B017", "%scannot tell whether %s builds only what the checker reads%s"
-                        % (said, rel, unfollowed), where, facts.unfollowed[0][0])
+    # What it does not follow after the library is written may replace or remove it.
+    late = [(line, what) for line, what in facts.unfollowed if line is None or line >= call.line]
+    if late and "B017" not in [d.code for d in backend.diagnostics[warned:]]:
+        backend.warning("B017", "%scannot tell whether %s builds only what the checker reads; the "
+                        "checker does not follow %s" % (said, rel, ", ".join(
+                            "line %d (%s)" % item for item in late)), where, late[0][0])
 
 
 def check_built_targets(backend, rel, facts, said, where, unfollowed):

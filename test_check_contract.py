@@ -1486,7 +1486,7 @@ class PositionalParametersTest(TreeTest):
     def test_a_script_that_sets_its_target_with_set_is_clean(self):
         files = fat_files(architectures=[90], default_arch=90)
         files["backends/cuda/fat/build.sh"] = Executable(
-            '#!/usr/bin/env bash\nset -- "$1" 90\nnvcc -O3 -shared -arch=sm_$2 ops.cu -o "$1/libfat.so"\n')
+            '#!/usr/bin/env bash\nset -- "$1" 90\nmkdir -p "$1"\nnvcc -O3 -shared -arch=sm_$2 ops.cu -o "$1/libfat.so"\n')
         self.tree(files)
         self.assertClean()
 
@@ -7319,7 +7319,7 @@ class ConventionsTest(unittest.TestCase):
     def test_ctrl_c_exits_130_in_both_tools(self):
         files = demo_files()
         files["backends/cpu/demo/build.sh"] = Executable(
-            "#!/usr/bin/env bash\necho started\nsleep 30\n"
+            "#!/usr/bin/env bash\necho started\nsleep 30\nmkdir -p \"$1\"\n"
             'cc -shared -fPIC -march=${2:-x86-64} -o "$1/libdemo.so" ops.c\n')
         write_tree(self.tmp, files)
         rc, err = self.interrupt([CHECKER, "--root", self.tmp, "build", "--out",
