@@ -3706,8 +3706,8 @@ def classify(repo, backend):
     elif kernels and not stray:
         diagnostics.append(Diagnostic(
             "error", "D001", backend.key, backend.rel_dir, None,
-            "has kernel sources (%s) but no %s manifest"
-            % (", ".join(kernels[:3]), manifest_name)))
+            "has kernel sources (%s) but no %s manifest; run: python3 check_contract.py init %s"
+            % (", ".join(kernels[:3]), manifest_name, backend.rel_dir)))
     return False, relevant, diagnostics
 
 
@@ -4618,7 +4618,8 @@ def report_sarif(run, out):
         result = {"ruleId": d.code, "level": d.level,
                   "message": {"text": "%s: %s" % (d.backend, d.message)}}
         if d.path:
-            location = {"artifactLocation": {"uri": quote(d.path), "uriBaseId": "%SRCROOT%"}}
+            # A name that is not UTF-8 (held as surrogates) goes as its bytes, percent-encoded.
+            location = {"artifactLocation": {"uri": quote(os.fsencode(d.path)), "uriBaseId": "%SRCROOT%"}}
             if d.line:
                 location["region"] = {"startLine": d.line}
             result["locations"] = [{"physicalLocation": location}]
@@ -5173,6 +5174,16 @@ def test_backend(repo, run, backend, args, stream):
                              "has no tests (test_*.py) beside its kernels; add them under "
                              "%s/tests/" % backend.rel_dir)
         return TierResult(key, "skipped", "no tests", diagnostics=[warning])
+    hidden = [p for p in sorted(backend.files) if p.rsplit("/", 1)[-1].startswith("test_")
+              and p.endswith(".py") and not discoverable(backend.files, p)]
+    if hidden and len(hidden) == sum(p.rsplit("/", 1)[-1].startswith("test_") and p.endswith(".py")
+                                     for p in backend.files):
+        package = hidden[0].rsplit("/", 1)[0]
+        message = ("unittest would run none of the tests (%s): %s/ has no __init__.py, and unittest "
+                   "discovers tests only in packages; add %s/__init__.py"
+                   % (", ".join(hidden[:3]), package, backend.rel(package)))
+        failure = Diagnostic("error", "U001", key, backend.rel(hidden[0]), None, message)
+        return TierResult(key, "failed", message, diagnostics=[failure])
     command = [sys.executable, "-m", "unittest", "discover", "-v", "-s", backend.rel_dir,
                "-t", backend.rel_dir]
     stream.write("==> test %s: %s\n" % (key, " ".join(command)))
@@ -5187,6 +5198,13 @@ def test_backend(repo, run, backend, args, stream):
             child.error or "exit status %d" % child.returncode)
     failure = Diagnostic("error", code, key, backend.rel_dir, None, message)
     return TierResult(key, "failed", message, child.elapsed, [failure])
+
+
+def discoverable(files, path):
+    """Whether `unittest discover` finds a test file: each directory above
+    it is a package (holds __init__.py)."""
+    parts = path.split("/")[:-1]
+    return all("/".join(parts[:n]) + "/__init__.py" in files for n in range(1, len(parts) + 1))
 
 
 def parity_backend(repo, run, backend, args, stream):
@@ -6498,6 +6516,13 @@ def trace_backend(repo, run, backend, args, stream, session):
     import shutil
     key = backend.key
     script = backend.build_script
+    errors = [d for d in run.errors_of(backend) if d.code[0] != "B"]  # B: what the trace runs to see
+    if errors:
+        diagnostic = Diagnostic("error", "R009", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
+                                "not traceable: the contract check reports %d error(s) (%s); run "
+                                "check_contract.py check %s" % (len(errors), ", ".join(sorted({
+                                    d.code for d in errors})), key))
+        return TierResult(key, "failed", diagnostic.message, diagnostics=[diagnostic])
     if script is None or not os.path.isfile(os.path.join(backend.dir, script)):
         return TierResult(key, "skipped", "no build script to trace (build.script %s); run "
                           "check_contract.py check %s" % ("is not given" if script is None
@@ -6703,6 +6728,15 @@ def run_tier(args, run_one, choose=None, repo=None, isolation=None):
     if isolation is not None:
         stream.write("==> isolation: %s\n" % isolation)
     results = [run_one(repo, run, backend, args, stream) for backend in backends]
+    # A directory the check takes for a backend without a manifest (D001 ...) is no
+    # backend this tier can run: it fails, with the check's findings, never left out.
+    found = {b.key for b in backends}
+    unrun = collections.OrderedDict()
+    for d in run.diagnostics:
+        if "/" in d.backend and d.backend not in found and d.level == "error":
+            unrun.setdefault(d.backend, []).append(d)
+    results += [TierResult(key, "failed", "not a backend this tier can run: %s" % found_[0].message,
+                           diagnostics=found_) for key, found_ in unrun.items()]
     for result in results:
         suppress(result.diagnostics, backends, args.ignore)
         result.suppressed = [d for d in result.diagnostics if d.suppressed is not None]

@@ -234,7 +234,8 @@ class DiscoveryTest(TreeTest):
         self.assertEqual(rc, 1)
         self.assertEqual(out, "backends/cuda/qwen3_5: [error] D001 cuda/qwen3_5: has kernel sources "
                               "(attention.cu, common.cuh, "
-                              "elementwise.cu) but no qwen3_5.backend.json manifest\n"
+                              "elementwise.cu) but no qwen3_5.backend.json manifest; run: python3 "
+                              "check_contract.py init backends/cuda/qwen3_5\n"
                               "0 backend(s), 1 error(s), 0 warning(s)\n")
 
     def test_dir_without_kernel_sources_is_ignored(self):
@@ -6603,6 +6604,52 @@ class InitCorpusTest(unittest.TestCase):
                                  out + err)
 
 
+class TiersReportEveryBackendTest(TreeTest):
+    """Every tier reports every backend it was asked for or found: failed or
+    skipped with the reason, never left out of a run that then passes."""
+
+    def results(self, *args):
+        rc, out, err = self.check(*args, "--format", "json")
+        return rc, [(r["backend"], r["result"], [(i["code"], i["message"]) for i in r["issues"]])
+                    for r in json.loads(out)["results"]]
+
+    def test_a_directory_without_a_manifest_fails_every_tier_that_is_asked_for_it(self):
+        self.tree(demo_files(**{"backends/cuda/nomani/k.cu": "__global__ void k() {}\n"}))
+        d001 = ("D001", "has kernel sources (k.cu) but no nomani.backend.json manifest; run: "
+                "python3 check_contract.py init backends/cuda/nomani")
+        for tier in ("build", "trace", "test", "parity"):
+            with self.subTest(tier=tier):
+                self.assertEqual(self.results(tier, "cuda/nomani"), (1, [("cuda/nomani", "failed", [d001])]))
+        rc, results = self.results("test")
+        self.assertEqual((rc, [r[:2] for r in results]), (1, [("cpu/demo", "skipped"), ("cuda/nomani", "failed")]))
+
+    def test_trace_of_a_backend_the_check_rejects_is_r009(self):
+        self.tree(demo_files(demo_manifest(abi_version="one")))
+        rc, results = self.results("trace")
+        self.assertEqual((rc, results), (1, [("cpu/demo", "failed", [(
+            "R009", "not traceable: the contract check reports 1 error(s) (M002); run "
+                    "check_contract.py check cpu/demo")])]))
+
+    def test_tests_unittest_cannot_discover_are_a_failure(self):
+        test = "import unittest\n\nclass T(unittest.TestCase):\n    def test_it(self):\n        pass\n"
+        self.tree(demo_files(**{"backends/cpu/demo/tests/test_ops.py": test}))
+        self.assertEqual(self.results("test"), (1, [("cpu/demo", "failed", [(
+            "U001", "unittest would run none of the tests (tests/test_ops.py): tests/ has no "
+                    "__init__.py, and unittest discovers tests only in packages; add "
+                    "backends/cpu/demo/tests/__init__.py")])]))
+        self.tree({"backends/cpu/demo/tests/__init__.py": ""})
+        self.assertEqual(self.results("test"), (0, [("cpu/demo", "passed", [])]))
+
+    def test_sarif_names_a_file_whose_name_is_not_utf8(self):
+        self.tree(demo_files())
+        with open(os.path.join(os.fsencode(self.path("backends/cpu/demo")), b"k\xff.c"), "w") as handle:
+            handle.write("int k;\n")
+        rc, out, err = self.check("--format", "sarif")
+        result, = json.loads(out)["runs"][0]["results"]
+        self.assertEqual((rc, err, result["ruleId"], result["locations"][0]["physicalLocation"][
+            "artifactLocation"]["uri"]), (1, "", "S004", "backends/cpu/demo/k%FF.c"))
+
+
 class TestTierTest(TreeTest):
     def run_tests(self, *args):
         return run_main(["--repo-root", self.root, "test"] + list(args))
@@ -6902,7 +6949,7 @@ class RepositoryTest(unittest.TestCase):
                                   stderr=subprocess.STDOUT, universal_newlines=True)
             self.assertEqual(proc.returncode, 1, proc.stdout)
             self.assertIn("backends/cuda/k: [error] D001 cuda/k: has kernel sources (k.cu) but no "
-                          "k.backend.json manifest",
+                          "k.backend.json manifest; run: python3 check_contract.py init backends/cuda/k",
                           proc.stdout)
 
 
