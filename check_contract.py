@@ -943,18 +943,36 @@ OPTION_FILE_DEPTH = 8  # options files named by options files that the reader fo
 OPTION_FILE_WORD_RE = re.compile(r'(?:"[^"]*"|[^\s"])+')
 
 
+def options_file_words(text):
+    """The words of an nvcc options file: white space apart, double quotes
+    grouping (and removed), single quotes kept, as nvcc reads it."""
+    return [w.replace('"', "") for w in OPTION_FILE_WORD_RE.findall(text)]
+
+
+def response_file_words(text):
+    """The words of a gcc or clang response file, quoted as in the shell;
+    None where the quotes do not close."""
+    import shlex
+    try:
+        return shlex.split(text)
+    except ValueError:
+        return None
+
+
 class Compiler:
     """What the checker knows of one compiler beyond the flags all share
     (COMPILER_OPTIONS): the variables whose words it reads before and after
-    its arguments, its options that name files of more arguments, and
-    whether -oFILE names its output (nvcc's -odir and -optf are other
-    options)."""
+    its arguments, its options that name files of more arguments and how it
+    splits such a file into words, and whether -oFILE names its output
+    (nvcc's -odir and -optf are other options)."""
 
-    __slots__ = ("prepend", "append", "option_files", "joined_output")
+    __slots__ = ("prepend", "append", "option_files", "option_words", "joined_output")
 
-    def __init__(self, prepend=None, append=None, option_files=(), joined_output=True):
+    def __init__(self, prepend=None, append=None, option_files=("@",), option_words=None,
+                 joined_output=True):
         self.prepend, self.append = prepend, append
-        self.option_files = option_files
+        self.option_files = option_files  # "@": @FILE, as gcc and clang take a response file
+        self.option_words = option_words or response_file_words
         self.joined_output = joined_output
 
     def arguments(self, args, environment):
@@ -968,11 +986,11 @@ class Compiler:
 # per name, and its versioned forms) and the reading of recorded calls know of it.
 COMPILERS = {
     "nvcc": Compiler("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", ("-optf", "--options-file"),
-                     joined_output=False),
+                     options_file_words, joined_output=False),
     "hipcc": Compiler(), "clang": Compiler(), "clang++": Compiler(), "amdclang": Compiler(),
     "amdclang++": Compiler(), "gcc": Compiler(), "g++": Compiler(), "cc": Compiler(),
     "c++": Compiler(), "icx": Compiler(), "icpx": Compiler()}
-ANY_COMPILER = Compiler()
+ANY_COMPILER = Compiler(option_files=())
 
 
 def compiler_row(word):
@@ -981,10 +999,6 @@ def compiler_row(word):
     return COMPILERS.get(match.group(1), ANY_COMPILER) if match else ANY_COMPILER
 
 
-def options_file_words(text):
-    """The words of an nvcc options file: white space apart, double quotes
-    grouping (and removed), single quotes kept, as nvcc reads it."""
-    return [w.replace('"', "") for w in OPTION_FILE_WORD_RE.findall(text)]
 # Options that make a compiler build something else than machine code: a
 # probe (-E, -M, -fsyntax-only, nvcc --dryrun) builds nothing, nvcc -ptx
 # builds PTX only.
@@ -1150,6 +1164,8 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
         kind = COMPILER_OPTIONS.get(name) if arg[:1] == "-" else None
         if name in row.option_files:
             kind = "options"
+        elif arg[:1] == "@" and "@" in row.option_files and len(arg) > 1:
+            kind, name, equals, value = "options", "@", "@", arg[1:]
         if kind is None:
             if arg.startswith("-D") or (arg.startswith("-o") and not equals and row.joined_output):
                 kind, value = ("define" if arg[1] == "D" else "output"), arg[2:]
@@ -1193,16 +1209,18 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
         if not known(value):
             call.unknown.append(show_word(arg))
         elif kind == "options":
-            for path in value.split(","):
-                text = None
+            for path in value.split(",") if name != "@" else [value]:
+                words = None
                 if options_file is not None and followed < OPTION_FILE_DEPTH:
                     text = options_file(path if cwd is None or path.startswith("/") else cwd + "/" + path)
-                if text is None:
-                    call.unknown.append("%s %s, a file of options the checker cannot read"
-                                        % (name, show_word(path)))
+                    words = row.option_words(text) if text not in (None, "\x01") else None
+                if words is None:
+                    call.unknown.append("%s%s, a file of options the checker cannot read"
+                                        % (name + " " if name != "@" else "@", show_word(path)))
+                    call.opaque = True
                 else:
                     followed += 1
-                    args[index:index] = options_file_words(text)
+                    args[index:index] = words
         elif kind == "gencode":
             gencode(call, value)
         elif kind == "arch" and "," in value:
@@ -5311,28 +5329,37 @@ ccache|sccache)
 esac
 record=%(log)s/"$(date +%%s%%N).$$"
 printf '%%s\0' "$via" "$PWD" "${%(prepend)s-}" "${%(append)s-}" "$#" "$word" "$@" > "$record"
-case $name in
-nvcc*)  # the text of each options file it reads, after the call, in the order nvcc reads them
-    set -f
+options() {  # the text of each options file (nvcc -optf, @file) of the arguments, in order
     next=
-    for arg in ${%(prepend)s-} "$@" ${%(append)s-}; do
+    for arg in "$@"; do
         files=
-        case $next,$arg in
-        optf,*) files=$arg ;;
-        ,-optf|,--options-file) next=optf; continue ;;
-        ,-optf=*|,--options-file=*) files=${arg#*=} ;;
+        case $name,$next,$arg in
+        nvcc*,optf,*) files=$arg ;;
+        nvcc*,,-optf|nvcc*,,--options-file) next=optf; continue ;;
+        nvcc*,,-optf=*|nvcc*,,--options-file=*) files=${arg#*=} ;;
+        nvcc*) ;;
+        *,,@?*) files=${arg#@} ;;
         esac
         next=
-        IFS=,
+        case $name in nvcc*) IFS=, ;; *) IFS= ;; esac  # nvcc takes a list
         for file in $files; do
-            [ -f "$file" ] && [ -r "$file" ] || {
-                echo "nvcc fatal   : Could not open options file '$file'" >&2; exit 1; }
-            printf '%%s\0' "$(cat "$file")" >> "$record"
+            if [ -f "$file" ] && [ -r "$file" ]; then printf '%%s\0' "$(cat "$file")" >> "$record"
+            else
+                case $name in nvcc*)
+                    echo "nvcc fatal   : Could not open options file '$file'" >&2; exit 1 ;;
+                esac
+                printf '\1\0' >> "$record"  # gcc and clang take the word as it is
+            fi
         done
         unset IFS
     done
-    set +f ;;
+}
+set -f
+case $name in
+nvcc*) options ${%(prepend)s-} "$@" ${%(append)s-} ;;
+*) options "$@" ;;
 esac
+set +f
 out= next= probe= place= stdin= made=program suffix=.o dep= depfile=
 for arg in "$@"; do
     case $next in

@@ -1166,6 +1166,19 @@ class CompilerCallTest(unittest.TestCase):
                                             "/b/CMakeFiles/k.dir")
         self.assertEqual((call.outputs, call.targets(None)), (["/b/CMakeFiles/k.dir/k.o"], ["x86-64"]))
 
+    def test_gcc_and_clang_response_files_are_read_as_the_shell_quotes(self):
+        files = {"/s/flags": "-march=haswell '-DK_ABI_VERSION=1' \"k 2.c\""}
+        for compiler in ("gcc", "clang++-18", "hipcc"):
+            with self.subTest(compiler=compiler):
+                call = check_contract.compiler_call([compiler, "@flags", "-c"], 1, "/s",
+                                                    options_file=files.get)
+                self.assertEqual((call.march, call.abi_defines, call.unknown),
+                                 (["haswell"], [("K", "1")], []))
+        call = self.call("cc", "@flags", "-shared", "-o", "/o/l.so")
+        self.assertEqual((call.unknown, call.opaque),
+                         (["@flags, a file of options the checker cannot read"], True))
+        self.assertEqual(self.call("nvcc", "@flags", "-c", "k.cu").unknown, [])  # nvcc has no @file
+
     def test_an_unknown_command_word_with_a_compilers_arguments_is_a_compiler(self):
         unknown = check_contract.RUNTIME + '$(command -v nvcc)' + check_contract.RUNTIME
         self.assertEqual(self.call(unknown, "-gencode", "arch=compute_89,code=sm_89", "-o",
@@ -5752,6 +5765,24 @@ class ToolkitProbesTest(TreeTest):
             ("X001", "the script leaves <output-dir>/%s, a compiled file no shim wrote: a compiler "
              "the trace cannot intercept made it (one run by its path, from make or sh?); what that "
              "call built is not in this report" % library) for library in ("build/libk.so", "libk.so")])
+
+    def test_a_response_file_gives_its_flags(self):
+        self.tree({"backends/cpu/k/k.backend.json": {
+            "name": "k", "abi_version": 1, "status": "experimental", "sources": ["k.c"],
+            "build": {"script": "build.sh", "output": "libk.so", "architectures": ["haswell"]}},
+            "backends/cpu/k/k.c": "#define K_ABI_VERSION 1\nint k_abi_version(void) { return 1; }\n"
+                                  "const char *k_error_string(int c) { return \"\"; }\n",
+            "backends/cpu/k/flags": "-march=haswell -fPIC\n",
+            "backends/cpu/k/build.sh": Executable(
+                '#!/bin/sh\nset -eu\nmkdir -p "$1"\nout=$(cd "$1" && pwd)\ncd "$(dirname "$0")"\n'
+                'cc @flags -shared -o "$out/libk.so" k.c\n')})
+        self.assertIssue("B017", "cannot tell whether build.sh builds haswell: @flags, a file of "
+                         "options the checker cannot read at line 6", level="warning")
+        rc, out, err = run_main(["--repo-root", self.root, "build", "--out", self.path("out")])
+        self.assertEqual(rc, 0, out)  # gcc reads the file
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual((rc, result["issues"], result["runs"][0]["targets"]), (0, [], ["haswell"]), out)
 
     def test_cc_answers_what_it_is_as_the_real_cc(self):
         real = [subprocess.run(["cc", option], stdout=subprocess.PIPE, universal_newlines=True,
