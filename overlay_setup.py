@@ -2841,6 +2841,12 @@ def replaces_files(build: Optional[dict]) -> bool:
                                                 r"|-m\s+pip\s", build["cmd"]))
 
 
+def links_distribution(state: State, build: Optional[dict], dist_info: str) -> bool:
+    """Whether the files of an installed distribution are kept by hard links
+    (the build replaces them, and the state shares their mount)."""
+    return replaces_files(build) and mount_of(state.root) == mount_of(dist_info)
+
+
 def protected_paths(state: State, sources: List[str], artifacts: List[str], caches: List[str],
                     build: Optional[dict], protect: List[str],
                     no_protect: bool, ask_make: bool = True) -> List[Tuple[str, str]]:
@@ -2860,15 +2866,14 @@ def protected_paths(state: State, sources: List[str], artifacts: List[str], cach
                 taken.add(name)
     if no_protect:
         return chosen
-    linked = replaces_files(build) and mount_of(state.root) == mount_of(
-        os.path.dirname(artifacts[0])) if artifacts else False
     copied: List[Tuple[str, str]] = []
     for dist_info in (build or {}).get("distributions") or []:
         why = DISTRIBUTION_WHY % os.path.basename(dist_info)
         for path in distribution_files(dist_info):
             if path not in excluded and path not in taken and os.path.isfile(path) and \
                     not os.path.islink(path):
-                (chosen if linked else copied).append((path, why))
+                (chosen if links_distribution(state, build, dist_info) else copied).append(
+                    (path, why))
                 taken.add(path)
     # A JIT at import (torch's extension loader runs ninja in the artifact's
     # folder), after --no-build or as the build command, rewrites what the
@@ -3461,8 +3466,18 @@ class NativePlan:
                 continue
             print("  %-10s %s (artifact%s)" % ("back up", path,
                                                "" if os.path.lexists(path) else ", absent now"))
+        kept: Dict[str, int] = {}  # a distribution's files, counted: torch has thousands
         for path, why in self.protected:
-            print("  %-10s %s (build product, %s)" % ("back up", path, why))
+            if why.startswith(DISTRIBUTION_WHY % ""):
+                kept[why] = kept.get(why, 0) + 1
+            else:
+                print("  %-10s %s (build product, %s)" % ("back up", path, why))
+        for dist_info in (self.build or {}).get("distributions") or []:
+            print("  %-10s the %d other files of the installed distribution %s (its RECORD and "
+                  "dist-info), %s" % (
+                      "keep", kept.get(DISTRIBUTION_WHY % os.path.basename(dist_info), 0),
+                      dist_info, "each by a hard link: pip writes files anew"
+                      if links_distribution(state, self.build, dist_info) else "each copied"))
         if self.asks_make:
             print("  %-10s the build products make -n -W names (not asked by --dry-run: make "
                   "evaluates the Makefile's $(shell ...) to answer; a real run asks once its "
@@ -4924,7 +4939,7 @@ def revert_all(state: State, journal: dict, force: bool,
             entry.id, shown_list([record["path"] for record in entry.sources])))
     if checked:
         done.append("checked %s; a build's writes outside %s (an install step into a prefix) "
-                    "are not, unless named with --artifact"
+                    "are not, unless named with --build-dir or --artifact"
                     % (shown_list(checked), "it" if len(checked) == 1 else "them"))
     del journal["reverting"]
     state.save(journal)

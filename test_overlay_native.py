@@ -129,8 +129,8 @@ def shown(path: str) -> str:
 def checked(*directories: str) -> str:
     """The line revert ends its list with: the directories it checked."""
     return ("checked %s; a build's writes outside %s (an install step into a prefix) are not, "
-            "unless named with --artifact\n" % (", ".join(map(shown, directories)),
-                                                "it" if len(directories) == 1 else "them"))
+            "unless named with --build-dir or --artifact\n"
+            % (", ".join(map(shown, directories)), "it" if len(directories) == 1 else "them"))
 
 
 def call(*argv: str) -> tuple:
@@ -6656,6 +6656,20 @@ class PipInstallTest(OverlayTestCase):
         self.assertIn("  revert: the install differs from before: %s" % data, done.stdout)
 
 
+    def test_the_plan_names_the_distribution_once_not_each_file(self) -> None:
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "pkg", "_k.c"),
+                                 "--patched", os.path.join(self.tmp, "fast.c"), "--artifact",
+                                 self.artifact, "--build-cmd", self.install, "--build-cwd",
+                                 self.proj, "--dry-run")
+        self.assertEqual((rc, err), (0, ""), out)
+        dist_info = os.path.join(self.site, "pkg-0.dist-info")
+        count = len(overlay_setup.distribution_files(dist_info)) - 1  # the artifact's own line
+        self.assertIn("  keep       the %d other files of the installed distribution %s (its "
+                      "RECORD and dist-info), each by a hard link: pip writes files anew\n"
+                      % (count, dist_info), out)
+        self.assertNotIn("RECORD (build product", out)
+        self.assertEqual(file_hashes(self.site, self.proj), self.before)
+
 class ReadableOutputTest(OverlayTestCase):
     """What the tool prints is read by a person at a terminal: the next
     command to run as that person would type it from where they stand."""
@@ -6698,7 +6712,7 @@ class ReadableOutputTest(OverlayTestCase):
             0, "entry 1 restored: k.c\n"
                "checked d1/lib.so, d2/lib.so, d3/lib.so, d4/lib.so, and 4 more; a build's writes "
                "outside them (an install step into a prefix) are not, unless named with "
-               "--artifact\nreverted %s\n" % state, ""))
+               "--build-dir or --artifact\nreverted %s\n" % state, ""))
 
     def test_gc_stale_removes_reverted_state_directories_of_the_state_home_only(self) -> None:
         rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
@@ -6793,6 +6807,7 @@ class InterruptedApplyTest(OverlayTestCase):
             "overlay_setup: interrupted; run `{0} status`, then `{0} revert`\n").format(self.here)))
         self.assertOk(self.tool("revert"))
         self.assert_nothing_applied()
+
 
 
 class BuildEndTest(MadePackageTest):
