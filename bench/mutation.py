@@ -120,7 +120,8 @@ MUTANTS = [
     overlay("created-products-left-behind", "remove_products(products, aside)", "pass",
             "CProjectTest"),
     overlay("entries-reverted-oldest-first",
-            "for entry in reversed(entries):", "for entry in entries:", "CProjectTest",
+            "for entry in reversed(native_entries(state, journal)):",
+            "for entry in native_entries(state, journal):", "CProjectTest",
             "TwoOverlaysTest"),
     overlay("hard-linked-source-comes-back-as-a-copy",
             'if record["present"] and record["links"] > 1 and record["role"] == "source":',
@@ -130,8 +131,10 @@ MUTANTS = [
             "            if False:  # --force on the older of two overlays",
             "CProjectTest", "TwoOverlaysTest"),
     overlay("artifact-rebuilt-by-another-is-reverted-over",
-            '        changed = rebuilt_since_apply(state, journal["entries"])\n        if changed:\n',
-            '        changed = rebuilt_since_apply(state, journal["entries"])\n        if False:\n',
+            "        changed = rebuilt_since_apply(state, [entry.record for entry in entries])\n"
+            "        if changed:\n",
+            "        changed = rebuilt_since_apply(state, [entry.record for entry in entries])\n"
+            "        if False:\n",
             "CProjectTest"),
     overlay("file-edited-after-the-build-is-restored",
             "if not unchanged_since_build(record)\n", "if False\n", "PreExistingFileTest",
