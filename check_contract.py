@@ -1267,6 +1267,8 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
     if any(PROBE_PLACE_RE.search(place) for place in places):
         call.inputs, call.outputs, call.objects, call.abi_defines, call.rejected = [], [], [], [], []
         call.probes += 1
+    call.unknown = [show_word(u) for u in call.unknown]  # as messages show them: $1, not a marker
+    call.rejected = [show_word(r) for r in call.rejected]
     if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
         call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
     elif "ptx" in modes:
@@ -6912,12 +6914,25 @@ def inferred_build(script, facts, platform):
         raise CannotTell("init: cannot tell from %s which library it writes: it writes %s; write it "
                          "with -o \"$1/<library>\", or give build.output yourself"
                          % (script, show_path(output)))
-    archs, unknown = [], []
-    for call in facts.calls:
+    landed, maybe = facts.landing()
+    if inside and posixpath.normpath(library) not in landed and not maybe:
+        # Written, then moved or renamed: the library is the one it leaves there.
+        libraries = sorted(p for p in landed if LIBRARY_NAME_RE.search(p))
+        if len(libraries) != 1:
+            raise CannotTell("init: cannot tell which library %s leaves in <output-dir>: it writes "
+                             "%s with -o, then moves it, and leaves %s; give build.output yourself"
+                             % (script, library, ", ".join(libraries) or "no library there"))
+        library = libraries[0]
+    archs, unknown, ptx = [], [], []
+    for call in linked_calls(facts.calls, prefix + posixpath.normpath(library) if inside else output):
         if call.condition and call.targets(platform):
             unknown.append("line %d runs only on %s" % (call.line, call.condition))
         archs.extend(a for a in call.targets(platform) if a not in archs)
         unknown.extend(call.open_targets + call.unknown)
+        ptx.extend(t for t in call.ptx if t not in ptx)
+    if not unknown and not archs and ptx and platform == "cuda":
+        unknown.append("it builds only PTX (%s), which is compiled when the library is loaded, "
+                       "no machine code" % ", ".join("compute_" + t for t in ptx))
     if unknown or not archs:
         raise CannotTell("init: cannot tell which architectures %s builds (%s); give each target "
                          "in a flag of its own (%s) and run init again, or write the manifest "
@@ -6928,6 +6943,7 @@ def inferred_build(script, facts, platform):
     return posixpath.normpath(library), archs, None if inside else output
 
 
+LIBRARY_NAME_RE = re.compile(r"\.(?:so|dylib|dll)(?:\.[0-9]+)*\Z")
 # A command word written as an absolute path: at the start of a line or
 # after ; & | then do else, past VAR=value words.
 COMMAND_PATH_RE = re.compile(r"(?:^|[;&|]|\bthen\b|\bdo\b|\belse\b)[ \t]*(?:[A-Za-z_][A-Za-z0-9_]*="
@@ -6963,7 +6979,7 @@ def cmd_init(args):
     if os.path.lexists(manifest_path) and not args.force:
         raise UsageError("init: %s already exists; use --force to overwrite it"
                          % os.path.relpath(manifest_path))
-    files = walk_files(target)
+    files = walk_files(target, ignored=ignore_function(repo, target))  # no generated file git ignores
     real_target = os.path.realpath(target)
     # A link to a file inside the directory is a source like any other (the check wants it declared).
     sources = sorted(p for p in files if (files[p] == "file" or files[p] == "link" and os.path.isfile(

@@ -5955,6 +5955,50 @@ class InitHelpsTest(TreeTest):
             "<output-dir> argument, where the build tier and CI look for it: write it with -o "
             "\"$1/libk.so\"\n"), out)
 
+    def test_the_library_is_the_file_left_in_the_output_directory(self):
+        self.backend('#!/usr/bin/env bash\nset -eu\ncd "$(dirname "$0")"\nmkdir -p "$1"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk_tmp.so" k.cu\nmv "$1/libk_tmp.so" "$1/libk.so"\n')
+        for reading in ((), ("--no-trace",)):
+            with self.subTest(reading=reading):
+                rc, out, err = self.init("--force", *reading)
+                self.assertEqual((rc, err), (0, ""), out)
+                self.assertEqual(self.manifest()["build"]["output"], "libk.so")
+
+    def test_a_generated_file_git_ignores_is_no_source(self):
+        self.backend('#!/usr/bin/env bash\nset -eu\ncd "$(dirname "$0")"\nmkdir -p "$1"\n'
+                     'nvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n',
+                     **{"backends/cuda/k/gen/table.cu": "", ".gitignore": "gen/\n"})
+        subprocess.run(["git", "init", "-q", self.root], check=True)
+        rc, out, err = self.init("--no-trace")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertEqual(self.manifest()["sources"], ["k.cu"])
+
+    def test_the_targets_are_those_of_the_calls_that_make_the_library(self):
+        self.backend('#!/usr/bin/env bash\nset -eu\ncd "$(dirname "$0")"\nmkdir -p "$1" build\n'
+                     'clang++ --cuda-gpu-arch=sm_70 -c k.cu -o build/probe.o\n'
+                     'nvcc -shared -o "$1/libk.so" k.cu\n')
+        for reading in ((), ("--no-trace",)):
+            with self.subTest(reading=reading):
+                rc, out, err = self.init(*reading)
+                self.assertEqual((rc, out), (1, ""))
+                self.assertEqual(err, "check_contract.py: error: init: cannot tell which architectures "
+                                 "build.sh builds (no target flag); give each target in a flag of its "
+                                 "own (-gencode, -arch or -code) and run init again, or write the "
+                                 "manifest yourself\n")
+        self.backend('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
+                     'nvcc -shared -arch=compute_80 -o "$1/libk.so" "$(dirname "$0")/k.cu"\n')
+        rc, out, err = self.init("--no-trace")
+        self.assertIn("(it builds only PTX (compute_80), which is compiled when the library is loaded, "
+                      "no machine code)", err)
+
+    def test_a_message_shows_the_output_directory_as_1(self):
+        self.backend('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n'
+                     'nvcc -shared -arch="$1" -o "$1/libk.so" "$(dirname "$0")/k.cu"\n')
+        rc, out, err = self.init("--no-trace")
+        self.assertEqual(rc, 1)
+        self.assertNotIn("\x02", err)
+        self.assertIn("-arch=$1", err)
+
     def test_a_script_without_a_shebang_gets_the_checks_words(self):
         self.backend('mkdir -p "$1"\nnvcc -arch=sm_80 -shared -o "$1/libk.so" k.cu\n')
         rc, out, err = self.init()
