@@ -5185,21 +5185,28 @@ def native_options(args: argparse.Namespace) -> Tuple[List[str], List[str], Opti
         build = {"cmd": args.build_cmd, "cwd": args.build_cwd or os.getcwd(),
                  "timeout": args.timeout, "rc": None, "seconds": None}
         build["distributions"] = artifact_distributions(artifacts, caches)
-        build["trees"] = build_trees_of(args, build["cwd"], build["distributions"])
+        build["trees"] = build_trees_of(args, build["cwd"], build["distributions"], artifacts,
+                                        caches)
     elif args.build_dir:
         raise UsageError("E109", "--build-dir names where --build-cmd writes; pass --build-cmd "
                          "too, or drop --build-dir")
     return artifacts, caches, build
 
 
-def build_trees_of(args: argparse.Namespace, cwd: str, distributions: List[str]) -> List[str]:
+def build_trees_of(args: argparse.Namespace, cwd: str, distributions: List[str],
+                   artifacts: List[str], caches: List[str]) -> List[str]:
     """The directories --build-cmd writes in: the --build-dir given, else
-    those build_directories reads from it, and the folders of the artifacts'
-    installed distributions; one inside another is left out (scanning it is
-    scanning the other)."""
+    those build_directories reads from it, the folders of the artifacts'
+    installed distributions, and each artifact's own folder (an install's
+    prefix that the command does not show), but one that is a JIT's build
+    directory (which jit_directories handles) or lies in a cache; one
+    inside another is left out (scanning it is scanning the other)."""
     trees = ([require_abs_normal(path, "--build-dir") for path in args.build_dir] or
              build_directories(args.build_cmd, cwd)) + [
         tree for dist_info in distributions for tree in distribution_trees(dist_info)]
+    trees += [os.path.dirname(path) for path in artifacts
+              if not any(is_within(path, tree) for tree in trees + caches)
+              and not os.path.isfile(os.path.join(os.path.dirname(path), "build.ninja"))]
     return sorted(tree for tree in set(trees)
                   if not any(tree != other and is_within(tree, other) for other in trees))
 
@@ -5950,7 +5957,8 @@ def cmd_trial(args: argparse.Namespace) -> int:
     artifacts, caches = ([os.path.normpath(os.path.abspath(path)) for path in paths]
                          for paths in (args.artifact, args.invalidate_cache))
     watched = trial_watched(root, build_cwd, build_trees_of(
-        args, build_cwd, artifact_distributions(artifacts, caches)) if args.build_cmd else [],
+        args, build_cwd, artifact_distributions(artifacts, caches), artifacts, caches)
+                            if args.build_cmd else [],
                             artifacts, caches + [os.path.normpath(os.path.abspath(path))
                                                  for path in args.protect])
     excluded = [state.root, registry_dir()]

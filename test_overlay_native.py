@@ -1480,7 +1480,7 @@ class OwnedFilesTest(MadePackageTest):
         self.assertTrue(out.endswith(checked(self.pkg, prefix) + "reverted %s\n" % self.state),
                         out)
         self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
-        # A prefix the command does not name is watched by --artifact.
+        # A prefix the command does not name is watched by the --artifact's folder.
         write_text_file(os.path.join(self.pkg, "prefix.mk"), "PREFIX = %s\n" % prefix)
         write_tree(self.pkg, {"Makefile": "include prefix.mk\n" + read_text(
             os.path.join(self.pkg, "Makefile"))})
@@ -1490,7 +1490,7 @@ class OwnedFilesTest(MadePackageTest):
         self.assertOk(self.add("--build-cmd", build, "--artifact", installed))
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
-        self.assertTrue(out.endswith(checked(self.pkg, installed)
+        self.assertTrue(out.endswith(checked(self.pkg, os.path.dirname(installed))
                                      + "reverted %s\n" % self.state), out)
         self.assertEqual((tree_state(self.pkg), tree_state(prefix)), before)
 
@@ -6528,6 +6528,30 @@ class BuildDirectoryTest(OverlayTestCase):
                 self.assertEqual((rc, err), (0, ""), out)
                 self.assertIn(checked(self.build, os.path.join(self.src, "k.c")), out)
                 self.assertEqual(tree_state(os.path.dirname(self.src)), self.before)
+
+    def test_the_folder_of_an_installed_artifact_is_watched_as_a_build_directory(self) -> None:
+        # The prefix is set in the Makefile, where the command does not show
+        # it: the installed library's folder is watched, and the small
+        # version note the install rewrites beside it comes back too.
+        prefix = os.path.join(self.tmp, "prefix")
+        write_text_file(os.path.join(self.build, "prefix.mk"), "PREFIX = %s\n" % prefix)
+        write_tree(self.build, {"Makefile": "include prefix.mk\n" + self.MAKEFILE +
+                                "install: libk.so\n\tmkdir -p $(PREFIX)/lib\n"
+                                "\tcp -p libk.so $(PREFIX)/lib/\n"
+                                "\tdate +%N > $(PREFIX)/lib/installed.txt\n"})
+        quiet(["make", "-s", "install"], self.build).check_returncode()
+        age_tree(prefix)
+        before = tree_state(prefix)
+        installed = os.path.join(prefix, "lib", "libk.so")
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.src, "k.c"),
+                                 "--patched", os.path.join(self.tmp, "fast.c"), "--artifact",
+                                 installed, "--build-cmd", "make -C ../build install")
+        self.assertEqual(rc, 0, (out, err))
+        rc, out, err = self.tool("revert")
+        self.assertEqual((rc, err), (0, ""), out)
+        self.assertIn(checked(os.path.join(prefix, "lib"), self.build,
+                              os.path.join(self.src, "k.c")), out)
+        self.assertEqual(tree_state(prefix), before)
 
     def test_a_build_directory_the_command_hides_is_refused_unless_named(self) -> None:
         os.environ.pop("OVERLAY_NO_SUCH_DIR", None)
