@@ -4046,9 +4046,11 @@ class AbiSources:
         self.events = []   # (rel, event) in include order
         declared = [rel for _, rel, problem in backend.sources
                     if not problem and rel.endswith(KERNEL_SUFFIXES)]
+        # The paths check_sources rejected, looked up once per source, not searched for.
+        rejected = {d.path for d in backend.diagnostics if d.code[0] == "S"}
         for rel in declared:
             if rel not in self.texts:
-                self.read(rel, read_source(backend, rel))
+                self.read(rel, read_source(backend, rel, rejected))
 
     def read(self, rel, text):
         self.texts[rel] = entry = [text or "", None]
@@ -4115,14 +4117,14 @@ class AbiSources:
         return False
 
 
-def read_source(backend, rel):
+def read_source(backend, rel, rejected):
     """Text of a declared source, or None when it cannot be read (S005; a
     missing one is S001, or not yet written when planned).  A source that
-    check_sources rejected (outside the directory, not a regular file) is
-    not read."""
+    check_sources rejected (its path in `rejected`: outside the directory,
+    not a regular file) is not read."""
     path = backend.rel(rel)
     regular = backend.files.get(rel) == "file"
-    if not regular and any(d.path == path and d.code[0] == "S" for d in backend.diagnostics):
+    if not regular and path in rejected:
         return None
     data, problem, _ = read_bytes(backend.dir + "/" + rel, regular)
     if data is None:
