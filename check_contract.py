@@ -987,7 +987,7 @@ class Compiler:
 COMPILERS = {
     "nvcc": Compiler("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", ("-optf", "--options-file"),
                      options_file_words, joined_output=False),
-    "hipcc": Compiler(), "clang": Compiler(), "clang++": Compiler(), "amdclang": Compiler(),
+    "hipcc": Compiler(append="HIPCC_COMPILE_FLAGS_APPEND"), "clang": Compiler(), "clang++": Compiler(), "amdclang": Compiler(),
     "amdclang++": Compiler(), "gcc": Compiler(), "g++": Compiler(), "cc": Compiler(),
     "c++": Compiler(), "icx": Compiler(), "icpx": Compiler()}
 ANY_COMPILER = Compiler(option_files=())
@@ -5332,7 +5332,11 @@ ccache|sccache)
     shift ;;
 esac
 record=%(log)s/"$(date +%%s%%N).$$"
-printf '%%s\0' "$via" "$PWD" "${%(prepend)s-}" "${%(append)s-}" "$#" "$word" "$@" > "$record"
+before= after=  # the words of the variables the compiler reads around its arguments
+case $name in
+%(variables)s
+esac
+printf '%%s\0' "$via" "$PWD" "$before" "$after" "$#" "$word" "$@" > "$record"
 options() {  # the text of each options file (nvcc -optf, @file) of the arguments, in order
     next=
     for arg in "$@"; do
@@ -5359,10 +5363,7 @@ options() {  # the text of each options file (nvcc -optf, @file) of the argument
     done
 }
 set -f
-case $name in
-nvcc*) options ${%(prepend)s-} "$@" ${%(append)s-} ;;
-*) options "$@" ;;
-esac
+options $before "$@" $after
 set +f
 out= next= probe= place= stdin= made=program suffix=.o dep= depfile=
 for arg in "$@"; do
@@ -5674,8 +5675,9 @@ os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(s
 class RecordedCall:
     """One compiler call a traced script made: its words (the compiler word
     as the script gave it first), its working directory, the wrapper
-    (ccache, sccache) it went through, if any, the values of nvcc's flag
-    variables, and the text of each options file it read, in order."""
+    (ccache, sccache) it went through, if any, the values of the flag
+    variables its COMPILERS row names, and the text of each options file
+    it read, in order."""
 
     __slots__ = ("words", "cwd", "via", "environment", "options")
 
@@ -5750,8 +5752,11 @@ class Shims:
         shim = os.path.join(bin_dir, ".shim")
         with open(shim, "w", encoding="utf-8") as handle:
             handle.write(TRACE_SHIM % {
-                "log": shell_quote(log), "prepend": COMPILERS["nvcc"].prepend,
-                "append": COMPILERS["nvcc"].append, "nvcc_version": shell_quote(nvcc.version),
+                "log": shell_quote(log), "nvcc_version": shell_quote(nvcc.version),
+                "variables": "\n".join("%s*) %s ;;" % (name, " ".join(
+                    "%s=${%s-}" % (side, variable) for side, variable in (
+                        ("before", row.prepend), ("after", row.append)) if variable))
+                    for name, row in COMPILERS.items() if row.prepend or row.append),
                 "nvcc_numbers": " ".join(nvcc.numbers), "bin": shell_quote(bin_dir),
                 "library": shell_quote(os.path.join(toolkit, "lib", "shim.so")),
                 "inputs": "|".join("*" + s for s in COMPILED_SUFFIXES + (".o", ".a"))})
@@ -6314,9 +6319,10 @@ def read_calls(log):
         if len(fields) < 6 + count or count < 0:
             odd.append("%s (not a shim's record)" % entry)
             continue
-        nvcc = COMPILERS["nvcc"]
+        row = compiler_row(fields[5])
         calls.append(RecordedCall(fields[5:6 + count], fields[1], fields[0] or None,
-                                  {nvcc.prepend: fields[2], nvcc.append: fields[3]},
+                                  {k: v for k, v in ((row.prepend, fields[2]),
+                                                     (row.append, fields[3])) if k},
                                   fields[6 + count:]))
     return calls, odd
 

@@ -1142,6 +1142,8 @@ class CompilerCallTest(unittest.TestCase):
         self.assertEqual(check_contract.compiler_call(["nvcc", "-c", "k.cu"], 1, None, env).sass,
                          ["86", "90"])
         self.assertEqual(self.call("NVCC_APPEND_FLAGS=-arch=sm_89", "nvcc", "-c", "k.cu").sass, ["89"])
+        self.assertEqual(self.call("HIPCC_COMPILE_FLAGS_APPEND=--offload-arch=gfx906", "hipcc", "-c",
+                                   "k.hip").hip, ["gfx906"])
         self.assertEqual(check_contract.compiler_call(["gcc", "-c", "k.c"], 1, None, env).sass, [])
         files = {"/s/o1": '-gencode "arch=compute_89,code=sm_89"\n', "/s/o2": "-arch=sm_80"}
         for flags in (["-optf", "o1,o2"], ["--options-file=o1", "-optf=o2"]):
@@ -4779,6 +4781,22 @@ class HipBuildTierTest(TreeTest):
         self.assertEqual(bundler_targets(library, tool), {"gfx940:sramecc+:xnack-"})
         self.assertEqual(len(re.findall(re.escape(check_contract.BUNDLE_MAGIC), library.data)),
                          2)  # one bundle per source
+
+    def test_hipcc_compile_flags_append_adds_its_targets_to_build_and_trace_alike(self):
+        targets = ["gfx90a:xnack+", "gfx1030", "gfx906"]
+        self.tree({"backends/hip/gputiny/build.sh": Executable(
+            HIP_BUILD.replace('mkdir -p "$1"', 'mkdir -p "$1"\n'
+                              'export HIPCC_COMPILE_FLAGS_APPEND=--offload-arch=gfx906')),
+            "backends/hip/gputiny/gputiny.backend.json": {
+                "name": "gputiny", "abi_version": 1, "status": "experimental",
+                "sources": ["tiny.hip", "twice.hip"],
+                "build": {"script": "build.sh", "output": "libgputiny.so", "architectures": targets}}})
+        rc, out, err = self.build()
+        self.assertEqual((rc, check_contract.hip_targets(self.library())), (0, set(targets)), out)
+        rc, out, err = run_main(["--repo-root", self.root, "trace", "--format", "json"])
+        (result,) = json.loads(out)["results"]
+        self.assertEqual(sorted(result["runs"][0]["targets"]), sorted(targets))
+        self.assertEqual([i for i in result["issues"] if "<output-dir> shows" in i["message"]], [])
 
 
 def tree_digest(root):
