@@ -7216,7 +7216,9 @@ class DocumentedClaimsTest(TreeTest):
         with open(os.path.join(HERE, "docs", "check_contract.md"), encoding="utf-8") as handle:
             reference = " ".join(handle.read().split())
         says = "but for a name that is no file (the real compiler would fail on it): that name is not compared"
-        self.assertEqual(says in reference, named == [], (rc, named))
+        self.assertEqual(says in reference, named == [],
+                         "docs/check_contract.md (trace) must say what trace does with a compiled "
+                         "name that is no file: %r, exit status %d" % (named, rc))
 
     def test_the_walkthrough_shows_some_of_each_output_in_order(self):
         self.assertTrue(readme_says("Lines starting with `#   ` show lines the command before them prints, "
