@@ -1350,7 +1350,7 @@ class ScriptFacts:
     (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
     __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death", "dangling",
-                 "failures")
+                 "failures", "programs")
 
     def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None,
                  death=None):
@@ -1358,6 +1358,7 @@ class ScriptFacts:
         self.death = death  # (line, why) where the default invocation surely fails
         self.dangling = {}  # {file in <output-dir>: what it links to}, for links that dangle
         self.failures = []  # (line, why) of commands that surely fail, the script going on
+        self.programs = set()  # the lines of the unfollowed that are programs (make), not shell text
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
@@ -1416,6 +1417,7 @@ def check_build_facts(backend, rel, facts, traced=False):
         unfollowed = "; the checker does not follow %s" % ", ".join(
             "line %d (%s)" % (line, what) for line, what in facts.unfollowed)
     outputs = [(output, call) for call in facts.calls for output in call.outputs]
+    start = len(backend.diagnostics)
     if facts.death:
         line, why = facts.death
         backend.error("B019", "%s%s <output-dir> fails at line %d: %s%s" % (
@@ -1483,8 +1485,13 @@ def check_build_facts(backend, rel, facts, traced=False):
         backend.error("B009", "%sbuild.default_arch is %s but %s defaults its target to %s "
                       "(${2:-%s})" % (said, default, rel, facts.default_target,
                                       facts.default_target), where)
-    # What it does not follow after the library is written may replace or remove it.
-    late = [(line, what) for line, what in facts.unfollowed if line is None or line >= call.line]
+    # What it does not follow may change what it reads (eval, a file it sources) or, after
+    # the library is written, replace or remove it; a program before it (make) does neither.
+    late = [(line, what) for line, what in facts.unfollowed
+            if line is None or line >= call.line or line not in facts.programs]
+    if any(line not in facts.programs for line, _ in facts.unfollowed) and not traced:
+        # eval, a file it cannot source: what runs may not be what it read; no error is sure.
+        backend.diagnostics[start:] = [d for d in backend.diagnostics[start:] if d.level != "error"]
     if late and "B017" not in [d.code for d in backend.diagnostics[warned:]]:
         backend.warning("B017", "%scannot tell whether %s builds only what the checker reads; the "
                         "checker does not follow %s" % (said, rel, ", ".join(
@@ -2132,6 +2139,7 @@ class ScriptReader:
         self.subshells = 0
         self.death = None        # (line, why): where the default invocation surely fails
         self.failures = []       # (line, why) of commands that surely fail, the script going on
+        self.programs = set()    # the lines of programs it does not read, which change no variable
         self.unsure = False      # a variable may be set where the reader does not see it
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
@@ -2165,6 +2173,7 @@ class ScriptReader:
         facts = ScriptFacts(self.calls, self.default_target(), self.unfollowed,
                             placements=self.placements, death=self.death)
         facts.failures = self.failures
+        facts.programs = self.programs
         facts.dangling = self.dangling(facts.landing()[0])
         return facts
 
@@ -2563,6 +2572,7 @@ class ScriptReader:
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
+            self.programs.add(self.line or line)
             return None
         name = command.rsplit("/", 1)[-1]
         # A program it does not read, or one it does not know running a compiler (sudo nvcc ...).
@@ -2570,6 +2580,7 @@ class ScriptReader:
                 command != "echo" and any(is_compiler_name(word) for word in argv[1:])):
             self.unfollow(line, "%s, a program whose commands it does not read"
                           % show_word(" ".join(argv[:2]))[:80])
+            self.programs.add(self.line or line)
             return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True
 

@@ -2018,6 +2018,16 @@ class ReaderAgreesWithBashTest(TreeTest):
                       'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
         self.assertClean()
 
+    def test_eval_before_the_compiler_line_is_named_a_program_is_not(self):
+        (status, calls, landed), = run_in_bash(['arch=80\neval "arch=90"\nnvcc -shared -arch=sm_$arch -o "$1/l.so" k.cu\n'])
+        self.assertEqual(calls[0].sass, ["90"])  # what the reader cannot see
+        self.cuda_fat('mkdir -p "$1"\narch=80\neval "arch=90"\nnvcc -shared -arch=sm_$arch -o "$1/libfat.so" ops.cu\n',
+                      architectures=(90,))
+        self.assertEqual(self.codes(), ["B017"])
+        self.cuda_fat('mkdir -p "$1"\nmake -C "$(dirname "$0")" objects\n'
+                      'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertClean()
+
     def test_a_compiler_wrapped_in_a_function_of_its_name_is_read(self):
         self.cuda_fat('mkdir -p "$1"\nnvcc() { command nvcc -Xcompiler -fPIC "$@"; }\n'
                       'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
@@ -6980,7 +6990,8 @@ class RepositoryTest(unittest.TestCase):
             commands = re.findall(r"^    python3 (bench/\S+\.py)([^#\n]*)", f.read(), re.M)
         self.assertEqual(sorted({script for script, _ in commands}),
                          ["bench/bench_check_contract.py", "bench/bench_distribution.py",
-                          "bench/bench_overlay.py", "bench/differential_reader.py"])
+                          "bench/bench_missing_sources.py", "bench/bench_overlay.py",
+                          "bench/differential_reader.py"])
         for script, args in commands:
             usage = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"],
                                    stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
