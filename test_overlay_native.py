@@ -1722,20 +1722,6 @@ class RevertExactnessTest(MadePackageTest):
         self.assertEqual(self.times(), before)
         self.assertEqual(read_text(os.path.join(cache, "entry")), "cached\n")
 
-    def test_a_hard_linked_source_comes_back_as_the_same_inode(self) -> None:
-        # An install that hard-links its files (pip's cache, a package store):
-        # the other name keeps the original, and revert puts that inode back.
-        source, other = os.path.join(self.pkg, "k.c"), os.path.join(self.tmp, "k-store.c")
-        os.link(source, other)
-        inode = os.stat(source).st_ino
-        self.assertOk(self.tool("add-native", "--source", source, "--patched",
-                                os.path.join(self.tmp, "k_new.c"), "--no-build"))
-        self.assertNotEqual(os.stat(source).st_ino, inode)
-        self.assertEqual(read_text(other), "double k(void) { return 1.0; }\n")
-        self.assertOk(self.tool("revert"))
-        self.assertEqual((os.stat(source).st_ino, os.stat(source).st_nlink), (inode, 2))
-        self.assertEqual(tree_state(self.pkg), self.before)
-
     def test_a_pre_existing_file_a_killed_build_rewrote_without_a_copy_stays_named(
             self) -> None:
         big = os.path.join(self.pkg, "table.txt")

@@ -124,8 +124,11 @@ MUTANTS = [
             "for entry in native_entries(state, journal):", "CProjectTest",
             "TwoOverlaysTest"),
     overlay("hard-linked-source-comes-back-as-a-copy",
-            'if record["present"] and record["links"] > 1 and record["role"] == "source":',
-            "if False:", "RevertExactnessTest"),
+            "put_file(path, record, source=backup, link_ok=same_fs)",
+            "put_file(path, record, source=backup, link_ok=False)", "InstallFileSafetyTest"),
+    overlay("hard-linked-artifact-comes-back-as-a-copy",
+            '    if record.get("inode_backup"):\n        restore_inode(state, record)\n        return\n',
+            "", "ComeBackTest"),
     overlay("source-edited-after-apply-is-reverted-over",
             "            if changed:  # --force on the older of two overlays",
             "            if False:  # --force on the older of two overlays",
@@ -247,8 +250,7 @@ MUTANTS = [
 ]
 # Tried and left out as equivalent on the file systems here (ext4, tmpfs):
 # the utime after a renamed cache comes back (a rename keeps a directory's
-# mtime there), and restoring a source by copy instead of a hard link to its
-# backup (the backup is a copy already, removed once the source is back).
+# mtime there).
 
 
 def check_patterns(mutants: List[Mutant]) -> List[str]:
