@@ -112,7 +112,7 @@ how to fix it):
         another applied overlay holds, E121 state directory inside the build
         directory, E122 a file of a cache to snapshot has hard links outside it,
         E123 a build command whose build directories only the shell knows
-        E124 a source another user's or state directory's overlay holds
+        E124 a source or artifact another user's or state directory's overlay holds
   E2xx  the state directory and its journal
         E201 newer journal format, E202 journal unreadable, damaged or
         missing, E203 journal names a path outside its bounds, E204 state
@@ -3207,15 +3207,16 @@ def claim_holder(source: str, state: State) -> Optional[dict]:
     entries = journal.get("entries") if isinstance(journal.get("entries"), list) else []
     return claim if any(isinstance(record, dict) and record.get("path") == source
                         for entry in entries if isinstance(entry, dict)
-                        for record in entry.get("sources") or []) else None
+                        for record in (entry.get("sources") or []) + (entry.get("artifacts") or [])
+                        ) else None
 
 
-def held_by(source: str, claim: dict) -> OverlayError:
+def held_by(source: str, claim: dict, option: str = "--source") -> OverlayError:
     user = "%s (uid %s)" % (claim.get("user"), claim.get("uid"))
-    return OverlayError("E124", "--source %s is held by the overlay at %s (entry %s) of user %s, "
+    return OverlayError("E124", "%s %s is held by the overlay at %s (entry %s) of user %s, "
                         "as %s says; nothing was changed: revert that one first (`overlay_setup.py "
                         "--state %s revert`, as %s)"
-                        % (source, claim.get("state"), claim.get("entry"), user,
+                        % (option, source, claim.get("state"), claim.get("entry"), user,
                            claim_path(source), shell_quote(str(claim.get("state"))),
                            claim.get("user")))
 
@@ -3431,10 +3432,11 @@ class NativePlan:
 
     def check_claims(self) -> None:
         check_claims(self.state, self.sources, self.artifacts, self.caches)
-        for source in self.sources:
-            holder = claim_holder(source, self.state)
-            if holder is not None:
-                raise held_by(source, holder)
+        for option, paths in (("--source", self.sources), ("--artifact", self.artifacts)):
+            for path in paths:
+                holder = claim_holder(path, self.state)
+                if holder is not None:
+                    raise held_by(path, holder, option)
 
     def check(self, journal: dict) -> None:
         """Refuse what the journal or the paths rule out, before anything changes."""
@@ -4102,8 +4104,8 @@ class NativeEntry:
             state.save(journal)
 
         try:
-            for record in entry["sources"]:
-                write_claim(state, entry_id, record["path"])
+            for path in cls(state, journal, entry).claimed():
+                write_claim(state, entry_id, path)
         except OverlayError:  # claimed by another run since the check
             cls(state, journal, entry).revert()
             raise
@@ -4385,7 +4387,13 @@ class NativeEntry:
                 st = os.lstat(folder)
             except (FileNotFoundError, NotADirectoryError):
                 return "%s is gone since the apply (the install was removed)" % folder
-            if stat.S_ISDIR(st.st_mode) and [st.st_dev, st.st_ino] != record["folder"]:
+            if not stat.S_ISDIR(st.st_mode) or file_sha256(record["path"]) in (
+                    record.get("patched_sha256"), record.get("previous_patched_sha256")):
+                continue  # the patch still stands: this is the folder it was applied to
+            # A new folder can reuse the inode of one removed before it: the
+            # claim written beside the source at the apply tells them apart.
+            ours = (read_claim(record["path"]) or {}).get("state") == self.state.root
+            if [st.st_dev, st.st_ino] != record["folder"] or not ours:
                 return ("%s is another folder than the one patched (the install was replaced, "
                         "as an upgrade does)" % folder)
         return None
@@ -4395,8 +4403,8 @@ class NativeEntry:
         nothing into what stands there now; a cache outside it comes back."""
         state, journal = self.state, self.journal
         self.stop_leftover_build()
-        for record in self.sources:
-            drop_claim(state, record["path"])
+        for path in self.claimed():
+            drop_claim(state, path)
         folders = [os.path.dirname(record["path"]) for record in self.sources]
         for cache in self.caches:
             if not any(is_within(cache["path"], folder) for folder in folders):
@@ -4523,6 +4531,8 @@ class NativeEntry:
             products = [product for product in products if product["created"]
                         or product["kind"] == "d"
                         or build_product(product["path"], build_trees(self.build_record))]
+        for path in self.claimed():  # through a link the build made: its folder took the claim
+            drop_claim(state, os.path.realpath(path))
         for link in turned:  # the folder comes back, and the files restored into it
             remove_file(link)
             os.mkdir(link)
@@ -4548,8 +4558,6 @@ class NativeEntry:
             raise OverlayError("E601", "could not write %s while reverting; the journal keeps what "
                                "is left: fix the cause and run `%s revert` again"
                                % (", ".join(failures), tool_at(state)))
-        for record in self.sources:
-            drop_claim(state, record["path"])
         remove_products(products, aside)
         self.remove_jit_leftovers()
         kept += restore_build_dir_links(state, self.record, force)
@@ -4569,6 +4577,12 @@ class NativeEntry:
                 record["seen"] = seen(record["path"])
             state.save(journal)
         return inexact_products(found) + [(path, "kept") for path in sorted(set(kept))]
+
+    def claimed(self) -> List[str]:
+        """What the entry claims beside the file (claim_path): its sources
+        and its artifacts outside a cache, where their folder exists."""
+        return [record["path"] for record in self.sources + self.artifacts
+                if not record.get("in_cache") and os.path.isdir(os.path.dirname(record["path"]))]
 
     def held_by_others(self, paths: List[str]) -> Dict[str, dict]:
         """The paths that another applied overlay holds (its source, which

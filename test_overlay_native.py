@@ -5128,6 +5128,32 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertOk(call("--state", newer, "revert"))
         self.assertEqual(tree_state(proj), original)
 
+    def test_an_artifact_another_state_builds_is_refused_naming_its_holder(self) -> None:
+        # Two overlays rebuilding one library: reverted in either order, one
+        # would put back a library without the other's patch.
+        proj = self.built_project(MAKE_PROJECT)
+        write_tree(self.tmp, {"fast_a.c": MAKE_PROJECT["a.c"].replace("1", "2"),
+                              "fast_b.c": MAKE_PROJECT["b.c"].replace("K;", "K + 1;")})
+        library = os.path.join(proj, "libk.so")
+        original = tree_state(proj)
+        other = os.path.join(self.tmp, "other")
+        for state, source in ((self.state, "a.c"), (other, "b.c")):
+            os.environ["XDG_STATE_HOME"] = state + "-home"  # registries that do not meet
+            results = call("--state", state, "add-native", "--source", os.path.join(proj, source),
+                           "--patched", os.path.join(self.tmp, "fast_" + source), "--artifact",
+                           library, "--build-cmd", "make", "--build-cwd", proj)
+        self.assertEqual(results, (
+            1, "", "overlay_setup: E124 --artifact %s is held by the overlay at %s (entry 1) of "
+            "user %s (uid %d), as %s says; nothing was changed: revert that one first "
+            "(`overlay_setup.py --state %s revert`, as %s)\n"
+            % (library, self.state, pwd.getpwuid(os.geteuid()).pw_name, os.geteuid(),
+               os.path.join(proj, ".libk.so.overlay-claim"), self.state,
+               pwd.getpwuid(os.geteuid()).pw_name)))
+        self.assertEqual(read_text(os.path.join(proj, "b.c")), MAKE_PROJECT["b.c"])
+        os.environ["XDG_STATE_HOME"] = self.state + "-home"
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(proj), original)
+
     def test_a_stale_claim_whose_overlay_is_gone_is_no_hold(self) -> None:
         proj = os.path.join(self.tmp, "proj")
         write_tree(proj, {"k.c": "int k;\n", "one.c": "int k = 1;\n"})
@@ -5309,6 +5335,251 @@ class RevertEndsTest(OverlayTestCase):
                 self.assertEqual(tree_state(self.proj), upgraded)
                 shutil.rmtree(self.proj)
                 self.proj = self.built_project(OUT_PROJECT)
+
+
+class OverlayModelTest(OverlayTestCase):
+    """Seeded random sequences on a real make project, checked after every
+    step against a model of what the install must hold: two overlays (each
+    its own state directory and registry) apply, update, revert, die with
+    their owner for gc-stale, are killed at a random mutation, while the
+    user edits files and the install is upgraded under them.  The model: a
+    source holds its overlay's content, else the install's; claims are
+    exactly the held sources'; what the user wrote survives; with nothing
+    applied the install is byte-exact what it was (edits and upgrades
+    included).  Deterministic from the seed; bench/overlay_state_machine.py
+    runs long sequences of many seeds."""
+
+    SOURCES = ("a.c", "b.c")
+    OVERLAYS = ("A", "B")
+
+    run_sequence_only = None  # (seed, steps): bench/overlay_state_machine.py's one long run
+
+    def test_seeded_sequences_keep_the_model(self) -> None:
+        if self.run_sequence_only:
+            self.run_sequence(*self.run_sequence_only)
+            return
+        # 16: an upgrade into a folder that reuses the patched one's inode;
+        # 73: two overlays rebuilding one library, reverted in turn.
+        for seed, steps in ((16, 20), (73, 40), (1, 14)):
+            with self.subTest(seed=seed):
+                self.run_sequence(seed, steps)
+
+    def run_sequence(self, seed: int, steps: int) -> None:
+        """`steps` random steps from `seed` on a fresh copy of the project;
+        fails naming the seed, the step and the steps so far."""
+        rng = random.Random(seed)
+        root = os.path.join(self.tmp, "seed%d" % seed)
+        self.proj = self.built_copy(os.path.join(root, "proj"), MAKE_PROJECT, ["make"], aged=True)
+        self.root, self.rng, self.rng_seed, self.log = root, rng, seed, []
+        os.makedirs(os.path.join(root, "states"))
+        self.owners: dict = {}
+        self.base = {source: MAKE_PROJECT[source] for source in self.SOURCES}
+        self.held: dict = {}  # overlay -> [source, content]
+        self.order: list = []  # overlays by their last build, oldest first
+        self.gone: set = set()  # overlays whose install an upgrade replaced
+        self.notes: dict = {}
+        self.baseline = self.install_state()
+        steps_of = [self.step_apply, self.step_update, self.step_revert, self.step_edit,
+                    self.step_upgrade, self.step_kill_apply, self.step_owner_dies]
+        for number in range(steps):
+            step = rng.choice(steps_of)
+            self.log.append(step.__name__[5:])
+            step()
+            self.check("after step %d" % number)
+        for name in reversed(self.order + sorted(self.gone)):
+            if name in self.held:
+                self.expect_revert(name)
+        self.check("after the final reverts")
+
+    # -- the tool and the model
+
+    def where(self, what: str) -> str:
+        return "seed %d, %s; steps: %s\n" % (self.rng_seed, what, " ".join(self.log))
+
+    def tool_as(self, name: str, *argv: str, kill_at: int = None):
+        env = {"XDG_STATE_HOME": os.path.join(self.root, "home-" + name)}
+        if kill_at is not None:
+            env["OVERLAY_TEST_KILL_AT"] = str(kill_at)
+        done = forked_tool(["--state", os.path.join(self.root, "states", name)] + list(argv),
+                           env)
+        self.assertNotIn("Traceback", done.stderr, self.where(" ".join(argv)))
+        return done
+
+    def owner(self, name: str) -> int:
+        process = self.owners.get(name)
+        if process is None or process.poll() is not None:
+            process = subprocess.Popen(["sleep", "3600"])
+            self.addCleanup(process.wait)
+            self.addCleanup(process.kill)
+            self.owners[name] = process
+        return process.pid
+
+    def install_state(self) -> dict:
+        return {path: info for path, info in tree_state(self.proj).items()
+                if path.split("/")[0] != "notes"}
+
+    def expected(self, source: str) -> str:
+        for name, (held, content) in self.held.items():
+            if held == source and name not in self.gone:
+                return content
+        return self.base[source]
+
+    def check(self, when: str) -> None:
+        where = self.where(when)
+        for source in self.SOURCES:
+            self.assertEqual(read_text(os.path.join(self.proj, source)), self.expected(source),
+                             where)
+        claims = sorted(name for name in os.listdir(self.proj) if name.endswith(".overlay-claim"))
+        self.assertEqual(claims, sorted(".%s.overlay-claim" % path for name, (held, _) in
+                                        self.held.items() if name not in self.gone
+                                        for path in (held, "libk.so")), where)
+        self.assertEqual([name for name in os.listdir(self.proj)
+                          if name.startswith(overlay_setup.TEMP_PREFIX)], [], where)
+        for path, content in self.notes.items():
+            self.assertEqual(read_text(path), content, where)
+        if not self.held:
+            self.assertEqual(self.install_state(), self.baseline, where)
+
+    def patched(self, source: str) -> str:
+        content = self.base[source].replace("return", "return %d +" % self.rng.randint(2, 99), 1)
+        path = os.path.join(self.root, "patched-%d.c" % len(self.log))
+        write_text_file(path, content)
+        return path
+
+    def expect_revert(self, name: str) -> None:
+        self.log.append("revert:" + name)
+        done = self.tool_as(name, "revert")
+        where = self.where("revert " + name)
+        if name in self.gone:
+            self.assertEqual(done.returncode, 0, where + done.stderr)
+            self.assertIn("closed:", done.stdout, where)
+        elif self.order[-1:] != [name]:  # another's build rewrote the library since
+            self.assertEqual(done.returncode, 1, where + done.stderr)
+            self.assertIn("E509", done.stderr, where)
+            return
+        else:
+            self.assertEqual((done.returncode, done.stderr), (0, ""), where)
+            self.order.remove(name)
+        self.gone.discard(name)
+        del self.held[name]
+
+    # -- the steps
+
+    def step_apply(self, kill_at: int = None) -> None:
+        name = self.rng.choice(self.OVERLAYS)
+        source = self.rng.choice(self.SOURCES)
+        if name in self.held:
+            return
+        if not self.held:
+            self.baseline = self.install_state()
+        patched = self.patched(source)
+        done = self.tool_as(name, "add-native", "--source", os.path.join(self.proj, source),
+                            "--patched", patched, "--artifact",
+                            os.path.join(self.proj, "libk.so"), "--build-cmd", "make",
+                            "--build-cwd", self.proj, "--owner-pid", str(self.owner(name)),
+                            kill_at=kill_at)
+        self.log[-1] += ":%s:%s%s" % (name, source, "" if kill_at is None else "@%d" % kill_at)
+        where = self.where("apply %s %s" % (name, source))
+        if any(other not in self.gone for other in self.held):  # it holds libk.so
+            if done.returncode == -9:  # killed before its refusal: nothing to recover
+                self.assertEqual(self.tool_as(name, "revert").returncode, 0, where)
+                return
+            self.assertEqual(done.returncode, 1, where + done.stderr)
+            self.assertRegex(done.stderr, "E12[04]", where)
+            return
+        if done.returncode == -9:  # killed: the next command recovers it
+            self.log[-1] += ":killed"
+            recovered = self.tool_as(name, "revert")
+            self.assertIn(recovered.returncode, (0,), where + recovered.stderr)
+            return
+        self.assertEqual(done.returncode, 0, where + done.stderr)
+        self.held[name] = [source, read_text(patched)]
+        self.order.append(name)
+
+    def step_kill_apply(self) -> None:
+        self.step_apply(kill_at=self.rng.randint(1, 40))
+
+    def step_update(self) -> None:
+        name = self.rng.choice(self.OVERLAYS)
+        if name not in self.held or name in self.gone:
+            return
+        source = self.held[name][0]
+        patched = self.patched(source)
+        self.log[-1] += ":" + name
+        if name not in self.owners:  # its owner is gone: another may not add to it
+            done = self.tool_as(name, "update", "--patched", patched, "--owner-pid",
+                                str(self.owner(name)))
+            self.assertEqual(done.returncode, 1, self.where("update " + name) + done.stderr)
+            self.assertIn("E205", done.stderr)
+            return
+        done = self.tool_as(name, "update", "--patched", patched, "--owner-pid",
+                            str(self.owner(name)))
+        self.assertEqual(done.returncode, 0, self.where("update " + name) + done.stderr)
+        self.held[name][1] = read_text(patched)
+        self.order.remove(name)
+        self.order.append(name)
+
+    def step_revert(self) -> None:
+        name = self.rng.choice(self.OVERLAYS)
+        if name in self.held:
+            self.expect_revert(name)
+
+    def step_edit(self) -> None:
+        """The user writes a note into the install, or, with nothing applied,
+        edits a source and builds (its own version from now on).  An edit
+        left unbuilt under an overlay is not modelled: the overlay's build
+        then rebuilds that object too, with no backup, and revert rightly
+        says E506."""
+        if not self.held and self.rng.random() < 0.5:
+            source = self.rng.choice(self.SOURCES)
+            self.log[-1] += ":" + source
+            self.base[source] = self.base[source] + "/* edit %d */\n" % len(self.log)
+            write_text_file(os.path.join(self.proj, source), self.base[source])
+            quiet(["make"], self.proj).check_returncode()
+            self.baseline = self.install_state()
+            return
+        path = os.path.join(self.proj, "notes", "n%d.txt" % len(self.log))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.notes[path] = "note %d\n" % self.rng.randint(0, 1000)
+        write_text_file(path, self.notes[path])
+
+    def step_upgrade(self) -> None:
+        """A new version replaces the install's folder, as pip does."""
+        old = self.proj + ".old"
+        os.rename(self.proj, old)
+        version = dict(MAKE_PROJECT, **{"k.h": MAKE_PROJECT["k.h"].replace(
+            "4", str(self.rng.randint(5, 99)))})
+        write_tree(self.proj, version)
+        quiet(["make"], self.proj).check_returncode()
+        shutil.rmtree(old)
+        self.base = {source: version[source] for source in self.SOURCES}
+        self.notes = {}
+        self.gone |= set(self.held)
+        self.order = []
+        self.baseline = self.install_state()
+
+    def step_owner_dies(self) -> None:
+        """An owner ends; gc-stale reverts what it owned, newest build first."""
+        name = self.rng.choice(self.OVERLAYS)
+        self.log[-1] += ":" + name
+        process = self.owners.pop(name, None)
+        if process is not None:
+            process.kill()
+            process.wait()
+        dead = [other for other in self.OVERLAYS if other in self.held
+                and other not in self.owners]
+        done = forked_tool(["gc-stale", "--root", os.path.join(self.root, "states")])
+        where = self.where("gc-stale")
+        self.assertNotIn("Traceback", done.stderr, where)
+        failed = False
+        for other in sorted(dead):  # gc-stale's order
+            if other not in self.gone and self.order[-1:] != [other]:
+                failed = True
+                continue
+            self.order = [one for one in self.order if one != other]
+            self.gone.discard(other)
+            del self.held[other]
+        self.assertEqual(done.returncode, 1 if failed else 0, where + done.stderr)
 
 
 class ClaimRaceTest(OverlayTestCase):
