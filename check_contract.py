@@ -6564,7 +6564,8 @@ def trace_backend(repo, run, backend, args, stream, session):
     import shutil
     key = backend.key
     script = backend.build_script
-    errors = [d for d in run.errors_of(backend) if d.code[0] != "B"]  # B: what the trace runs to see
+    # A manifest the check rejects (J, M) tells nothing to compare a run with.
+    errors = [d for d in run.errors_of(backend) if d.code[0] in "JM"]
     if errors:
         diagnostic = Diagnostic("error", "R009", key, backend.rel(backend.name + MANIFEST_SUFFIX), None,
                                 "not traceable: the contract check reports %d error(s) (%s); run "
