@@ -7116,6 +7116,33 @@ class BuildEndTest(MadePackageTest):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.pkg), self.before)
 
+    def test_revert_stops_the_job_of_a_run_killed_while_it_waited_for_it(self) -> None:
+        with open(os.devnull, "w") as devnull:
+            tool = fork_tool(["--state", self.state, "add-native", "--source",
+                              os.path.join(self.pkg, "k.c"), "--patched",
+                              os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                              "make && { sleep 60; touch late.o; } &", "--build-cwd", self.pkg],
+                             {}, True, devnull.fileno(), devnull.fileno())
+        journal = os.path.join(self.state, "journal.json")
+        leader = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the shell is gone and its job runs on
+            with contextlib.suppress(OSError, ValueError, IndexError, KeyError, TypeError):
+                leader = read_json(journal)["entries"][-1]["build"]["process"]["pid"]
+                live = [pid for pid, _ in overlay_setup.live_process_stats()]
+                if leader not in live and overlay_setup.group_members(leader):
+                    break
+            time.sleep(0.01)
+        os.kill(tool, signal.SIGKILL)
+        os.waitpid(tool, 0)
+        self.assertTrue(leader and overlay_setup.group_members(leader), "no job was seen running")
+        rc, out, err = self.tool("revert")
+        self.assertEqual(rc, 0, (out, err))
+        self.assertIn("stopping the build that entry 1 left running (process group %d)" % leader,
+                      err)
+        self.assertEqual(overlay_setup.group_members(leader), [])
+        self.assertEqual(tree_state(self.pkg), self.before)
+
     def test_a_process_that_outlives_the_limit_is_stopped_and_named(self) -> None:
         pid_file = os.path.join(self.tmp, "lingerer.pid")
         limit, overlay_setup.LINGER_LIMIT = overlay_setup.LINGER_LIMIT, 0.5
