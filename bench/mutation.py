@@ -248,9 +248,10 @@ MUTANTS = [
             'return ", %d suppressed (--format json lists them)" % len(suppressed) if suppressed else ""',
             'return ""', "SuppressionTest"),
 ]
-# Tried and left out as equivalent on the file systems here (ext4, tmpfs):
-# the utime after a renamed cache comes back (a rename keeps a directory's
-# mtime there).
+# Tried and left out as equivalent: the utime after a renamed cache comes
+# back (on ext4 and tmpfs a rename keeps a directory's mtime), and a
+# hard-linked source backed up as a copy instead of by its inode (the copy
+# keeps the inode too, as an artifact's does, so revert gives it back).
 
 
 def check_patterns(mutants: List[Mutant]) -> List[str]:
