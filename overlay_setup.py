@@ -3824,8 +3824,9 @@ def stream_build(command: str, cwd: str, timeout: Optional[float],
 def follow_build(process: subprocess.Popen, start: float,
                  timeout: Optional[float]) -> Tuple[Optional[int], float]:
     """Show the build's output as it comes until it ends, the timeout passes,
-    or OUTPUT_GRACE after the build's own process exited (a helper it left
-    running, such as a compile server, may hold the output open for good)."""
+    or OUTPUT_GRACE after the build's own process exited once its group is
+    gone, LINGER_LIMIT while it lives (a helper it left running, such as a
+    compile server, may hold the output open for good)."""
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     pending = b""
@@ -3839,7 +3840,10 @@ def follow_build(process: subprocess.Popen, start: float,
             break
         if exited is None and process.poll() is not None:
             exited = now
-        if exited is not None and now - exited >= OUTPUT_GRACE:
+        if exited is not None and now - exited >= OUTPUT_GRACE and (
+                now - exited >= LINGER_LIMIT or not group_alive(process.pid)):
+            # while the build's group lives, its output is its own: a job
+            # left in the background would die of a closed pipe (SIGPIPE)
             print("warning: the build exited, but a process it started still holds its output "
                   "open; its output is no longer shown", file=sys.stderr)
             break

@@ -7116,6 +7116,21 @@ class BuildEndTest(MadePackageTest):
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.pkg), self.before)
 
+    def test_the_output_of_a_job_left_in_the_background_is_read_to_its_end(self) -> None:
+        # Past OUTPUT_GRACE, while the group lives: a closed pipe would end
+        # the job at its next line (SIGPIPE), before it wrote patched.o.
+        grace, overlay_setup.OUTPUT_GRACE = overlay_setup.OUTPUT_GRACE, 0.2
+        try:
+            done = self.add("make -s && { sleep 1; echo late; touch patched.o; } &")
+        finally:
+            overlay_setup.OUTPUT_GRACE = grace
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertRegex(done.stdout, r"\] late\n")
+        self.assertIn("(revert removes them): %s\n" % os.path.join(self.pkg, "patched.o"),
+                      done.stderr)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(tree_state(self.pkg), self.before)
+
     def test_revert_stops_the_job_of_a_run_killed_while_it_waited_for_it(self) -> None:
         with open(os.devnull, "w") as devnull:
             tool = fork_tool(["--state", self.state, "add-native", "--source",
