@@ -2213,10 +2213,10 @@ def build_trees(build: Optional[dict]) -> List[str]:
     return [build["tree"]] if build.get("tree") else [build["cwd"]]
 
 
-def cannot_tell(words: str) -> OverlayError:
-    return OverlayError("E123", "cannot tell where the build command writes: `%s` names a "
-                        "directory only the shell knows; nothing was changed: pass --build-dir "
-                        "DIR for each directory it writes in (repeatable)" % words)
+def cannot_tell(words: str, why: str = "names a directory only the shell knows") -> OverlayError:
+    return OverlayError("E123", "cannot tell where the build command writes: `%s` %s; nothing "
+                        "was changed: pass --build-dir DIR for each directory it writes in "
+                        "(repeatable)" % (words, why))
 
 
 def shell_words(command: str) -> List[str]:
@@ -2251,7 +2251,12 @@ def build_directories(command: str, cwd: str, found: Optional[List[str]] = None)
     here, subshells, pushed = cwd, [], []
     simple: List[str] = []
     redirected = False
-    for word in shell_words(command) + [";"]:
+    try:
+        words = shell_words(command)
+    except ValueError as exc:  # an unclosed quote
+        raise cannot_tell(command, "cannot be read as the shell reads it (%s)"
+                          % str(exc).lower())
+    for word in words + [";"]:
         if redirected:  # a redirection's target: no part of the command
             redirected = False
         elif word[:1] in ("<", ">"):

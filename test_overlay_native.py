@@ -6810,6 +6810,12 @@ class BuildDirectoryTest(OverlayTestCase):
                               os.path.join(self.src, "k.c")), out)
         self.assertEqual(tree_state(prefix), before)
 
+    def test_a_command_the_shell_could_not_read_is_one_line_of_refusal(self) -> None:
+        self.assertEqual(self.add("cd ../build && make 'oops"), (
+            1, "", "overlay_setup: E123 cannot tell where the build command writes: `cd ../build "
+            "&& make 'oops` cannot be read as the shell reads it (no closing quotation); nothing "
+            "was changed: pass --build-dir DIR for each directory it writes in (repeatable)\n"))
+
     def test_a_build_directory_the_command_hides_is_refused_unless_named(self) -> None:
         os.environ.pop("OVERLAY_NO_SUCH_DIR", None)
         command = "cd $OVERLAY_NO_SUCH_DIR/../build && make"
