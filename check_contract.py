@@ -5342,6 +5342,20 @@ ccache|sccache)
     via=$name word=$1 name=${1##*/}
     shift ;;
 esac
+real_compiler() {  # the first $name on PATH that is no shim and runs none (as ccache would)
+    (set -f
+    IFS=:
+    for dir in $PATH; do
+        [ "$dir" != %(bin)s ] && [ -f "$dir/$name" ] && [ -x "$dir/$name" ] || continue
+        case $(readlink -f "$dir/$name") in */ccache|*/sccache) continue ;; esac
+        echo "$dir/$name"
+        exit 0
+    done
+    exit 1)
+}
+# A call made by the real compiler of a build system's probe (nvcc running
+# its host compiler) is the probe's, not the script's: the real one runs it.
+if [ -n "${CHECK_CONTRACT_PROBE-}" ] && real=$(real_compiler); then exec "$real" "$@"; fi
 record=%(log)s/"$(date +%%s%%N).$$"
 before= after=  # the words of the variables the compiler reads around its arguments
 case $name in
@@ -5416,25 +5430,16 @@ esac
 # the real one where the machine has it, which compiles nothing; so is a
 # build system's probe of it (CMake's compiler identification and
 # try_compile, configure's conftest, Meson's sanity check), which builds
-# only its own test program: the build system learns the machine's compiler.
+# only its own test program: the build system learns the machine's compiler,
+# by the names the shims go by (CMake links CUDA with the g++ on nvcc's PATH).
 # Not hipcc (a driver that runs the toolkit's programs, which the shims'
 # toolkit does not hold), nor nvcc's questions (the session asked it once).
-if [ -n "$probe$place" ] && [ -z "${CHECK_CONTRACT_ASKED-}" ]; then
+if [ -n "$probe$place" ]; then
     case $name,$place in hipcc*|nvcc*,) ;; *)
-        path= real=
-        set -f
-        IFS=:
-        for dir in $PATH; do  # PATH without the shims, and the first real compiler on it
-            [ "$dir" != %(bin)s ] || continue
-            path=${path:+$path:}$dir
-            [ -z "$real" ] && [ -f "$dir/$name" ] && [ -x "$dir/$name" ] || continue
-            case $(readlink -f "$dir/$name") in */ccache|*/sccache) continue ;; esac  # it runs the shim
-            real=$dir/$name
-        done
-        unset IFS
-        set +f
-        export CHECK_CONTRACT_ASKED=1
-        [ -z "$real" ] || PATH=$path exec "$real" "$@" ;;
+        if real=$(real_compiler); then
+            [ -z "$place" ] || export CHECK_CONTRACT_PROBE=1
+            exec "$real" "$@"
+        fi ;;
     esac
 fi
 [ -z "$stdin" ] || cat > /dev/null  # a source read from stdin: take it, as a compiler would
@@ -7140,6 +7145,11 @@ def init_trace(repo, backend, default_target):
                          "intercept (X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or "
                          "give --no-trace to read the script without running it"
                          % (script, ", ".join(trace.uncaught)))
+    if trace.binaries:
+        raise CannotTell("init: %s leaves <output-dir>/%s, a compiled file no shim wrote: a "
+                         "compiler the trace cannot intercept made it (X001); call it by name or "
+                         "through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to read the script "
+                         "without running it" % (script, trace.binaries[0]))
     if trace.tampered or trace.changed:
         raise CannotTell("init: %s changed %s while it ran; init cannot tell what it builds"
                          % (script, show_paths(trace.tampered + trace.changed)))
