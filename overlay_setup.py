@@ -4400,8 +4400,10 @@ class NativeEntry:
                     record.get("patched_sha256"), record.get("previous_patched_sha256")):
                 continue  # the patch still stands: this is the folder it was applied to
             # A new folder can reuse the inode of one removed before it: the
-            # claim written beside the source at the apply tells them apart.
-            ours = (read_claim(record["path"]) or {}).get("state") == self.state.root
+            # claim written beside the source at the apply tells them apart
+            # (unless a revert of ours that stopped halfway removed it).
+            ours = (read_claim(record["path"]) or {}).get("state") == self.state.root \
+                or self.journal.get("reverting")
             if [st.st_dev, st.st_ino] != record["folder"] or not ours:
                 return ("%s is another folder than the one patched (the install was replaced, "
                         "as an upgrade does)" % folder)
@@ -4540,8 +4542,9 @@ class NativeEntry:
             products = [product for product in products if product["created"]
                         or product["kind"] == "d"
                         or build_product(product["path"], build_trees(self.build_record))]
-        for path in self.claimed():  # through a link the build made: its folder took the claim
-            drop_claim(state, os.path.realpath(path))
+        for path in self.claimed():  # a folder the build turned into a link took its claims
+            drop_claim(state, os.path.join(os.path.realpath(os.path.dirname(path)),
+                                           os.path.basename(path)))
         for link in turned:  # the folder comes back, and the files restored into it
             remove_file(link)
             os.mkdir(link)

@@ -813,12 +813,14 @@ class CProjectTest(OverlayTestCase):
         before = tree_state(self.proj)
         self.assertOk(self.add_kernel_b())
         # Another overlay the registry does not know of (another $XDG_STATE_HOME)
-        # sets the same cache aside and rebuilds the same library.
+        # sets the same cache aside and rebuilds the same library; the library's
+        # claim refuses it as an --artifact, not as a product of its build.
         os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "another-home")
         other = os.path.join(self.tmp, "other-state")
-        self.assertOk(self.add_kernel_a(other, "--artifact", self.lib, "--artifact",
-                                        self.p("kernel_a.o"), "--invalidate-cache",
-                                        self.p("cache")))
+        self.assertIn("E124 --artifact %s is held by the overlay at %s" % (self.lib, self.state),
+                      self.add_kernel_a(other, "--artifact", self.lib)[2])
+        self.assertOk(self.add_kernel_a(other, "--artifact", self.p("kernel_a.o"),
+                                        "--invalidate-cache", self.p("cache")))
         os.environ["XDG_STATE_HOME"] = os.path.join(self.tmp, "xdg-state")
         patched = tree_state(self.proj)
         message = ("overlay_setup: E509 %s was changed after the overlay's build (neither the "
