@@ -5332,9 +5332,9 @@ TRACE_SHIM = r"""#!/bin/sh
 # Written by check_contract.py trace in place of a compiler: records its
 # arguments, creates the files the real compiler would (a shared object nm
 # and strip read, an executable that does nothing, an empty object file,
-# a depfile with one rule) and answers
-# version probes (with the real compiler's answer, where the machine has
-# one); it compiles nothing and runs nothing else.
+# a depfile with one rule) and answers version probes.  What a script asks
+# a compiler of itself, and a build system's probe of it, it hands to the
+# real compiler where the machine has one; it compiles nothing of the build.
 name=${0##*/} via= word=${0##*/}
 case $name in
 ccache|sccache)
