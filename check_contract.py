@@ -923,9 +923,6 @@ def find_abi_defines(text):
 # reader and the trace both hand their calls to compiler_call(), and compare
 # what a script does with its manifest in check_build_facts().
 
-COMPILER_NAME_RE = re.compile(
-    r"(?:[A-Za-z0-9_]+-)*?(nvcc|hipcc|hipcc\.pl|amdclang\+\+|amdclang|clang\+\+|clang|g\+\+|gcc"
-    r"|c\+\+|cc|icpx|icx|ld|ld\.lld)(?:-[0-9]+(?:\.[0-9]+)*)?\Z")
 COMPILER_WRAPPERS = ("ccache", "sccache", "env")
 ENV_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 ABI_DEFINE_FLAG_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*?)_ABI_VERSION=(.*)\Z", re.S)
@@ -987,10 +984,15 @@ class Compiler:
 COMPILERS = {
     "nvcc": Compiler("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", ("-optf", "--options-file"),
                      options_file_words, joined_output=False),
-    "hipcc": Compiler(append="HIPCC_COMPILE_FLAGS_APPEND"), "clang": Compiler(), "clang++": Compiler(), "amdclang": Compiler(),
-    "amdclang++": Compiler(), "gcc": Compiler(), "g++": Compiler(), "cc": Compiler(),
-    "c++": Compiler(), "icx": Compiler(), "icpx": Compiler()}
+    "hipcc": Compiler(append="HIPCC_COMPILE_FLAGS_APPEND"), "clang": Compiler(),
+    "clang++": Compiler(), "amdclang": Compiler(), "amdclang++": Compiler(), "gcc": Compiler(),
+    "g++": Compiler(), "cc": Compiler(), "c++": Compiler(), "icx": Compiler(), "icpx": Compiler()}
+COMPILERS["hipcc.pl"] = COMPILERS["hipcc"]  # older ROCm's hipcc itself
+LINKERS = ("ld", "ld.lld")  # read as a link, never shimmed: gcc runs them itself
 ANY_COMPILER = Compiler(option_files=())
+# A command word naming a compiler: x86_64-linux-gnu-gcc-12, clang++-18.
+COMPILER_NAME_RE = re.compile(r"(?:[A-Za-z0-9_]+-)*?(%s)(?:-[0-9]+(?:\.[0-9]+)*)?\Z" % "|".join(
+    re.escape(name) for name in sorted(tuple(COMPILERS) + LINKERS, key=len, reverse=True)))
 
 
 def compiler_row(word):
@@ -5872,7 +5874,7 @@ def shim_names():
             continue
         for entry in entries:
             match = COMPILER_NAME_RE.match(entry)
-            if match and match.group(1) not in ("ld", "ld.lld"):  # a linker gcc itself runs
+            if match and match.group(1) not in LINKERS:
                 names.add(entry)
     return names
 
