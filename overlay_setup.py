@@ -4198,8 +4198,9 @@ class NativeEntry:
                 record["built_sha256"] = file_sha256(record["path"])
         entry["links_seen"] = changed_links(state, entry)
         entry["folders_turned"] = {path: seen(path) for path in self.folders_turned_links()}
-        for record in entry["sources"]:
-            record["folder"] = folder_identity(record["path"])  # as the build left it
+        for record in entry["sources"]:  # as the build left them (a source it removed: None)
+            record["folder"] = folder_identity(record["path"]) \
+                if os.path.lexists(record["path"]) else None
         noop = status == 0 and entry["artifacts"] and all(
             record["built_sha256"] == record["sha256"] for record in entry["artifacts"])
         self.enter(self.BUILT_NOTHING if noop else self.BUILT if status == 0 else self.BUILD_FAILED)
@@ -4396,6 +4397,11 @@ class NativeEntry:
                 st = os.lstat(folder)
             except (FileNotFoundError, NotADirectoryError):
                 return "%s is gone since the apply (the install was removed)" % folder
+            if record["present"] and record.get("patched_sha256") is not None \
+                    and not os.path.lexists(record["path"]):
+                # removed file by file, as pip uninstalls: its claim kept the folder
+                return ("%s is gone since the apply (the install was removed)"
+                        % record["path"])
             if not stat.S_ISDIR(st.st_mode) or file_sha256(record["path"]) in (
                     record.get("patched_sha256"), record.get("previous_patched_sha256")):
                 continue  # the patch still stands: this is the folder it was applied to

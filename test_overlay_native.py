@@ -5318,6 +5318,27 @@ class RevertEndsTest(OverlayTestCase):
                                  [])
                 self.proj = self.built_project(OUT_PROJECT)
 
+    def test_an_install_uninstalled_file_by_file_closes_the_entry_and_writes_nothing(
+            self) -> None:
+        # pip uninstall removes the files its RECORD lists, one by one: the
+        # folder stays while anything else (the claim) is in it.
+        for force in ([], ["--force"]):
+            with self.subTest(force=force):
+                self.apply()
+                for directory, _, files in os.walk(self.proj):
+                    for name in files:
+                        if not name.endswith(".overlay-claim"):
+                            os.unlink(os.path.join(directory, name))
+                rc, out, err = self.tool("revert", *force)
+                self.assertEqual((rc, err), (0, ""))
+                self.assertIn("entry 1 closed: %s is gone since the apply (the install was "
+                              "removed); nothing of the old install was written back\n"
+                              % os.path.join(self.proj, "k.c"), out)
+                self.assertEqual(sorted(os.listdir(self.proj)), ["out"])
+                self.assertEqual(os.listdir(os.path.join(self.proj, "out")), [])
+                shutil.rmtree(self.proj)
+                self.proj = self.built_project(OUT_PROJECT)
+
     def test_an_install_upgraded_since_the_apply_keeps_the_new_version(self) -> None:
         for force in ([], ["--force"]):
             with self.subTest(force=force):
