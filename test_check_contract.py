@@ -7012,7 +7012,8 @@ class RepositoryTest(unittest.TestCase):
         self.assertEqual(sorted({script for script, _ in commands}),
                          ["bench/bench_check_contract.py", "bench/bench_distribution.py",
                           "bench/bench_missing_sources.py", "bench/bench_overlay.py",
-                          "bench/differential_reader.py", "bench/mutation.py"])
+                          "bench/bench_speed.py", "bench/differential_reader.py",
+                          "bench/mutation.py"])
         for script, args in commands:
             usage = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"],
                                    stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
