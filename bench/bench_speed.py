@@ -12,7 +12,10 @@
              the original, fsyncs it and renames it over the original.
 
 Every command is a fresh process (interpreter start-up included on both
-sides). The commands are interleaved, round after round, so each pair runs
+sides). Each tool is timed twice: run as a script (`python3 check_contract.py`,
+compiled on every run) and as a module (`python3 -m check_contract`, its
+bytecode cached by Python under __pycache__ beside it after the first run).
+The commands are interleaved, round after round, so each pair runs
 under the same load; a figure is the median over the rounds, and a ratio is
 the median of the ratios of the same round. The tool's `revert` and the
 floor's way back run between the rounds, untimed. --baseline-dir DIR also
@@ -65,6 +68,16 @@ else:
 '''
 
 
+def tool_command(directory, tool, as_module):
+    """The argv and environment that run `tool` of `directory` as a script,
+    or as a module with Python's bytecode cache allowed."""
+    if not as_module:
+        return [sys.executable, os.path.join(directory, tool + ".py")], dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=directory)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return [sys.executable, "-m", tool], env
+
+
 def run(command, env=None):
     start = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -98,9 +111,9 @@ def check_rows(base, sizes, repeat, versions):
         bench_check_contract.generate(root, size, shapes)
         commands = {"reader": lambda: run([sys.executable, "-c",
                                            bench_check_contract.MINIMAL_READER, root])}
-        for label, directory in versions:
-            commands[label] = (lambda d: lambda: run(
-                [sys.executable, os.path.join(d, "check_contract.py"), "--root", root]))(directory)
+        for label, directory, as_module in versions:
+            argv, env = tool_command(directory, "check_contract", as_module)
+            commands[label] = (lambda argv, env: lambda: run(argv + ["--root", root], env))(argv, env)
         yield size, rounds(commands, repeat)
         shutil.rmtree(root)
 
@@ -116,23 +129,24 @@ def overlay_rows(base, artifact_mb, repeat, versions):
     patched = os.path.join(base, "kernel_patched.cu")
     with open(patched, "w") as handle:
         handle.write("__global__ void k(float *x) { x[0] = 7.0f; }\n")
-    env = dict(os.environ, XDG_STATE_HOME=os.path.join(base, "xdg-state"))
     aside = os.path.join(base, "aside")
 
     def floor(phase):
         return run([sys.executable, "-c", FLOOR_SCRIPT, phase, install, aside, patched])
 
-    def tool(directory, *args):
-        return run([sys.executable, os.path.join(directory, "overlay_setup.py"),
-                    "--state", os.path.join(base, "state")] + list(args), env)
+    def tool(version, *args):
+        argv, env = tool_command(*version)
+        env["XDG_STATE_HOME"] = os.path.join(base, "xdg-state")
+        return run(argv + ["--state", os.path.join(base, "state")] + list(args), env)
 
     commands = {"floor": lambda: floor("apply")}
-    for label, directory in versions:
-        commands[label] = (lambda d: lambda: tool(
-            d, "add-native", "--source", os.path.join(install, "src/kernel.cu"),
+    labels = {}
+    for label, directory, as_module in versions:
+        labels[label] = (directory, "overlay_setup", as_module)
+        commands[label] = (lambda version: lambda: tool(
+            version, "add-native", "--source", os.path.join(install, "src/kernel.cu"),
             "--patched", patched, "--artifact", os.path.join(install, "lib/libkernels.so"),
-            "--no-build"))(directory)
-    labels = dict(versions)
+            "--no-build"))(labels[label])
 
     def undo(name):
         if name == "floor":
@@ -156,22 +170,23 @@ def main(argv=None):
         parser.error("--sizes must be comma-separated integers, e.g. 30,1000")
     if args.repeat < 1 or args.artifact_mb < 1 or min(sizes) < 1:
         parser.error("--repeat, --artifact-mb and --sizes must be positive")
-    versions = [("this", os.path.dirname(HERE))]
+    versions = [("this", os.path.dirname(HERE), False), ("this -m", os.path.dirname(HERE), True)]
     if args.baseline_dir:
-        versions.append(("baseline", os.path.abspath(args.baseline_dir)))
+        versions += [("baseline", os.path.abspath(args.baseline_dir), False),
+                     ("baseline -m", os.path.abspath(args.baseline_dir), True)]
     base = tempfile.mkdtemp(prefix="bench-speed-")
     print("python %s, median of %d interleaved rounds; load average before: %s" % (
         sys.version.split()[0], args.repeat, " ".join("%.2f" % x for x in os.getloadavg())))
     try:
         print("%9s %9s %s" % ("backends", "reader", "  ".join(
-            "%9s %7s" % (label, "ratio") for label, _ in versions)))
+            "%11s %7s" % (label, "ratio") for label, _, _ in versions)))
         for size, result in check_rows(base, sizes, args.repeat, versions):
             print("%9d %9.3f %s" % (size, result["reader"][0], "  ".join(
-                "%9.3f %6.2fx" % result[label] for label, _ in versions)), flush=True)
+                "%11.3f %6.2fx" % result[label] for label, _, _ in versions)), flush=True)
         result = overlay_rows(base, args.artifact_mb, args.repeat, versions)
         print("add-native --no-build, one source and a %d MB artifact: floor %.3f s, %s" % (
             args.artifact_mb, result["floor"][0], ", ".join(
-                "%s %.3f s %.2fx" % ((label,) + result[label]) for label, _ in versions)))
+                "%s %.3f s %.2fx" % ((label,) + result[label]) for label, _, _ in versions)))
     except RuntimeError as exc:
         print("error: %s" % exc, file=sys.stderr)
         return 1
