@@ -4693,6 +4693,10 @@ class NativeEntry:
 
     def status_lines(self, tool_running: bool) -> List[str]:
         lines = ["entry %d: %s" % (self.id, self.in_words(tool_running))]
+        gone = self.install_gone()
+        if gone:
+            lines.append("  install gone: %s; revert closes the entry and writes nothing of the "
+                         "old install" % gone)
         for record in self.files:
             lines.append("  %s %s%s" % (record["role"], record["path"],
                                         " (in the cache %s)" % record["in_cache"]

@@ -5350,6 +5350,11 @@ class RevertEndsTest(OverlayTestCase):
                 quiet(["make"], self.proj).check_returncode()
                 shutil.rmtree(old)
                 upgraded = tree_state(self.proj)
+                self.assertIn("entry 1: built (the build exited 0 after", self.tool("status")[1])
+                self.assertIn("\n  install gone: %s is another folder than the one patched (the "
+                              "install was replaced, as an upgrade does); revert closes the "
+                              "entry and writes nothing of the old install\n" % self.proj,
+                              self.tool("status")[1])
                 rc, out, err = self.tool("revert", *force)
                 self.assertEqual((rc, err), (0, ""))
                 self.assertIn("entry 1 closed: %s is another folder than the one patched (the "
