@@ -7370,6 +7370,28 @@ class ConventionsTest(unittest.TestCase):
             os.environ.update(saved)
         return rc, out.getvalue(), err.getvalue()
 
+    def test_either_tool_run_as_a_module_answers_as_its_script_does(self):
+        # `python3 -m TOOL` is the way to have its bytecode cached (docs); where
+        # the cache cannot be written (an unwritable prefix) it still runs.
+        env = dict(os.environ, XDG_STATE_HOME=os.path.join(self.tmp, "xdg"), PYTHONPATH=HERE)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env.pop("GITHUB_ACTIONS", None)
+        state = os.path.join(self.tmp, "state")
+        calls = (("check_contract", "--root", self.tmp), ("check_contract", "--root", self.tmp, "list"),
+                 ("check_contract", "--bogus"), ("overlay_setup", "--state", state, "status"),
+                 ("overlay_setup", "--state", state, "revert"), ("overlay_setup", "--bogus"))
+        for tool, *argv in calls:
+            script = subprocess.run([sys.executable, os.path.join(HERE, tool + ".py")] + argv,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            for prefix in (os.path.join(self.tmp, "pycache"), "/proc/self/no-cache-here"):
+                with self.subTest(tool=tool, argv=argv, prefix=prefix):
+                    module = subprocess.run([sys.executable, "-X", "pycache_prefix=" + prefix, "-m",
+                                             tool] + argv, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, env=env, cwd=self.tmp)
+                    self.assertEqual((module.returncode, module.stdout, module.stderr),
+                                     (script.returncode, script.stdout, script.stderr))
+        self.assertTrue(os.listdir(os.path.join(self.tmp, "pycache")))
+
     def test_every_argument_has_help_with_its_default_and_every_command_an_example(self):
         for tool, _, _ in self.TOOLS:
             commands = subcommands(tool.build_parser())
