@@ -764,8 +764,8 @@ def if_value(expression):
             return None
         number, name, operator = match.groups()
         if number is not None:
-            if len(number) > MAX_DIGITS:
-                return None
+            if len(number) > MAX_DIGITS or re.match(r"0[0-7]*[89]", number):
+                return None  # 08, 09: no octal number, an error to cpp and bash alike
             tokens.append(int(number, 16) if number[:2] in ("0x", "0X")
                           else int(number, 8) if number[0] == "0" and number.isdigit()
                           and set(number) <= set("01234567") else int(number))
@@ -2423,8 +2423,10 @@ class ScriptReader:
     def case_paths_from(self, value, items, start, known_paths):
         for at in range(start, len(items)):
             pieces = [self.expand_one(p) for p in items[at][0]]
-            matched = any(fnmatch.fnmatchcase(value, p) for p in pieces)
-            if not matched and known(value) and all(known(p) for p in pieces):
+            results = [self.matches(value, p) for p in pieces]
+            matched = True in results
+            decided = None not in results and known(value) and all(known(p) for p in pieces)
+            if not matched and decided:
                 continue
             end = at
             while items[end][2] == ";&" and end + 1 < len(items):
@@ -2433,7 +2435,7 @@ class ScriptReader:
             if rest is None:
                 return None
             paths = [[body for _, body, _ in items[at:end + 1]] + path for path in rest]
-            if matched and known(value) and all(known(p) for p in pieces):
+            if matched and decided:
                 return paths
             others = self.case_paths(value, items, at + 1, known_paths)
             return None if others is None else paths + others
@@ -2530,12 +2532,22 @@ class ScriptReader:
         """[[ ... ]]: no word splitting, and the right of == or != is a glob
         pattern, taken literally where quoted."""
         args = [self.expand_one(w).replace(NOT_REACHED, "") for w in words]
-        if not any(c in a for a in args for c in "*?["):
+        if not any(c in a for a in args for c in "*?[") and "nocasematch" not in self.options:
             return test_expression(args)
         if len(args) != 3 or args[1] not in ("=", "==", "!=") or SH_SPECIAL_RE.search(
                 words[2]) or not known(args[0]) or OUT_DIR in args[0]:
             return None
-        return fnmatch.fnmatchcase(args[0], args[2]) == (args[1] != "!=")
+        matched = self.matches(args[0], args[2])
+        return None if matched is None else matched == (args[1] != "!=")
+
+    def matches(self, value, pattern):
+        """A case or [[ == ]] pattern match; shopt -s nocasematch ignores case."""
+        nocase = self.options.get("nocasematch")
+        if nocase not in (None, True):
+            return None
+        if nocase:
+            value, pattern = value.lower(), pattern.lower()
+        return fnmatch.fnmatchcase(value, pattern)
 
     def run_argv(self, line, argv, environment=None):
         bypass = None  # command and builtin run no function of that name
@@ -2684,7 +2696,7 @@ class ScriptReader:
         flag = argv[1] if len(argv) > 1 else ""
         if flag in ("-s", "-u"):
             for name in argv[2:]:
-                if name in ("lastpipe", "expand_aliases"):
+                if name in ("lastpipe", "expand_aliases", "nocasematch"):
                     self.change(self.options, name, True if flag == "-s" else None)
         return True
 
@@ -2828,6 +2840,9 @@ class ScriptReader:
             else:
                 symbolic = symbolic or word == "--symbolic" or (word[1:2] != "-" and "s" in word)
         symbolic = symbolic and command == "ln"
+        sources = operands if directory is not None else operands[:-1]
+        if command in ("cp", "mv", "install") and not all(map(self.may_exist, sources)):
+            return False  # a file it surely did not put into <output-dir>: the command fails
         if command == "rm":
             for path in operands:
                 self.place("remove", path, line)
@@ -2850,6 +2865,14 @@ class ScriptReader:
             if command == "mv":
                 self.place("remove", source, line)
         return True
+
+    def may_exist(self, path):
+        """False for a file in <output-dir> that is surely not there now."""
+        if not path.startswith(OUT_DIR + "/") or not known(path) or any(c in path for c in "*?["):
+            return True
+        landed, maybe = ScriptFacts(self.calls, placements=self.placements).landing()
+        return bool(maybe) or any(c for _, _, _, c in self.placements) or (
+            posixpath.normpath(path[len(OUT_DIR) + 1:]) in landed)
 
     def joined(self, path):
         """A path as the compiler outputs are spelt: relative ones joined to the directory."""
@@ -3067,6 +3090,8 @@ class ScriptReader:
                     fields[-1] += value[0]
                     fields.extend(value[1:])
                 quoted = quoted or bool(value)
+            elif split and not in_double and self.vars.get("IFS", " \t\n") not in (" \t\n", " "):
+                fields[-1] += undecided("%s (split at IFS=%r)" % (value, self.vars.get("IFS")))
             elif split and not in_double:
                 pieces = SH_FIELD_RE.findall(value)
                 if pieces:
@@ -3089,7 +3114,7 @@ class ScriptReader:
         unless it names the <output-dir> argument (cd "$1" && pwd); and
         $((...)), arithmetic, when every name in it is known."""
         if source.startswith("$((") and source.endswith("))"):
-            value = self.arithmetic(source[3:-2])
+            value = self.arithmetic(source[3:-2], expansion=True)
             return undecided(source) if value is None else str(value)
         same = SH_SAME_DIR_RE.match(command)
         if same:
@@ -3100,9 +3125,10 @@ class ScriptReader:
             self.unfollow(self.at, "a compiler run inside %s" % source[:60])
         return runtime(source)
 
-    def arithmetic(self, expression):
+    def arithmetic(self, expression, expansion=False):
         """The value of a shell arithmetic expression (an unset name is 0),
-        or None when a name in it holds no number the reader knows."""
+        or None when a name in it holds no number the reader knows.  In an
+        expansion ($((...))), a number bash refuses (08) stops the script."""
         def value(match):
             found = self.lookup(match.group(1) or match.group(2))
             found = "1" if found is None and match.group() == "OPTIND" else found or "0"
@@ -3117,12 +3143,19 @@ class ScriptReader:
                           value, expression)
         except Unevaluable:
             return None
+        bad = re.search(r"(?<![0-9A-Za-z_.])0[0-7]*[89][0-9]*", text)
+        if bad and expansion:  # bash drops the rest of the line
+            self.unfollow(self.at, "$((%s)), where %s is no number bash takes (a leading 0 "
+                          "makes it octal)" % (show_word(expression), bad.group()))
         return if_value(text)
 
     def nounset(self, name, index):
         """set -u: expanding an unset name stops the script."""
-        if index is None and self.options.get("nounset") is True and not self.unsure and (
-                not SH_SHELL_VARIABLES_RE.match(name)):
+        if index is not None or self.options.get("nounset") is not True or SH_SHELL_VARIABLES_RE.match(name):
+            return
+        if self.unsure:  # set where the reader does not see, or not
+            self.unfollow(self.at, "$%s under set -u, which stops the script if it is unset" % name)
+        else:
             self.die(self.at, "set -u stops the script at $%s, which %s" % (name, (
                 "the default invocation does not pass" if name.isdigit() else
                 "is unset (the default invocation sets no optional variable)")))

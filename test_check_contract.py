@@ -1682,7 +1682,7 @@ class ScriptGenerator:
         self.lines.append('mkdir -p build "$out"')
         for _ in range(self.rng.randint(1, 4)):
             self.pick([self.arch, self.arch, self.compile, self.compile, self.compile, self.place,
-                       self.control, self.unknown, self.fails])()
+                       self.control, self.unknown, self.fails, self.rare])()
         self.compile()
         if self.rng.random() < 0.4:
             self.place()
@@ -1793,6 +1793,23 @@ class ScriptGenerator:
             '. ./missing.sh 2>/dev/null || true', 'if [ -f k.cu ]; then nvcc -c k.cu -o build/f.o; fi',
             'nvcc --version >/dev/null || true', 'while read -r line; do :; done < <(echo x)',
             "trap 'nvcc -c k.cu -o build/t.o' ERR"]))
+
+    def rare(self):
+        """Constructs few scripts use, where a reader is easily wrong."""
+        self.lines.append(self.pick([
+            'shopt -s nocasematch\ncase X in x) r=90 ;; *) r=80 ;; esac\nnvcc -c -arch=sm_$r k.cu -o build/n.o',
+            'x=ab\n[[ $x =~ ^a ]] && r=90 || r=80\nnvcc -c -arch=sm_$r k.cu -o build/r.o',
+            'declare -n ref=ARCHV\nARCHV=90\nnvcc -c -arch=sm_$ref k.cu -o build/ref.o',
+            'name=ARCHW\nARCHW=86\nnvcc -c -arch=sm_${!name} k.cu -o build/ind.o',
+            'arr=(70 80)\nnvcc -c -arch=sm_${arr[1]} -arch=sm_${arr[-1]} k.cu -o build/a.o',
+            'IFS=, read -r a b <<< "80,90"\nnvcc -c -arch=sm_$b k.cu -o build/ifs.o',
+            'x="-arch=sm_80 -O3"\nIFS=:\nnvcc -c $x k.cu -o build/ifs2.o\nunset IFS',
+            'shopt -s extglob\ncase 90 in @(80|90)) e=90 ;; *) e=70 ;; esac\nnvcc -c -arch=sm_$e k.cu -o build/eg.o',
+            'a=80; (( a += 10 )); nvcc -c -arch=sm_$a k.cu -o build/ar.o',
+            'a="80 90"; for x in $a; do nvcc -c -arch=sm_$x k.cu -o build/l$x.o; done',
+            'until [ -n "${u:-}" ]; do u=90; done\nnvcc -c -arch=sm_$u k.cu -o build/u.o',
+            'x=$(( 0x50 ))\nnvcc -c -arch=sm_$x k.cu -o build/hex.o',
+            'x=080\nnvcc -c -arch=sm_$((x)) k.cu -o build/oct.o || true']))
 
     def fails(self):
         self.lines.append(self.pick([
@@ -2027,6 +2044,26 @@ class ReaderAgreesWithBashTest(TreeTest):
         self.cuda_fat('mkdir -p "$1"\nmake -C "$(dirname "$0")" objects\n'
                       'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
         self.assertClean()
+
+    def test_nocasematch_ifs_and_a_number_bash_refuses(self):
+        ran, landed = self.agree('shopt -s nocasematch\ncase X in x) a=90 ;; *) a=80 ;; esac\n'
+                                 '[[ ABC == abc ]] && b=86 || b=75\n'
+                                 'nvcc -shared -arch=sm_$a -arch=sm_$b -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(ran, [(["\x02/libfat.so"], ["86"])])  # nvcc takes the last -arch
+        (status, calls, landed), = run_in_bash(['x="-arch=sm_80 -O3"\nIFS=:\nnvcc -shared $x -o "$1/l.so" k.cu\n'])
+        self.assertEqual(calls[0].sass, [])  # one word: -arch=sm_80 -O3
+        call, = check_contract.ScriptReader('x="-arch=sm_80 -O3"\nIFS=:\nnvcc -shared $x -o "$1/l.so" k.cu\n').facts().calls
+        self.assertEqual((call.sass, call.unknown), ([], ["-arch=sm_80 -O3 (split at IFS=':')"]))
+        (status, calls, landed), = run_in_bash(['x=080\necho $((x + 1)); nvcc -shared -o "$1/a.so" k.cu\n'
+                                                'nvcc -shared -o "$1/l.so" k.cu\n'])
+        self.assertEqual([c.outputs for c in calls], [["\x02/l.so"]])  # bash drops the rest of the line
+        self.assertEqual(check_contract.ScriptReader('x=080\necho $((x + 1))\n').facts().unfollowed,
+                         [(2, "$((x + 1)), where 080 is no number bash takes (a leading 0 makes it octal)")])
+
+    def test_a_move_of_a_file_that_is_not_there_moves_nothing(self):
+        ran, landed = self.agree('mv "$1/none.so" "$1/l.so" || true\ncp "$1"/none.so "$1/m.so" || true\n'
+                                 'nvcc -shared -arch=sm_80 -o "$1/libfat.so" ops.cu\n')
+        self.assertEqual(landed, {"libfat.so"})
 
     def test_a_compiler_wrapped_in_a_function_of_its_name_is_read(self):
         self.cuda_fat('mkdir -p "$1"\nnvcc() { command nvcc -Xcompiler -fPIC "$@"; }\n'
