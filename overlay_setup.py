@@ -597,13 +597,15 @@ def set_metadata(fd: int, meta: dict) -> None:
 
 
 def put_file(target: str, meta: dict, data: Optional[bytes] = None,
-             source: Optional[str] = None, link_ok: bool = False) -> None:
+             source: Optional[str] = None, link_ok: bool = False,
+             sync_directory: bool = True) -> None:
     """Put a new version of `target` in place: made under a short temporary
     name beside it (`data` written, or `source` copied sparse, or with
     `link_ok` hard-linked from `source`: the same inode, in constant time),
     given `meta` (mode, and when recorded owner, xattrs, times), fsynced and
-    renamed over `target`.  A symlink planted at `target` is replaced, one
-    on the way refused; a directory the build removed is made again."""
+    renamed over `target`, and the directory fsynced unless the caller
+    fsyncs it later.  A symlink planted at `target` is replaced, one on the
+    way refused; a directory the build removed is made again."""
     mutation_point()
     write_point(target)
     directory = open_parent(target, create=True)
@@ -633,7 +635,8 @@ def put_file(target: str, meta: dict, data: Optional[bytes] = None,
             raise
         os.close(fd)
         os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
-        os.fsync(directory)
+        if sync_directory:
+            os.fsync(directory)
     finally:
         os.close(directory)
 
@@ -663,9 +666,10 @@ def unlink_at(directory: int, name: str) -> bool:
     return True
 
 
-def remove_file(path: str) -> None:
+def remove_file(path: str, sync_directory: bool = True) -> None:
     """Remove the file or symlink at `path` (nothing when it is absent),
-    reaching it without following a symlink."""
+    reaching it without following a symlink; the directory is fsynced
+    unless the caller fsyncs it later."""
     try:
         directory = open_parent(path)
     except FileNotFoundError:
@@ -677,7 +681,8 @@ def remove_file(path: str) -> None:
             return
         mutation_point()
         unlink_at(directory, os.path.basename(path))
-        os.fsync(directory)
+        if sync_directory:
+            os.fsync(directory)
     finally:
         os.close(directory)
 
@@ -3236,7 +3241,10 @@ def write_claim(state: State, entry_id: int, source: str) -> None:
     tmp = temp_beside(path, "claim")
     mutation_point()
     remove_file(tmp)
-    put_file(tmp, {"mode": 0o644}, data=(json.dumps(claim, sort_keys=True) + "\n").encode())
+    # The one fsync of the directory, after the link, makes the claim and the
+    # removal of its temporary name durable together.
+    put_file(tmp, {"mode": 0o644}, data=(json.dumps(claim, sort_keys=True) + "\n").encode(),
+             sync_directory=False)
     try:
         try:
             os.link(tmp, path)
@@ -3246,7 +3254,7 @@ def write_claim(state: State, entry_id: int, source: str) -> None:
                 raise held_by(source, holder)
             os.replace(tmp, path)  # ours already, or one its overlay left behind
     finally:
-        remove_file(tmp)
+        remove_file(tmp, sync_directory=False)
     fsync_dir(os.path.dirname(path))
 
 

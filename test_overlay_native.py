@@ -2671,9 +2671,16 @@ class JournalDurabilityTest(OverlayTestCase):
                 return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
             return rename
 
+        real_link = os.link
+
+        def link(src, dst, **kwargs):
+            events.append(("link", os.fsdecode(src), os.fsdecode(dst)))
+            return real_link(src, dst, **kwargs)
+
         with unittest.mock.patch.object(os, "fsync", fsync), \
                 unittest.mock.patch.object(os, "replace", renamer(real_replace)), \
-                unittest.mock.patch.object(os, "rename", renamer(real_rename)):
+                unittest.mock.patch.object(os, "rename", renamer(real_rename)), \
+                unittest.mock.patch.object(os, "link", link):
             self.assertOk(self.tool(*argv))
         return events
 
@@ -2706,6 +2713,23 @@ class JournalDurabilityTest(OverlayTestCase):
         self.assertEqual([[record["path"] for record in entry["sources"]]
                           for entry in journal["entries"]], [[self.source]])
         self.assertEqual(journal["entries"][0]["state"], overlay_setup.NativeEntry.APPLYING)
+
+    def test_a_claim_is_linked_into_place_and_its_directory_fsynced_once(self) -> None:
+        # The claim's content is fsynced before the link; one fsync of the
+        # directory after the link makes the link, and the removal of its
+        # temporary name, durable: fsyncs of the directory before it guard
+        # nothing a crash could lose.
+        events = self.recorded("add-native", "--source", self.source, "--patched",
+                               os.path.join(self.proj, "fast.c"), "--no-build")
+        claim = overlay_setup.claim_path(self.source)
+        made = next(i for i, event in enumerate(events)
+                    if event[0] == "rename" and event[2] == overlay_setup.temp_beside(claim, "claim"))
+        linked = events.index(("link", overlay_setup.temp_beside(claim, "claim"), claim))
+        swap = self.first_change_of_the_source(events)
+        self.assertEqual(events[made - 1][0], "fsync", "the claim's content was not fsynced")
+        self.assertEqual([event for event in events[made:swap] if event == ("fsync", self.proj)],
+                         [("fsync", self.proj)])
+        self.assertIn(("fsync", self.proj), events[linked:swap])
 
     def test_revert_journals_that_it_began_before_it_restores_the_source(self) -> None:
         self.assertOk(self.tool("add-native", "--source", self.source, "--patched",
