@@ -4220,7 +4220,7 @@ class NativeEntry:
                      if record["role"] == ORIGINAL and id(record) not in untouched]
         if originals:
             print("the build rewrote or deleted %s; revert puts back the copies taken before it"
-                  % ", ".join(originals))
+                  % shown_list(originals))
         created = [p["path"] for p in entry["untracked"] if p["created"] and p["kind"] != "d"]
         if created:
             print("warning: the build created files that no --artifact or --invalidate-cache "
@@ -4250,6 +4250,14 @@ class NativeEntry:
                                "patch stays applied for inspection: fix the patch or the source, "
                                "then run `%s update`, or run `%s revert`"
                                % (status, seconds, here, here))
+        missing = [shown(record["path"]) for record in entry["artifacts"]
+                   if record["built_sha256"] is None]
+        if noop and missing:
+            raise OverlayError("E404", "the build finished in %.1fs and changed no --artifact: %s "
+                               "does not exist; the patch stays applied for inspection: run `%s "
+                               "revert`, then apply again with the --artifact the build writes "
+                               "(or check --build-cmd and --build-cwd)"
+                               % (seconds, ", ".join(missing), here))
         if noop:
             what = ("the build finished in %.1fs but changed no --artifact (%s): the patch is not "
                     "in them; it stays applied for inspection: " % (seconds, ", ".join(
@@ -5152,8 +5160,9 @@ def cmd_add_python(args: argparse.Namespace) -> int:
                             os.path.abspath(args.file))
         state.save(journal)
         write_python_overlay(state, journal)
-    print("module %s now served from %s to processes started with `%s env`"
-          % (args.module, os.path.abspath(args.file), tool_at(state)))
+    print("module %s now served from a copy of %s taken now (edit the file later and it is not "
+          "seen) to Python processes started after `eval \"$(%s env)\"`"
+          % (args.module, shown(os.path.abspath(args.file)), tool_at(state)))
     print("state: %s" % state.root)
     return 0
 
@@ -6055,7 +6064,7 @@ def trial_round(args: argparse.Namespace, state: State, owner: dict, command: Li
     kept = {}
 
     def run(kind: str, env: Optional[Dict[str, str]] = None) -> int:
-        print("trial: %s run %d: %s" % (kind, round_number, " ".join(command)),
+        print("trial: %s run %d: %s" % (kind, round_number, " ".join(map(shell_quote, command))),
               file=sys.stderr, flush=True)
         status, seconds, kept[kind] = run_measured(command, env)
         result["runs"].append({"kind": kind, "round": round_number, "exit": status,

@@ -1531,7 +1531,7 @@ class PreExistingFileTest(MadePackageTest):
         rc, out, err = self.add()
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("the build rewrote or deleted %s; revert puts back the copies taken "
-                      "before it\n" % self.version, out)
+                      "before it\n" % shown(self.version), out)
         self.assertEqual(read_text(self.version), "version = '1.0+dirty'\n")
         # The copies of the files the build left alone (Makefile, __init__.py) are dropped.
         entry = read_json(os.path.join(self.state, "journal.json"))["entries"][0]
@@ -1659,7 +1659,7 @@ class PreExistingFileTest(MadePackageTest):
                                      {"gen/config.h": "1\n"})
         rc, out, err = self.add()
         self.assertEqual(rc, 0, err)
-        self.assertIn("the build rewrote or deleted %s; revert puts back" % self.version, out)
+        self.assertIn("the build rewrote or deleted %s; revert puts back" % shown(self.version), out)
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (3, "overlay_setup: E506 not byte-exact: the build rewrote "
                                         "{0} with no backup; the next build makes it again (to "
@@ -3481,7 +3481,7 @@ class RealBuildSystemTest(OverlayTestCase):
         self.assertEqual(rc, 0, err)
         version = os.path.join(proj, "pkg", "_version.py")
         self.assertIn("the build rewrote or deleted %s; revert puts back the copies taken "
-                      "before it\n" % version, out)
+                      "before it\n" % shown(version), out)
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (0, ""))
         self.assertEqual(tree_state(proj), before)
@@ -5934,6 +5934,12 @@ class TrialTest(OverlayTestCase):
                       "checked)\n" % self.proj, done.stdout)
         self.assertEqual(tree_state(self.proj), self.before)
 
+    def test_each_run_is_announced_as_a_command_that_can_be_pasted(self) -> None:
+        done = self.trial(command=[sys.executable, "-S", "-c", "print('a b')"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("trial: reference run 1: %s -S -c 'print('\"'\"'a b'\"'\"')'\n"
+                      % sys.executable, done.stderr)
+
     def test_json_holds_each_run_the_summary_the_verification_and_the_revert(self) -> None:
         done = self.trial("--repeat", "2", "--format", "json")
         self.assertEqual(done.returncode, 0, done.stderr)
@@ -7052,6 +7058,49 @@ class ReadableOutputTest(OverlayTestCase):
                "checked d1/lib.so, d2/lib.so, d3/lib.so, d4/lib.so, and 4 more; a build's writes "
                "outside them (an install step into a prefix) are not, unless named with "
                "--build-dir or --artifact\nreverted %s\n" % state, ""))
+
+    def test_add_python_says_it_serves_a_copy_and_how_to_turn_it_on(self) -> None:
+        write_tree(self.tmp, {"pkg/__init__.py": "", "pkg/ops.py": "SCALE = 2\n",
+                              "ops_fast.py": "SCALE = 3\n"})
+        rc, out, err = call("add-python", "pkg.ops", "ops_fast.py")
+        state = re.search(r"^state: (.*)$", out, re.M).group(1)
+        self.assertEqual((rc, out, err), (
+            0, "module pkg.ops now served from a copy of ops_fast.py taken now (edit the file "
+               "later and it is not seen) to Python processes started after "
+               "`eval \"$(overlay_setup.py env)\"`\nstate: %s\n" % state, ""))
+        write_text_file("ops_fast.py", "SCALE = 9\n")
+        environ = dict(os.environ, PYTHONPATH="%s/site:%s" % (state, self.tmp))
+        self.assertEqual(subprocess.run(
+            [sys.executable, "-c", "import pkg.ops; print(pkg.ops.SCALE)"], env=environ,
+            cwd=self.tmp, stdout=subprocess.PIPE, universal_newlines=True).stdout, "3\n")
+        self.assertOk(call("revert"))
+
+    def test_files_the_build_rewrote_are_shown_from_here_and_summed_up(self) -> None:
+        os.mkdir("proj")
+        os.chdir("proj")
+        write_tree(".", {"v%d.txt" % n: "old\n" for n in range(1, 7)})
+        rc, out, err = call("add-native", "--source", os.path.join(self.tmp, "k.c"),
+                            "--patched", os.path.join(self.tmp, "fast.c"), "--build-cmd",
+                            "for n in 1 2 3 4 5 6; do echo new > v$n.txt; done")
+        self.assertEqual(rc, 0, (out, err))
+        self.assertIn("\nthe build rewrote or deleted v1.txt, v2.txt, v3.txt, v4.txt, and 2 more; "
+                      "revert puts back the copies taken before it\n", out)
+        self.assertOk(call("revert"))
+        self.assertEqual(read_text("v6.txt"), "old\n")
+
+    def test_an_artifact_the_build_did_not_make_is_named_as_missing(self) -> None:
+        os.mkdir("proj")
+        os.chdir("proj")
+        rc, out, err = call("add-native", "--source", os.path.join(self.tmp, "k.c"), "--patched",
+                            os.path.join(self.tmp, "fast.c"), "--artifact", "libk_typo.so",
+                            "--build-cmd", "true")
+        self.assertEqual((rc, err[:38]), (1, "overlay_setup: E404 the build finished"), out)
+        self.assertRegex(err, r"^overlay_setup: E404 the build finished in \d+\.\ds and changed no "
+                              r"--artifact: %s does not exist; the patch stays applied for "
+                              r"inspection: run `overlay_setup.py revert`, then apply again with "
+                              r"the --artifact the build writes \(or check --build-cmd and "
+                              r"--build-cwd\)\n$" % "libk_typo.so")
+        self.assertOk(call("revert"))
 
     def test_gc_stale_removes_reverted_state_directories_of_the_state_home_only(self) -> None:
         rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
