@@ -4054,7 +4054,10 @@ class NativeEntry:
         entry["roots"] = sorted(set(build_trees(build)) | ({build["cwd"]} if build else set()))
         entry["dirs"] = {}
         track_parents(entry, plan.sources + artifacts + caches)
-        for tree in build_trees(build):
+        # pip stashes a distribution's folders in its site folder and makes them anew there
+        sites = [os.path.dirname(dist_info)
+                 for dist_info in (build or {}).get("distributions") or []]
+        for tree in build_trees(build) + sites:
             if os.path.isdir(tree):
                 entry["dirs"].setdefault(tree, os.stat(tree).st_mtime_ns)
 

@@ -1659,7 +1659,8 @@ class PreExistingFileTest(MadePackageTest):
                                      {"gen/config.h": "1\n"})
         rc, out, err = self.add()
         self.assertEqual(rc, 0, err)
-        self.assertIn("the build rewrote or deleted %s; revert puts back" % shown(self.version), out)
+        self.assertIn("the build rewrote or deleted %s; revert puts back" % shown(self.version),
+                      out)
         rc, out, err = self.tool("revert")
         self.assertEqual((rc, err), (3, "overlay_setup: E506 not byte-exact: the build rewrote "
                                         "{0} with no backup; the next build makes it again (to "
@@ -6967,6 +6968,18 @@ class PipInstallTest(OverlayTestCase):
         self.assertEqual((rc, err), (0, ""), out)
         self.assertEqual(self.k(), "4\n")
         self.assertEqual(file_hashes(self.site, self.proj), self.before)
+
+    def test_revert_gives_the_site_folder_its_mtime_back(self) -> None:
+        # pip stashes the distribution's folders beside them and makes them
+        # anew: the site folder's own entries change, and with them its mtime.
+        site_mtime = os.stat(self.site).st_mtime_ns
+        self.assertOk(self.tool("add-native", "--source", os.path.join(self.proj, "pkg", "_k.c"),
+                                "--patched", os.path.join(self.tmp, "fast.c"), "--artifact",
+                                self.artifact, "--build-cmd", self.install, "--build-cwd",
+                                self.proj))
+        self.assertNotEqual(os.stat(self.site).st_mtime_ns, site_mtime)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(os.stat(self.site).st_mtime_ns, site_mtime)
 
     def trial(self, build: str) -> subprocess.CompletedProcess:
         diff = os.path.join(self.tmp, "two.diff")
