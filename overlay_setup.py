@@ -5843,7 +5843,14 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
                     if not args.dry_run:
                         remove_orphaned_backups(state, journal)
                         unregister(state)
-                        if in_state_home(directory):
+                        leftovers = os.path.join(directory, "leftovers")
+                        if in_state_home(directory) and os.path.isdir(leftovers) and \
+                                os.listdir(leftovers):
+                            print("kept %s: its leftovers folder holds files moved aside when a "
+                                  "killed build was reverted (a build's products, or your own "
+                                  "edits); look at them, then remove the directory" % directory)
+                            reported = True
+                        elif in_state_home(directory):
                             prune(state)
                             pruned += 1
                     continue

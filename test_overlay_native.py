@@ -3995,6 +3995,26 @@ class GcStaleTest(OverlayTestCase):
         self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "work\n")
         self.assertEqual(read_text(os.path.join(aside, "made.o")), "obj\n")
 
+    def test_a_state_directory_of_the_state_home_holding_leftovers_is_not_removed(self) -> None:
+        # What a revert after a killed build moves aside may be the user's
+        # own edits: the later gc-stale that removes reverted state
+        # directories of the state home keeps this one and says why.
+        state = os.path.join(overlay_setup.state_home(), "killed")
+        killed = forked_tool(["--state", state, "add-native", "--source",
+                              os.path.join(self.proj, "k.c"), "--patched",
+                              os.path.join(self.proj, "fast.c"), "--build-cmd",
+                              "echo work > mywork.c; kill -9 $PPID", "--build-cwd", self.proj],
+                             own=True)
+        self.assertEqual(killed.returncode, -9)
+        self.assertEqual(call("gc-stale")[0], 0)
+        aside = os.path.join(state, "leftovers", "1")
+        self.assertEqual(call("gc-stale"), (
+            0, "kept %s: its leftovers folder holds files moved aside when a killed build was "
+               "reverted (a build's products, or your own edits); look at them, then remove the "
+               "directory\n" % state, ""))
+        self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "work\n")
+        self.assertEqual(tree_state(self.proj), self.original)
+
     def test_directory_that_is_no_state_directory_is_refused(self) -> None:
         mine = os.path.join(self.tmp, "mine")
         write_tree(mine, {"python/notes.txt": "keep\n", "site/sitecustomize.py": "X = 1\n"})
