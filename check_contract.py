@@ -212,8 +212,10 @@ SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "fo
                          "until", "do", "done", "{", "}", "function", "!", "select"))
 SH_REDIRECTS = re.compile(r"[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])\Z")
 # $(...) that only names the <output-dir> argument: out=$(mkdir -p "$1" && cd "$1" && pwd)
-SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?(\S+)\s*(?:&&|;)\s*pwd(?:\s+-P)?"
-                            r"|realpath\s+(?:-\w+\s+)*(\S+)|readlink\s+-\w*[fem]\w*\s+(\S+))\s*\Z")
+SH_WORD = r'((?:"[^"]*"|[^\s"])+)'  # a word, its quotes holding one level of quoted words
+SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?%s\s*(?:&&|;)\s*pwd(?:\s+-P)?"
+                            r"|realpath\s+(?:-\w+\s+)*%s|readlink\s+-\w*[fem]\w*\s+%s)\s*\Z"
+                            % (SH_WORD, SH_WORD, SH_WORD))
 # Set in any environment, so their value is the machine's, not the script's.
 SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHELL", "HOSTNAME",
                                   "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
@@ -252,6 +254,14 @@ POSIX_SHEBANG_RE = re.compile(r"#![ \t]*(?:/(?:usr/)?bin/(?:da)?sh|/usr/bin/env[
 SH_SHELL_VARIABLES_RE = re.compile(r"(?:BASH\w*|COMP_\w+|HIST\w*|IFS|OPTIND|OPTERR|PS[1-4]|SHLVL"
                                    r"|MACHTYPE|GROUPS|PIPESTATUS|FUNCNAME|DIRSTACK|SRANDOM|EPOCH\w+"
                                    r"|SHELLOPTS|BASHOPTS|MAILCHECK|TERM|_)\Z")
+# An output redirection to a file (not /dev/null, not another descriptor), or a
+# process substitution, in a command's text: it may write any file (cat > gen.cu).
+SH_WRITES_RE = re.compile(r">(?![>|]|\s*(?:/dev/(?:null|stdout|stderr)\b|&\s*[0-9-]))|<\(")
+SH_NO_FILES = ("/dev/null", "/dev/stdout", "/dev/stderr")
+# $(dirname "$0"), $(cd "$(dirname "$0")/.." && pwd): no other expansion, so the
+# text names one directory wherever it is met.
+SH_DIRNAME_RE = re.compile(r"\s*dirname\s+(?:--\s+)?%s\s*\Z" % SH_WORD)
+SH_ONLY_SCRIPT_RE = re.compile(r"\$(?![0(]|\{0\})|`")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -1035,7 +1045,7 @@ class CompilerCall:
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
                  "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs",
-                 "objects", "opaque")
+                 "objects", "opaque", "after_write")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
@@ -1051,6 +1061,7 @@ class CompilerCall:
         self.unknown = []
         self.rejected = []
         self.condition = None
+        self.after_write = True  # whether a command before it may have written a file it reads
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
@@ -1352,7 +1363,7 @@ class ScriptFacts:
     (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
     __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death", "dangling",
-                 "failures", "programs")
+                 "failures", "programs", "script_dirs")
 
     def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None,
                  death=None):
@@ -1361,6 +1372,7 @@ class ScriptFacts:
         self.dangling = {}  # {file in <output-dir>: what it links to}, for links that dangle
         self.failures = []  # (line, why) of commands that surely fail, the script going on
         self.programs = set()  # the lines of the unfollowed that are programs (make), not shell text
+        self.script_dirs = {}  # {value: place}: values naming the script's directory (script_place())
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
@@ -1391,6 +1403,16 @@ class ScriptFacts:
                     maybe.update((p, "line %d moves or removes it, depending on %s" % (line, condition))
                                  for p in gone)
         return landed, maybe
+
+
+def script_place(script_dirs, path):
+    """A path that starts with a value naming the script's directory (a
+    ScriptReader's script_dirs), as a path relative to that directory; else None."""
+    for value, place in script_dirs.items():
+        rest = path[len(value):]
+        if path.startswith(value) and rest[:1] in ("", "/") and not any(m in rest for m in MARKERS):
+            return posixpath.normpath("./" + place + rest)
+    return None
 
 
 def show_word(word):
@@ -1549,14 +1571,16 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
                           "not name, R008)" % (said, rel, arch), where, built[arch])
 
 
-def check_compiled_sources(repo, backend, calls, repository_path, traced=False, complete=True):
+def check_compiled_sources(repo, backend, calls, repository_path, traced=False, complete=True,
+                           made=lambda path: False):
     """S008, S009: what the compiler calls (CompilerCall, run or read)
     compiled, against `sources`.  repository_path(path) gives a compiled
     path's place relative to the repository root, or None outside it; a
     file the repository does not hold was made by the build, not declared,
     or, when it is not there after the run either, is no file at all (the
-    real compiler fails on it).  Without `complete` (a compiler the calls
-    may miss), a declared source no call compiles is not reported."""
+    real compiler fails on it; made(path) says whether the build made it).
+    Without `complete` (a compiler the calls may miss), a declared source
+    no call compiles is not reported."""
     said = "running %s shows: " % backend.build_script if traced else ""
     prefix = backend.rel_dir + "/"
     declared = {rel for _, rel, problem in backend.sources if rel and not problem}
@@ -1571,12 +1595,15 @@ def check_compiled_sources(repo, backend, calls, repository_path, traced=False, 
             local = rel[len(prefix):] if rel.startswith(prefix) else None
             if not os.path.isfile(os.path.join(repo.root, rel)):
                 # In the backend directory, not declared (else S001 says so), not made by the run.
-                if traced and local is not None and local not in declared and not os.path.lexists(path):
+                if local is not None and local not in declared and not made(path):
                     reported.add(rel)
-                    backend.error("S008", "%s%s compiles %s, which is no file (neither the repository "
-                                  "nor the build has it), so the real compiler fails on it; correct "
-                                  "the name, or add the file to %s and declare it"
-                                  % (said, backend.build_script, rel, backend.rel_dir), rel, call.line)
+                    backend.error("S008", "%s%s compiles %s, which is no file (%s), so the real "
+                                  "compiler fails on it; correct the name, or add the file to %s and "
+                                  "declare it" % (said, backend.build_script, rel, "neither the "
+                                                  "repository nor the build has it" if traced else
+                                                  "the repository does not have it, and nothing the "
+                                                  "script runs before makes files", backend.rel_dir),
+                                  rel, call.line)
                 continue
             compiled.add(local)
             if local in declared:
@@ -1856,6 +1883,7 @@ class ScriptParser:
     def __init__(self, text):
         self.tokens = tokenize(text)
         self.pos = 0
+        self.writes = set()  # the lines of commands that write a file by redirection (> gen.cu)
 
     def peek(self):
         return self.tokens[self.pos]
@@ -2002,15 +2030,17 @@ class ScriptParser:
     def redirected(self, node):
         """A compound command with its redirections (which change nothing read here)."""
         while self.peek()[0] == "op" and SH_REDIRECTS.match(self.peek()[1]):
-            self.next()
-            self.redirect_target()
+            self.redirect_target(self.next()[1], node.line)
         return node
 
-    def redirect_target(self):
+    def redirect_target(self, op, start):
         kind, text, line = self.peek()
         if kind != "word":
             return
         self.next()
+        if text.startswith(("<(", ">(")) or ">" in op and text not in SH_NO_FILES and not (
+                op.endswith("&") and (text.isdigit() or text == "-")):
+            self.writes.add(start)
         if text.startswith(("<(", ">(")) and runs_compiler(text[2:-1]):
             raise ShellSyntax(line, "a compiler run inside %s" % text[:60])
 
@@ -2021,9 +2051,10 @@ class ScriptParser:
             kind, text, _ = self.peek()
             if kind == "word":
                 words.append(self.next()[1])
+                if text.startswith(("<(", ">(")):
+                    self.writes.add(line)
             elif kind == "op" and SH_REDIRECTS.match(text):
-                self.next()
-                self.redirect_target()
+                self.redirect_target(self.next()[1], line)
             else:
                 return Simple(line, words)
 
@@ -2146,6 +2177,11 @@ class ScriptReader:
         self.trail = []          # (table, name, value before): every change, for either()
         self.frames = []         # per function call: {name: value before `local`}
         self.calls = []
+        # The directory of the script ($0 as the checker and the build tier run it:
+        # its absolute path, links unresolved): {value naming it: path from it}.
+        self.script_paths, self.script_dirs = {runtime("$0")}, {}
+        self.wrote = False       # whether a command run so far may have written a file
+        self.writes = set()      # the lines of the commands that write by redirection
         self.placements = []     # ScriptFacts.placements
         self.unfollowed = []     # (line, what)
         self.arg2_defaults = []
@@ -2155,7 +2191,9 @@ class ScriptReader:
         self.steps = 0
         self.depth = 0
         try:
-            tree = ScriptParser(text).parse()
+            parser = ScriptParser(text)
+            tree = parser.parse()
+            self.writes = parser.writes
         except ShellSyntax as problem:
             self.unfollowed.append(problem.args)
             return
@@ -2176,6 +2214,7 @@ class ScriptReader:
                             placements=self.placements, death=self.death)
         facts.failures = self.failures
         facts.programs = self.programs
+        facts.script_dirs = self.script_dirs
         facts.dangling = self.dangling(facts.landing()[0])
         return facts
 
@@ -2216,6 +2255,7 @@ class ScriptReader:
 
     def unfollow(self, line, what):
         self.unfollowed.append((self.line or line, what))
+        self.wrote = True
         self.unsure = True  # what it does not follow may set any variable
 
     # -- state, for the branches of a condition the reader cannot decide
@@ -2324,6 +2364,7 @@ class ScriptReader:
     def run(self, node):
         kind, line = type(node), node.line
         self.at = line
+        self.wrote = self.wrote or line in self.writes
         if kind is Simple:
             return self.run_simple(line, node.words)
         if kind is AndOr:
@@ -2564,6 +2605,8 @@ class ScriptReader:
             self.change(self.options, "<output-dir> made", True)  # mkdir -p "$1", or may be
         if command in self.functions and bypass is None:
             return self.call_function(line, command, argv[1:])
+        if command not in SH_MAKES_NO_DIRECTORY and command != "mkdir" and not is_compiler_name(command):
+            self.wrote = True  # cp a.cu b.cu, python3 gen.py: it may make what a compiler reads
         builtin = SH_BUILTINS.get(command)
         if builtin is not None:
             return builtin(self, line, argv)
@@ -2573,6 +2616,8 @@ class ScriptReader:
         call = compiler_call(argv, self.line or line, self.cwd, dict(self.vars, **(environment or {})))
         if call is not None:
             call.condition = self.condition
+            call.after_write, self.wrote = self.wrote, self.wrote or not all(
+                o.startswith(OUT_DIR + "/") for o in call.outputs)
             self.calls.append(call)
             writes = [o for o in call.outputs if o.startswith(OUT_DIR + "/")]
             if writes and "<output-dir> made" not in self.options and not self.unsure and (
@@ -3116,11 +3161,22 @@ class ScriptReader:
         if source.startswith("$((") and source.endswith("))"):
             value = self.arithmetic(source[3:-2], expansion=True)
             return undecided(source) if value is None else str(value)
+        if not all(part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY for part in re.split(
+                r"&&|\|\||[;|(`]", command) if part.split()) or SH_WRITES_RE.search(command):
+            self.wrote = True
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
             if target == OUT_DIR:
                 return OUT_DIR
+        dirname = SH_DIRNAME_RE.match(command)
+        if (same or dirname) and not SH_ONLY_SCRIPT_RE.search(command) and len(source) < 100:
+            target = self.expand_one(next(g for g in (same or dirname).groups() if g))
+            if target in self.script_paths:
+                (self.script_dirs.__setitem__(runtime(source), "") if dirname
+                 else self.script_paths.add(runtime(source)))
+            elif same and script_place(self.script_dirs, target) is not None:
+                self.script_dirs[runtime(source)] = script_place(self.script_dirs, target)
         if runs_compiler(command):
             self.unfollow(self.at, "a compiler run inside %s" % source[:60])
         return runtime(source)
@@ -4306,7 +4362,45 @@ def check_build_script(repo, backend):
                       rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
-    check_build_facts(backend, rel, ScriptReader(text, backend.dir).facts())
+    facts = ScriptReader(text, backend.dir).facts()
+    check_build_facts(backend, rel, facts)
+    check_read_sources(repo, backend, rel, facts)
+
+
+def check_read_sources(repo, backend, rel, facts):
+    """S008, S009 from the reading: the files the compiler calls surely
+    compile, placed as the build tier runs the script (from the repository
+    root, $0 its path there, links unresolved), against `sources`.  A file
+    that is not there counts only where nothing run before could make it."""
+    if any(line not in facts.programs for line, _ in facts.unfollowed):
+        return  # eval, a file it cannot source: what runs may not be what it read
+    script = backend.rel(rel)
+    here = posixpath.dirname(script) if os.path.realpath(os.path.join(
+        repo.root, script)) == os.path.join(repo.real_root, script) else None
+    calls, complete = [], not facts.unfollowed
+    for call in facts.calls:
+        complete = complete and not call.opaque
+        if call.condition:
+            complete = False
+            continue
+        found = CompilerCall(call.compiler, call.line)
+        for path in call.inputs:
+            place = script_place(facts.script_dirs, path)
+            if place is not None:  # under the script's directory
+                path = posixpath.normpath(posixpath.join(here, place)) if here else None
+            elif path.startswith(("/",) + MARKERS) or not known(path):
+                path = None
+            if path and any(c in path for c in "*?["):
+                path = None  # a glob bash expands
+            local = path[len(backend.rel_dir) + 1:] if path and path.startswith(backend.rel_dir + "/") else None
+            if path is None or path.startswith("../") or (call.after_write and (
+                    backend.files.get(local) != "file" if local is not None
+                    else not os.path.isfile(os.path.join(repo.root, path)))):
+                complete = False  # made by what ran before, maybe
+            else:
+                found.inputs.append(path)
+        calls.append(found)
+    check_compiled_sources(repo, backend, calls, lambda path: path, complete=complete)
 
 
 # Where the interpreter of a `#!` line is on every Linux and macOS system.
@@ -6679,7 +6773,7 @@ def trace_backend(repo, run, backend, args, stream, session):
         if target is None:
             check_compiled_sources(repo, checked, facts.calls, lambda path: None if trace.show(
                 path).startswith(("<", "/", "~", "$")) else trace.show(path), traced=True,
-                complete=not trace.uncaught and not trace.binaries)
+                complete=not trace.uncaught and not trace.binaries, made=os.path.lexists)
         for d in checked.diagnostics:
             d.message = trace.show(d.message.replace("running %s shows: " % script, said, 1))
             found.append(d)

@@ -1535,25 +1535,77 @@ class ReaderTableTest(unittest.TestCase):
 
 
 class CompiledSourcesTest(TreeTest):
-    """trace compares every file a compiler compiled with `sources`."""
+    """trace compares every file a compiler compiled with `sources`; check
+    does so for the files the reading surely compiles."""
 
-    def traced(self, compiles, sources, excluded=None):
+    def files(self, sources, excluded=None, script=None, compiles=""):
         manifest = {"name": "k", "abi_version": 1, "status": "experimental", "sources": sources,
                     "build": {"script": "build.sh", "output": "libk.so", "architectures": [80]}}
         if excluded is not None:
             manifest["excluded"] = excluded
-        self.tree({"backends/cuda/k/k.backend.json": manifest,
-                   "backends/cuda/k/k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
-                                          "const char* k_error_string(int code);\n",
-                   "backends/cuda/k/k.cu": "", "backends/cuda/k/old.cu": "",
-                   "backends/cuda/k/test_k.cu": "", "backends/common/util.cu": "",
-                   "backends/cuda/k/build.sh": Executable(
-                       '#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\ncd "$(dirname "$0")"\n'
-                       'printf "" > "$1/gen.cu"\n'
-                       'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$1/gen.cu" %s\n' % compiles)})
+        if script is None:
+            script = ('cd "$(dirname "$0")"\nprintf "" > "$1/gen.cu"\n'
+                      'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$1/gen.cu" %s\n' % compiles)
+        return {"backends/cuda/k/k.backend.json": manifest,
+                "backends/cuda/k/k.h": "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                                       "const char* k_error_string(int code);\n",
+                "backends/cuda/k/k.cu": "", "backends/cuda/k/old.cu": "",
+                "backends/cuda/k/test_k.cu": "", "backends/common/util.cu": "",
+                "backends/cuda/k/build.sh": Executable('#!/usr/bin/env bash\nset -eu\nmkdir -p "$1"\n' + script)}
+
+    def traced(self, compiles, sources, excluded=None):
+        self.tree(self.files(sources, excluded, compiles=compiles))
         rc, out, err = self.check("trace", "--format", "json")
         return [(i["level"], i["code"], i["path"], i["message"])
                 for i in json.loads(out)["results"][0]["issues"]]
+
+    def checked(self, script, sources=("k.h", "k.cu"), excluded=("old.cu",)):
+        """check's (exit status, findings) for a build.sh: the lines after mkdir -p "$1"."""
+        files = self.files(list(sources), list(excluded), script=script)
+        files["common/util.cu"] = files.pop("backends/common/util.cu")
+        self.tree(files)
+        rc, issues = self.issues()
+        return rc, [(i["level"], i["code"], i["path"], i["message"][:70]) for i in issues]
+
+    def test_check_reports_an_undeclared_file_the_script_compiles_from_its_directory(self):
+        for place in ('cd "$(dirname "$0")"\n', 'cd "$(cd "$(dirname "$0")" && pwd)"\n',
+                      'cd "$(dirname "$(realpath "$0")")"\n', 'cd "$(dirname "$0")/../../.."\ncd backends/cuda/k\n'):
+            with self.subTest(place=place):
+                self.assertEqual(self.checked(
+                    place + 'nvcc -shared -arch=sm_80 -o "$1/libk.so" k.cu test_k.cu ../../../common/util.cu\n'), (1, [
+                        ("error", "S008", "backends/cuda/k/test_k.cu",
+                         "build.sh compiles backends/cuda/k/test_k.cu, which sources does not de"),
+                        ("error", "S008", "common/util.cu",
+                         "build.sh compiles common/util.cu, outside the backend directory, where")]))
+
+    def test_check_reads_a_relative_name_from_the_repository_root_where_the_script_runs(self):
+        self.assertEqual(self.checked('nvcc -shared -arch=sm_80 -o "$1/libk.so" backends/cuda/k/k.cu '
+                                      'backends/cuda/k/old.cu\n', ["k.h", "k.cu", "test_k.cu"]), (1, [
+            ("error", "S008", "backends/cuda/k/old.cu",
+             "build.sh compiles backends/cuda/k/old.cu, which excluded says is not p"),
+            ("warning", "S009", "backends/cuda/k/test_k.cu",
+             "sources declares test_k.cu, but no compiler call of build.sh compiles ")]))
+
+    def test_check_reports_a_compiled_file_that_nothing_can_make(self):
+        self.assertEqual(self.checked('cd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
+                                      'k.cu missing.cu\n'), (1, [
+            ("error", "S008", "backends/cuda/k/missing.cu",
+             "build.sh compiles backends/cuda/k/missing.cu, which is no file (the re")]))
+
+    def test_check_says_nothing_certain_of_a_file_the_script_may_make_first(self):
+        for making in ('python3 gen.py\n', 'cp k.cu missing.cu\n', 'cat > missing.cu <<EOF\nEOF\n',
+                       'x=$(python3 gen.py)\n', 'make\n', 'eval "$(echo true)"\n', 'f() { cp k.cu missing.cu; }\nf\n'):
+            with self.subTest(making=making):
+                rc, found = self.checked('cd "$(dirname "$0")"\n' + making + 'nvcc -shared -arch=sm_80 '
+                                         '-o "$1/libk.so" k.cu missing.cu\n')
+                self.assertEqual([f for f in found if f[0] == "error"], [])
+
+    def test_check_leaves_a_directory_it_cannot_tell_alone(self):
+        for place in ('X=$0\nX=/elsewhere/build.sh\ncd "$(dirname "$X")"\n', 'cd "$(dirname "$PWD")"\n',
+                      'if [ -f x ]; then cd "$(dirname "$0")"; fi\n'):
+            with self.subTest(place=place):
+                self.assertEqual(self.checked(place + 'nvcc -shared -arch=sm_80 -o "$1/libk.so" k.cu test_k.cu\n'),
+                                 (0, []))
 
     def test_what_is_compiled_but_not_declared_is_an_error(self):
         self.assertEqual(self.traced("k.cu test_k.cu old.cu ../../common/util.cu",
