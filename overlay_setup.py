@@ -5826,7 +5826,14 @@ def cmd_gc_stale(args: argparse.Namespace) -> int:
             failures += 1
             vanished = vanished_state(State(directory))
             print("overlay_setup: %s %s" % (vanished.code, vanished.message), file=sys.stderr)
-    directories = sorted(set(find_state_dirs(root) + registered))
+    # The state home's directories that hold nothing any more are pruned below, wherever root is.
+    try:
+        names = os.listdir(state_home())
+    except OSError:
+        names = []
+    reverted = [path for path in (os.path.join(state_home(), name) for name in names)
+                if not os.path.islink(path) and State(path).exists()]
+    directories = sorted(set(find_state_dirs(root) + registered + reverted))
     reported = False  # a line said what became of a state directory
     for directory in directories:
         state = State(directory)

@@ -7156,6 +7156,21 @@ class ReadableOutputTest(OverlayTestCase):
         self.assertOk(call("revert"))
 
 
+    def test_gc_stale_removes_them_also_where_its_root_does_not_hold_the_state_home(self) -> None:
+        # The examples end with `gc-stale --root "$demo"`: the state home
+        # lies outside the demo, and its reverted directory must go too.
+        os.mkdir("demo")
+        os.chdir("demo")
+        rc, out, err = call("add-native", "--source", os.path.join(self.tmp, "k.c"), "--patched",
+                            os.path.join(self.tmp, "fast.c"), "--no-build")
+        default = re.search(r"^state: (.*)$", out, re.M).group(1)
+        self.assertOk(call("revert"))
+        self.assertEqual(call("gc-stale", "--root", "."), (
+            0, "removed 1 state directory with nothing applied from %s\n"
+               "nothing stale: 1 state directory with nothing applied under %s or in the "
+               "registry\n" % (os.path.dirname(default), os.path.join(self.tmp, "demo")), ""))
+        self.assertFalse(os.path.exists(default))
+
 class InterruptedApplyTest(OverlayTestCase):
     """Ctrl-C during add-native or apply takes back what that run applied,
     as pip or git would; a second Ctrl-C leaves it to `revert`."""
