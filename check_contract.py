@@ -254,10 +254,7 @@ POSIX_SHEBANG_RE = re.compile(r"#![ \t]*(?:/(?:usr/)?bin/(?:da)?sh|/usr/bin/env[
 SH_SHELL_VARIABLES_RE = re.compile(r"(?:BASH\w*|COMP_\w+|HIST\w*|IFS|OPTIND|OPTERR|PS[1-4]|SHLVL"
                                    r"|MACHTYPE|GROUPS|PIPESTATUS|FUNCNAME|DIRSTACK|SRANDOM|EPOCH\w+"
                                    r"|SHELLOPTS|BASHOPTS|MAILCHECK|TERM|_)\Z")
-# An output redirection to a file (not /dev/null, not another descriptor), or a
-# process substitution, in a command's text: it may write any file (cat > gen.cu).
-SH_WRITES_RE = re.compile(r">(?![>|]|\s*(?:/dev/(?:null|stdout|stderr)\b|&\s*[0-9-]))|<\(")
-SH_NO_FILES = ("/dev/null", "/dev/stdout", "/dev/stderr")
+SH_NO_FILES = ("/dev/null", "/dev/stdout", "/dev/stderr")  # redirections that write no file
 # $(dirname "$0"), $(cd "$(dirname "$0")/.." && pwd): no other expansion, so the
 # text names one directory wherever it is met.
 SH_DIRNAME_RE = re.compile(r"\s*dirname\s+(?:--\s+)?%s\s*\Z" % SH_WORD)
@@ -1407,11 +1404,12 @@ class ScriptFacts:
 
 def script_place(script_dirs, path):
     """A path that starts with a value naming the script's directory (a
-    ScriptReader's script_dirs), as a path relative to that directory; else None."""
+    ScriptReader's script_dirs), as a path relative to that directory
+    (not normalized: a link's .. is not the path's); else None."""
     for value, place in script_dirs.items():
         rest = path[len(value):]
         if path.startswith(value) and rest[:1] in ("", "/") and not any(m in rest for m in MARKERS):
-            return posixpath.normpath("./" + place + rest)
+            return "." + place + rest
     return None
 
 
@@ -3161,9 +3159,9 @@ class ScriptReader:
         if source.startswith("$((") and source.endswith("))"):
             value = self.arithmetic(source[3:-2], expansion=True)
             return undecided(source) if value is None else str(value)
-        if not all(part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY for part in re.split(
-                r"&&|\|\||[;|(`]", command) if part.split()) or SH_WRITES_RE.search(command):
-            self.wrote = True
+        if ">" in command or not all(part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY for part
+                                     in re.split(r"&&|\|\||[;|(`]", command) if part.split()):
+            self.wrote = True  # $(python3 gen.py) may make what a compiler reads
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
@@ -3172,11 +3170,12 @@ class ScriptReader:
         dirname = SH_DIRNAME_RE.match(command)
         if (same or dirname) and not SH_ONLY_SCRIPT_RE.search(command) and len(source) < 100:
             target = self.expand_one(next(g for g in (same or dirname).groups() if g))
-            if target in self.script_paths:
-                (self.script_dirs.__setitem__(runtime(source), "") if dirname
-                 else self.script_paths.add(runtime(source)))
-            elif same and script_place(self.script_dirs, target) is not None:
-                self.script_dirs[runtime(source)] = script_place(self.script_dirs, target)
+            place = script_place(self.script_dirs, target)
+            if target in self.script_paths and same:
+                self.script_paths.add(runtime(source))
+            elif target in self.script_paths or (same and place is not None and set(
+                    place.split("/")) <= {"", ".", ".."}):  # no name that may be a link realpath resolves
+                self.script_dirs[runtime(source)] = (place or ".")[1:]
         if runs_compiler(command):
             self.unfollow(self.at, "a compiler run inside %s" % source[:60])
         return runtime(source)
@@ -4387,11 +4386,15 @@ def check_read_sources(repo, backend, rel, facts):
         for path in call.inputs:
             place = script_place(facts.script_dirs, path)
             if place is not None:  # under the script's directory
-                path = posixpath.normpath(posixpath.join(here, place)) if here else None
-            elif path.startswith(("/",) + MARKERS) or not known(path):
+                path = here + "/" + place if here else None
+            elif path.startswith("/") or any(m in path for m in MARKERS):
                 path = None
-            if path and any(c in path for c in "*?["):
-                path = None  # a glob bash expands
+            if path and not any(c in path for c in "*?["):  # a glob: what bash makes of it
+                parent = posixpath.dirname(posixpath.normpath(path))
+                path = posixpath.normpath(path) if os.path.realpath(os.path.join(
+                    repo.root, posixpath.dirname(path))) == os.path.join(repo.real_root, parent) else None
+            else:
+                path = None
             local = path[len(backend.rel_dir) + 1:] if path and path.startswith(backend.rel_dir + "/") else None
             if path is None or path.startswith("../") or (call.after_write and (
                     backend.files.get(local) != "file" if local is not None

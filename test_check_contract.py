@@ -1559,11 +1559,13 @@ class CompiledSourcesTest(TreeTest):
         return [(i["level"], i["code"], i["path"], i["message"])
                 for i in json.loads(out)["results"][0]["issues"]]
 
-    def checked(self, script, sources=("k.h", "k.cu"), excluded=("old.cu",)):
+    def checked(self, script, sources=("k.h", "k.cu"), excluded=("old.cu",), links=()):
         """check's (exit status, findings) for a build.sh: the lines after mkdir -p "$1"."""
         files = self.files(list(sources), list(excluded), script=script)
         files["common/util.cu"] = files.pop("backends/common/util.cu")
         self.tree(files)
+        for path, target in links:
+            os.symlink(target, self.path(path))
         rc, issues = self.issues()
         return rc, [(i["level"], i["code"], i["path"], i["message"][:70]) for i in issues]
 
@@ -1599,6 +1601,49 @@ class CompiledSourcesTest(TreeTest):
                 rc, found = self.checked('cd "$(dirname "$0")"\n' + making + 'nvcc -shared -arch=sm_80 '
                                          '-o "$1/libk.so" k.cu missing.cu\n')
                 self.assertEqual([f for f in found if f[0] == "error"], [])
+
+    def test_check_places_each_file_where_bash_compiles_it(self):
+        """Each file S008 names is one bash compiles when the build tier runs
+        the script (by its path, from the repository root); stub compilers log it."""
+        scripts = {
+            'cd "$(dirname "$0")"\nnvcc -o "$1/libk.so" k.cu test_k.cu\n': {"k.cu", "test_k.cu"},
+            'cd "$(dirname "$0")"\n(cd .. && nvcc -c k/old.cu -o "$1/a.o")\nnvcc -o "$1/libk.so" '
+            'test_k.cu\n': {"old.cu", "test_k.cu"},
+            'd=$(cd "$(dirname "$0")/.." && pwd)\ncd "$d"\nnvcc -o "$1/libk.so" k/k.cu k/test_k.cu\n':
+                {"k.cu", "test_k.cu"},
+            'pushd "$(dirname "$0")" >/dev/null\npushd .. >/dev/null\npopd >/dev/null\n'
+            'nvcc -o "$1/libk.so" k.cu\n': {"k.cu"},
+            'nvcc -o "$1/libk.so" backends/cuda/k/k.cu ../outside.cu\n': {"k.cu"},
+            'f() { cd "$(dirname "$0")"; }\nf\nnvcc -o "$1/libk.so" missing.cu || true\n': {"missing.cu"},
+            'cd /\ncd "$(dirname "$(realpath "$0")")"/../../..\nnvcc -o "$1/libk.so" common/util.cu\n':
+                {"common/util.cu"}}
+        bin_dir = tempfile.mkdtemp(prefix="check-contract-bin-")
+        self.addCleanup(shutil.rmtree, bin_dir, True)
+        with open(os.path.join(bin_dir, "nvcc"), "w") as handle:
+            handle.write(BASH_STUB.replace("|| exit 1", "|| true"))
+        os.chmod(os.path.join(bin_dir, "nvcc"), 0o755)
+        for script, expected in scripts.items():
+            with self.subTest(script=script):
+                shutil.rmtree(self.root)
+                rc, found = self.checked(script, ["k.h"], [])
+                log = os.path.join(bin_dir, "log")
+                subprocess.run([self.path("backends/cuda/k/build.sh"), self.path("out")], cwd=self.root,
+                               env={"PATH": bin_dir + ":/usr/bin:/bin", "STUB_LOG": log}, check=True)
+                with open(log) as handle:
+                    records = handle.read().split("\1\0")[:-1]
+                os.remove(log)
+                root = os.path.realpath(self.root)
+                compiled = {os.path.relpath(os.path.join(pwd, arg), root).replace("backends/cuda/k/", "")
+                            for pwd, _, *argv in (r.split("\0")[:-1] for r in records)
+                            for arg in argv if arg.endswith(".cu")}
+                self.assertEqual({path.replace("backends/cuda/k/", "") for _, code, path, _ in found
+                                  if code == "S008"}, expected)
+                self.assertLessEqual(expected, compiled)
+
+    def test_a_parent_reached_through_a_link_is_where_the_link_points(self):
+        rc, found = self.checked('cd "$(dirname "$0")/sub"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
+                                 '../k.cu ../test_k.cu || true\n', links=[("backends/cuda/k/sub", "../../../common")])
+        self.assertEqual([f for f in found if f[1] == "S008"], [])  # bash compiles common/../*.cu
 
     def test_check_leaves_a_directory_it_cannot_tell_alone(self):
         for place in ('X=$0\nX=/elsewhere/build.sh\ncd "$(dirname "$X")"\n', 'cd "$(dirname "$PWD")"\n',
