@@ -3557,12 +3557,19 @@ class NativePlan:
                 with claims_locked():
                     self.check_claims()
                     entry = NativeEntry.apply(state, journal, self, command)
-                products = ["%s (%s)" % (shown(r["path"]), r["why"])
-                            for r in entry.record["protected"] if r["role"] != ORIGINAL]
+                records = [r for r in entry.record["protected"] if r["role"] != ORIGINAL]
+                installed: Dict[str, int] = {}  # files of a distribution, counted
+                for record in records:
+                    if record["why"].startswith(DISTRIBUTION_WHY % ""):
+                        installed[record["why"]] = installed.get(record["why"], 0) + 1
+                products = ["the %d files %s" % (count, why) for why, count in
+                            sorted(installed.items())] + [
+                    "%s (%s)" % (shown(r["path"]), r["why"]) for r in records
+                    if r["why"] not in installed]
                 if products:  # a trial reverts before the user could run `status`
                     print("backed up %d build product(s) the build may rewrite: %s"
-                          % (len(products), shown_list(products, "" if in_trial
-                                                       else " (`status` lists them)")))
+                          % (len(records), shown_list(products, "" if in_trial
+                                                      else " (`status` lists them)")))
             if python_update is not None:
                 python_update()
         except OSError as exc:

@@ -6989,6 +6989,21 @@ class PipInstallTest(OverlayTestCase):
         self.assertEqual(self.k(), "4\n")
         self.assertEqual(file_hashes(self.site, self.proj), self.before)
 
+    def test_the_files_of_the_distribution_are_counted_not_listed_when_backed_up(self) -> None:
+        os.chdir(self.proj)
+        rc, out, err = self.tool("add-native", "--source", os.path.join(self.proj, "pkg", "_k.c"),
+                                 "--patched", os.path.join(self.tmp, "fast.c"), "--artifact",
+                                 self.artifact, "--build-cmd", self.install)
+        self.assertEqual(rc, 0, (out, err))
+        line = out.splitlines()[0]
+        dist_info = os.path.join(self.site, "pkg-0.dist-info")
+        kept = len(overlay_setup.distribution_files(dist_info)) - 1  # less the artifact
+        self.assertRegex(line, r"^backed up \d+ build product\(s\) the build may rewrite: the %d "
+                               r"files installed with pkg-0.dist-info, build/" % kept)
+        self.assertNotIn(self.site, line)
+        self.assertOk(self.tool("revert"))
+        self.assertEqual(file_hashes(self.site, self.proj), self.before)
+
     def test_revert_gives_the_site_folder_its_mtime_back(self) -> None:
         # pip stashes the distribution's folders beside them and makes them
         # anew: the site folder's own entries change, and with them its mtime.
