@@ -4529,8 +4529,13 @@ class NativeEntry:
         not copied stays where it is, named as not byte-exact.  Returns the
         products to move aside and where."""
         products = [product for product in products if product["created"]]
-        aside = (os.path.commonpath(build_trees(self.build_record)),
-                 os.path.join(self.state.root, "leftovers", str(self.id)))
+        # Entry numbers start again once nothing is applied: an earlier run's folder stays whole.
+        first = folder = os.path.join(self.state.root, "leftovers", str(self.id))
+        number = 1
+        while os.path.lexists(folder):
+            number += 1
+            folder = "%s-%d" % (first, number)
+        aside = (os.path.commonpath(build_trees(self.build_record)), folder)
         moved = sorted(os.path.relpath(p["path"], aside[0]) for p in products + rewrites
                        if p["kind"] != "d")
         print("entry %d: the run stopped before it recorded what its build made; %d file(s) "

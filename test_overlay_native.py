@@ -1594,12 +1594,13 @@ class PreExistingFileTest(MadePackageTest):
         self.assertEqual(tree_state(self.pkg), before)
 
     def test_a_run_killed_while_its_build_rewrote_a_version_file_gets_it_back(self) -> None:
-        for signal_name, status in (("KILL", -9), ("TERM", 143)):
+        # One state directory: the second run's files go beside the first's.
+        for signal_name, status, folder in (("KILL", -9, "1"), ("TERM", 143, "1-2")):
             with self.subTest(signal_name):
-                self.killed_while_its_build_rewrote_a_version_file(signal_name, status)
+                self.killed_while_its_build_rewrote_a_version_file(signal_name, status, folder)
 
-    def killed_while_its_build_rewrote_a_version_file(self, signal_name: str,
-                                                       status: int) -> None:
+    def killed_while_its_build_rewrote_a_version_file(self, signal_name: str, status: int,
+                                                       folder: str) -> None:
         before = self.link_step_runs("printf 'version = ' > _version.py")  # half written
         killed = forked_tool(["--state", self.state, "add-native", "--source",
                               os.path.join(self.pkg, "k.c"), "--patched",
@@ -1608,7 +1609,7 @@ class PreExistingFileTest(MadePackageTest):
                              own=True)
         self.assertEqual(killed.returncode, status, killed.stderr)
         self.assertEqual(read_text(self.version), "version = ")
-        aside = os.path.join(self.state, "leftovers", "1")
+        aside = os.path.join(self.state, "leftovers", folder)
         rc, out, err = call("gc-stale", "--root", self.tmp)
         self.assertEqual((rc, err), (
             0, "entry 1: the run stopped before it recorded what its build made; 1 file(s) that "
@@ -4013,6 +4014,24 @@ class GcStaleTest(OverlayTestCase):
                "reverted (a build's products, or your own edits); look at them, then remove the "
                "directory\n" % state, ""))
         self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "work\n")
+        self.assertEqual(tree_state(self.proj), self.original)
+
+    def test_a_second_killed_build_does_not_overwrite_what_the_first_moved_aside(self) -> None:
+        # next_id starts again at 1 once nothing is applied: both runs are entry 1.
+        for work in ("first", "second"):
+            killed = forked_tool(["--state", self.state, "add-native", "--source",
+                                  os.path.join(self.proj, "k.c"), "--patched",
+                                  os.path.join(self.proj, "fast.c"), "--build-cmd",
+                                  "echo %s > mywork.c; kill -9 $PPID" % work,
+                                  "--build-cwd", self.proj], own=True)
+            self.assertEqual(killed.returncode, -9)
+            rc, out, err = call("gc-stale")
+            self.assertEqual(rc, 0, err)
+        aside = os.path.join(self.state, "leftovers", "1-2")
+        self.assertIn("are moved to %s: mywork.c\n" % aside, err)
+        self.assertEqual(read_text(os.path.join(self.state, "leftovers", "1", "mywork.c")),
+                         "first\n")
+        self.assertEqual(read_text(os.path.join(aside, "mywork.c")), "second\n")
         self.assertEqual(tree_state(self.proj), self.original)
 
     def test_directory_that_is_no_state_directory_is_refused(self) -> None:
