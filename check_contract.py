@@ -4383,17 +4383,15 @@ def check_read_sources(repo, backend, rel, facts):
             complete = False
             continue
         found = CompilerCall(call.compiler, call.line)
-        for path in call.inputs:
-            place = script_place(facts.script_dirs, path)
-            if place is not None:  # under the script's directory
-                path = here + "/" + place if here else None
-            elif path.startswith("/") or any(m in path for m in MARKERS):
-                path = None
-            if path and not any(c in path for c in "*?["):  # a glob: what bash makes of it
-                parent = posixpath.dirname(posixpath.normpath(path))
-                path = posixpath.normpath(path) if os.path.realpath(os.path.join(
-                    repo.root, posixpath.dirname(path))) == os.path.join(repo.real_root, parent) else None
-            else:
+        for raw in call.inputs:
+            place = script_place(facts.script_dirs, raw)
+            raw = raw if place is None else here and here + "/" + place
+            # Known, no glob (what bash makes of it), and a directory read alike by name and
+            # by the kernel (a link's .. is the target's parent).
+            path = None if not raw or raw.startswith("/") or any(
+                c in raw for c in MARKERS + ("*", "?", "[")) else posixpath.normpath(raw)
+            if path and os.path.realpath(os.path.join(repo.root, posixpath.dirname(raw))) != \
+                    os.path.normpath(os.path.join(repo.real_root, posixpath.dirname(path))):
                 path = None
             local = path[len(backend.rel_dir) + 1:] if path and path.startswith(backend.rel_dir + "/") else None
             if path is None or path.startswith("../") or (call.after_write and (
