@@ -5456,10 +5456,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
     parts = []
     if entry is not None:
         parts.append("entry %d: %d native file(s)" % (entry.record["id"], len(natives)))
+    in_trial = getattr(args, "in_trial", False)
     if modules:
-        parts.append("%d Python module(s) overlaid (%s)" % (
-            len(modules), ", ".join(module for module, _, _, _ in modules)))
-    print("applied %s: %s%s" % (name, "; ".join(parts), "" if getattr(args, "in_trial", False)
+        parts.append("%d Python module(s) overlaid (%s)%s" % (
+            len(modules), ", ".join(module for module, _, _, _ in modules), "" if in_trial
+            else ", seen by processes started after `eval \"$(%s env)\"`" % tool_at(state)))
+    print("applied %s: %s%s" % (name, "; ".join(parts), "" if in_trial
                                 else "; run `%s revert` to take it back" % tool_at(state)))
     return 0
 

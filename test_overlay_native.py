@@ -2031,8 +2031,9 @@ class PatchTest(OverlayTestCase):
                                  "--build-cmd", "make -j2", "--build-cwd", self.proj)
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("applied change.diff: entry 1: 1 native file(s); 1 Python module(s) "
-                      "overlaid (pkg.mathops); run `overlay_setup.py --state %s revert` to take "
-                      "it back" % self.state, out)
+                      "overlaid (pkg.mathops), seen by processes started after `eval "
+                      "\"$(overlay_setup.py --state %s env)\"`; run `overlay_setup.py --state %s "
+                      "revert` to take it back" % (self.state, self.state), out)
         self.assertEqual(self.tool("verify-native")[0], 0)
 
         env_line = self.tool("env")[1].splitlines()[0]
@@ -6223,6 +6224,16 @@ class ApplyMessageTest(OverlayTestCase):
         self.assertIn("1 Python module(s) overlaid (pkg.mod)", out)
         self.assertOk(self.tool("revert"))
         self.assertEqual(tree_state(self.proj), self.before)
+
+    def test_a_patch_of_py_files_says_how_to_run_with_the_overlay(self) -> None:
+        patch = self.diff("pkg/mod.py", "VALUE = 1\n", "VALUE = 2\n")
+        rc, out, err = self.tool("apply", patch, "--root", self.proj)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual(out.splitlines()[-1], "applied change.diff: 1 Python module(s) overlaid "
+                         "(pkg.mod), seen by processes started after `eval \"$(overlay_setup.py "
+                         "--state %s env)\"`; run `overlay_setup.py --state %s revert` to take it "
+                         "back" % (self.state, self.state))
+        self.assertOk(self.tool("revert"))
 
     def test_a_build_file_is_patched_in_place_and_reverted_like_a_source(self) -> None:
         makefile = TRIAL_PROJECT["Makefile"]
