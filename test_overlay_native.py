@@ -1890,6 +1890,12 @@ class RefusalTest(OverlayTestCase):
             1, "", "overlay_setup: E104 source %s is a symlink; pass the file it points to (%s)\n"
             % (link, self.source)))
 
+    def test_a_directory_as_source_is_named_as_one_not_as_missing(self) -> None:
+        self.assertEqual(self.tool("add-native", "--source", self.proj, "--patched", self.fast,
+                                   "--no-build"), (
+            2, "", "overlay_setup: E102 --source %s is a directory, not a file; pass the "
+            "installed file to patch\n" % self.proj))
+
     def test_source_inside_an_invalidated_cache_is_refused(self) -> None:
         cache = os.path.dirname(self.source)
         self.assertEqual(self.add("--invalidate-cache", cache, "--no-build"), (
