@@ -5543,9 +5543,9 @@ def cmd_update(args: argparse.Namespace) -> int:
         contents, back = updated_contents(state, entry, args)
         NativeEntry(state, journal, entry).update(contents, args.timeout)
     print("entry %d updated: %s; %sthe originals stay backed up for `%s revert`"
-          % (entry["id"], ", ".join(sorted(set(contents) - set(back))),
-             "back to the original, as the patch no longer changes them: %s; " % ", ".join(back)
-             if back else "", tool_at(state)))
+          % (entry["id"], ", ".join(map(shown, sorted(set(contents) - set(back)))),
+             "back to the original, as the patch no longer changes them: %s; "
+             % ", ".join(map(shown, back)) if back else "", tool_at(state)))
     return 0
 
 

@@ -925,7 +925,7 @@ class CProjectTest(OverlayTestCase):
         self.assertIn("cc -O1 -fPIC -c -o kernel_b.o kernel_b.c", out)
         self.assertTrue(out.endswith("entry 1 updated: %s; the originals stay backed up for "
                                      "`overlay_setup.py --state %s revert`\n"
-                                     % (self.p("kernel_b.c"), self.state)), out)
+                                     % (shown(self.p("kernel_b.c")), self.state)), out)
         self.assertEqual(self.output(), "7.0")
         self.assertEqual(self.tool("verify-native")[0], 0)
         with open(self.p("kernel_b.c"), "w") as handle:  # fixed in place
@@ -2002,8 +2002,8 @@ class PatchTest(OverlayTestCase):
         rc, out, err = self.tool("update", one, "--root", self.proj)
         self.assertEqual((rc, err), (0, ""))
         self.assertIn("entry 1 updated: %s; back to the original, as the patch no longer "
-                      "changes them: %s, %s;" % (p("kernel_a.c"), p("kernel_c.c"),
-                                                 p("new.c")), out)
+                      "changes them: %s, %s;" % (shown(p("kernel_a.c")), shown(p("kernel_c.c")),
+                                                 shown(p("new.c"))), out)
         self.assertEqual(read_text(p("kernel_c.c")), KERNELS["kernel_c.c"])
         self.assertFalse(os.path.exists(p("new.c")))
         self.assertIn("5.0", read_text(p("kernel_a.c")))
