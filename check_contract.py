@@ -3228,6 +3228,8 @@ class ScriptReader:
         if match is None:
             return undecided(source)
         name, index, op, rest = match.groups()
+        if name in SH_RUNTIME_VARIABLES and name not in self.vars and name not in self.arrays:
+            return runtime(source)  # ${BASH_SOURCE[0]}: the machine's value, not an unset one
         if index is not None:
             items = self.arrays.get(name)
             if items is None:

@@ -1999,6 +1999,10 @@ class ReaderAgreesWithBashTest(TreeTest):
         self.assertEqual((status, read, facts.landing()[0]), (0, ran, landed))
         return ran, landed
 
+    def test_bash_source_is_the_script_not_an_empty_value(self):
+        self.agree('set -e\n[ -n "${BASH_SOURCE[0]}" ] || exit 1\nmkdir -p "$1"\n'
+                   'nvcc -c -arch=sm_80 k.cu -o "$1/a.o"\n')
+
     def test_brace_expansion(self):
         ran, landed = self.agree('nvcc -shared -arch=sm_80 -o "$1"/libfat_tmp.so ops.cu\n'
                                  'mv "$1"/libfat{_tmp,}.so\n'
