@@ -5199,8 +5199,9 @@ def cmd_rebind(args: argparse.Namespace) -> int:
         journal["python"]["rebinds"][args.target] = args.replacement
         state.save(journal)
         write_python_overlay(state, journal)
-    print("%s is replaced by %s when %s is imported" % (args.target, args.replacement,
-                                                       args.target.partition(":")[0]))
+    print("%s is replaced by %s when %s is imported in Python processes started after "
+          "`eval \"$(%s env)\"`" % (args.target, args.replacement,
+                                     args.target.partition(":")[0], tool_at(state)))
     print("state: %s" % state.root)
     return 0
 
@@ -5802,7 +5803,7 @@ def revert_every_state(args: argparse.Namespace) -> int:
               % (failures, "y" if failures == 1 else "ies"), file=sys.stderr)
         return 1
     if not roots:
-        print("nothing to revert: no applied overlay in %s" % registry_dir())
+        print("nothing to revert: no applied overlay in %s" % state_home())
     return NOT_EXACT if not_exact else 0
 
 

@@ -2286,8 +2286,9 @@ class PythonOverlayTest(OverlayTestCase):
 
     def test_rebind_replaces_the_attribute_on_import(self) -> None:
         self.assertEqual(self.tool("rebind", "pkg.mathops:scale", "pkg.fast:scale"), (
-            0, "pkg.mathops:scale is replaced by pkg.fast:scale when pkg.mathops is imported\n"
-            "state: %s\n" % self.state, ""))
+            0, "pkg.mathops:scale is replaced by pkg.fast:scale when pkg.mathops is imported "
+            "in Python processes started after `eval \"$(overlay_setup.py --state %s env)\"`\n"
+            "state: %s\n" % (self.state, self.state), ""))
         self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "8\n")
         self.assertOk(self.tool("revert"))
         self.assertEqual(self.python("import pkg.mathops; print(pkg.mathops.scale())"), "2\n")
@@ -7185,6 +7186,10 @@ class ReadableOutputTest(OverlayTestCase):
                               r"the --artifact the build writes \(or check --build-cmd and "
                               r"--build-cwd\)\n$" % "libk_typo.so")
         self.assertOk(call("revert"))
+
+    def test_revert_all_with_nothing_applied_names_where_it_looked(self) -> None:
+        self.assertEqual(call("revert", "--all"), (
+            0, "nothing to revert: no applied overlay in %s\n" % overlay_setup.state_home(), ""))
 
     def test_gc_stale_removes_reverted_state_directories_of_the_state_home_only(self) -> None:
         rc, out, err = call("add-native", "--source", "k.c", "--patched", "fast.c", "--no-build")
