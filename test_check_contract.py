@@ -4855,8 +4855,12 @@ class HipBuildTierTest(TreeTest):
     def build(self, *args, env=None):
         """Run the build tier; where clang-offload-bundler is installed, every
         library built is also read by it, and the two readers must agree."""
+        # hipcc (clang's driver) leaves an empty folder in $TMPDIR per compile:
+        # give it this test's.
+        scratch = self.path("hipcc-tmp")
+        os.makedirs(scratch, exist_ok=True)
         result = run_main(["--repo-root", self.root, "build", "--out", self.path("out")] + list(args),
-                          env=env)
+                          env=dict(env or {}, TMPDIR=scratch))
         tool = clang_offload_bundler()
         if tool is not None and os.path.isfile(self.path("out/hip/gputiny/libgputiny.so")):
             library = self.library()

@@ -3198,6 +3198,14 @@ class RealBuildSystemTest(OverlayTestCase):
     def test_make_with_hipcc(self) -> None:
         # The patched kernel's code objects are in the library's offload
         # bundles: apply must change them, and revert give back every byte.
+        # hipcc (clang's driver) leaves an empty folder in $TMPDIR per compile:
+        # give it this test's.
+        tempfile.gettempdir()  # this process's own temporary directory stays /tmp's
+        scratch = os.path.join(self.tmp, "hipcc-tmp")
+        os.mkdir(scratch)
+        environment = unittest.mock.patch.dict(os.environ, TMPDIR=scratch)
+        environment.start()
+        self.addCleanup(environment.stop)
         proj = self.project(HIP_PROJECT)
         quiet(["make"], proj).check_returncode()
         library = os.path.join(proj, "libk.so")

@@ -47,7 +47,9 @@ def setUpModule():
         running.append((label, command, log,
                         os.path.join(build_dir.name, out_dir, parity.LIBRARY_NAME),
                         subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, GITHUB_ACTIONS=""))))
+                                         # hipcc leaves an empty folder in $TMPDIR per compile
+                                         env=dict(os.environ, GITHUB_ACTIONS="",
+                                                  TMPDIR=build_dir.name))))
     for label, command, log, library, build in running:
         with log:
             returncode = build.wait()
