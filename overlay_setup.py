@@ -2405,14 +2405,20 @@ def untracked_products(state: State, entry: dict) -> List[dict]:
 
 def merge_products(earlier: List[dict], later: List[dict]) -> List[dict]:
     """What all builds of an entry made: a file the first build created
-    stays created when an update rebuilds it."""
-    merged = {product["path"]: product for product in later}
+    stays created when an update rebuilds it.  Where an update built a thing
+    of another kind in place of what was there before the first build (a
+    folder where it deleted a file), both records stay: revert removes the
+    new one and names the lost one."""
+    merged = {product["path"]: [product] for product in later}
     for product in earlier:
-        if product["path"] in merged:
-            merged[product["path"]] = dict(merged[product["path"]], created=product["created"])
+        now = merged.setdefault(product["path"], [])
+        if not now:
+            now.append(product)
+        elif now[0]["kind"] == product["kind"] or product["created"]:
+            now[0] = dict(now[0], created=product["created"])
         else:
-            merged[product["path"]] = product
-    return [merged[path] for path in sorted(merged)]
+            now.append(product)
+    return [product for path in sorted(merged) for product in merged[path]]
 
 
 def seen(path: str) -> Optional[list]:

@@ -1770,6 +1770,24 @@ class RevertExactnessTest(MadePackageTest):
         self.assertTrue(os.path.isdir(notes))
         self.assertEqual(tree_state(self.pkg), self.before)
 
+    def test_a_folder_an_update_built_where_the_first_build_deleted_a_file(self) -> None:
+        # The first build deleted a file nothing backed up; the update's build
+        # made a folder there.  Revert removes the folder and names the lost
+        # file (E506), rather than keeping the folder as if it were the install's.
+        path = os.path.join(self.pkg, "notes")
+        merged = overlay_setup.merge_products(
+            [{"path": path, "kind": "f", "created": False, "deleted": True}],
+            [{"path": path, "kind": "d", "created": True}])
+        self.assertEqual(overlay_setup.inexact_products(merged), [(path, "deleted")])
+        os.mkdir(path)
+        overlay_setup.remove_products(merged)
+        self.assertFalse(os.path.lexists(path))
+        # A file the first build created and the update rebuilt stays created.
+        merged = overlay_setup.merge_products(
+            [{"path": path, "kind": "f", "created": True}],
+            [{"path": path, "kind": "f", "created": False}])
+        self.assertEqual(merged, [{"path": path, "kind": "f", "created": True}])
+
 
 class PlanRunsNothingTest(OverlayTestCase):
     """Nothing of the install's build description runs before the entry is
