@@ -111,8 +111,8 @@ MUTANTS = [
             "for directory, mtime_ns in sorted(self.dirs.items(), reverse=True):",
             "for directory, mtime_ns in []:", "RevertExactnessTest"),
     overlay("killed-build-moves-uncopied-rewrites-aside",
-            '        products = [product for product in products if product["created"]]\n'
-            '        aside = (', "        aside = (", "RevertExactnessTest"),
+            '        products = [product for product in products if product["created"]]\n', "",
+            "RevertExactnessTest"),
     overlay("revert-removes-a-directory-it-did-not-create",
             'if product["kind"] == "d" and product["created"] and os.path.isdir(product["path"]):',
             'if product["kind"] == "d" and os.path.isdir(product["path"]):',
