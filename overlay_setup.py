@@ -6008,11 +6008,6 @@ def run_measured(command: List[str], env: Optional[Dict[str, str]] = None
     return (status if status >= 0 else 128 - status), time.monotonic() - start, b"".join(output)
 
 
-def owned_by(journal: dict, owner: dict) -> bool:
-    """Whether the state's overlay was applied under `owner` (the trial's)."""
-    return same_process(journal.get("owner") or {}, owner)
-
-
 def applied_in_words(journal: dict) -> str:
     """What a state directory holds, each entry with its sources, and whose."""
     parts = ["entry %d (%s)" % (entry["id"], ", ".join(record["path"]
@@ -6195,7 +6190,7 @@ def revert_trial(state: State, owner: dict, watched: List[str], excluded: List[s
         with contextlib.redirect_stdout(sys.stderr):
             journal = state.load() if state.exists() else None
             if journal is not None and anything_applied(journal) and \
-                    not owned_by(journal, owner):
+                    not same_process(journal.get("owner") or {}, owner):  # not the trial's
                 left_alone = "the overlay at %s is another's: %s; the trial applied nothing " \
                              "there and left it alone" % (state.root,
                                                           applied_in_words(journal))
