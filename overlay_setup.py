@@ -4644,12 +4644,11 @@ class NativeEntry:
         this entry's build saw change): a revert never writes over them."""
         held = {}
         for path in paths:
-            if os.path.lexists(claim_path(path)):
-                holder = claim_holder(path, self.state)
-                if holder is not None:
-                    held[path] = holder
-                    print("entry %d: left %s as it is: the overlay at %s holds it"
-                          % (self.id, path, holder.get("state")), file=sys.stderr)
+            holder = claim_holder(path, self.state)  # None where no claim lies beside it
+            if holder is not None:
+                held[path] = holder
+                print("entry %d: left %s as it is: the overlay at %s holds it"
+                      % (self.id, path, holder.get("state")), file=sys.stderr)
         return held
 
     def restore_cache(self, cache: dict) -> None:
