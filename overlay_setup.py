@@ -167,6 +167,7 @@ if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.defau
     _signal.signal(_signal.SIGINT, _interrupted_at_start_up)
 
 import argparse
+import collections
 import contextlib
 import csv
 import errno
@@ -3487,16 +3488,15 @@ class NativePlan:
                 continue
             print("  %-10s %s (artifact%s)" % ("back up", path,
                                                "" if os.path.lexists(path) else ", absent now"))
-        kept: Dict[str, int] = {}  # a distribution's files, counted: torch has thousands
+        kept = collections.Counter(  # a distribution's files, counted: torch has thousands
+            why for _, why in self.protected if why.startswith(DISTRIBUTION_WHY % ""))
         for path, why in self.protected:
-            if why.startswith(DISTRIBUTION_WHY % ""):
-                kept[why] = kept.get(why, 0) + 1
-            else:
+            if why not in kept:
                 print("  %-10s %s (build product, %s)" % ("back up", path, why))
         for dist_info in (self.build or {}).get("distributions") or []:
             print("  %-10s the %d other files of the installed distribution %s (its RECORD and "
                   "dist-info), %s" % (
-                      "keep", kept.get(DISTRIBUTION_WHY % os.path.basename(dist_info), 0),
+                      "keep", kept[DISTRIBUTION_WHY % os.path.basename(dist_info)],
                       dist_info, "each by a hard link: pip writes files anew"
                       if links_distribution(state, self.build, dist_info) else "each copied"))
         if self.asks_make:
@@ -3564,10 +3564,8 @@ class NativePlan:
                     self.check_claims()
                     entry = NativeEntry.apply(state, journal, self, command)
                 records = [r for r in entry.record["protected"] if r["role"] != ORIGINAL]
-                installed: Dict[str, int] = {}  # files of a distribution, counted
-                for record in records:
-                    if record["why"].startswith(DISTRIBUTION_WHY % ""):
-                        installed[record["why"]] = installed.get(record["why"], 0) + 1
+                installed = collections.Counter(  # the files of each distribution, counted
+                    r["why"] for r in records if r["why"].startswith(DISTRIBUTION_WHY % ""))
                 products = ["the %d files %s" % (count, why) for why, count in
                             sorted(installed.items())] + [
                     "%s (%s)" % (shown(r["path"]), r["why"]) for r in records
