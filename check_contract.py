@@ -2719,11 +2719,7 @@ class ScriptReader:
             if word == "--":
                 self.args, self.origin = list(words), None
                 break
-            if word in ("-o", "+o"):
-                option = next(words, "")
-                if option in OPTION_LETTERS.values():
-                    self.change(self.options, option, True if word == "-o" else None)
-            elif word[:1] in "-+" and word[1:].isalpha():
+            if word[:1] in "-+" and word[1:].isalpha():  # -eu, +e, -o errexit
                 for letter in word[1:]:
                     option = next(words, "") if letter == "o" else OPTION_LETTERS.get(letter)
                     if option in OPTION_LETTERS.values():
