@@ -2598,12 +2598,12 @@ class ScriptReader:
         if not argv:
             return True if argv is not None else None
         command = argv[0]
-        if command not in SH_MAKES_NO_DIRECTORY and not is_compiler_name(command) and any(
-                OUT_DIR in a or not known(a) for a in argv):
+        makes = command not in SH_MAKES_NO_DIRECTORY and not is_compiler_name(command)
+        if makes and any(OUT_DIR in a or not known(a) for a in argv):
             self.change(self.options, "<output-dir> made", True)  # mkdir -p "$1", or may be
         if command in self.functions and bypass is None:
             return self.call_function(line, command, argv[1:])
-        if command not in SH_MAKES_NO_DIRECTORY and command != "mkdir" and not is_compiler_name(command):
+        if makes and command != "mkdir":
             self.wrote = True  # cp a.cu b.cu, python3 gen.py: it may make what a compiler reads
         builtin = SH_BUILTINS.get(command)
         if builtin is not None:
@@ -2614,10 +2614,9 @@ class ScriptReader:
         call = compiler_call(argv, self.line or line, self.cwd, dict(self.vars, **(environment or {})))
         if call is not None:
             call.condition = self.condition
-            call.after_write, self.wrote = self.wrote, self.wrote or not all(
-                o.startswith(OUT_DIR + "/") for o in call.outputs)
-            self.calls.append(call)
             writes = [o for o in call.outputs if o.startswith(OUT_DIR + "/")]
+            call.after_write, self.wrote = self.wrote, self.wrote or len(writes) < len(call.outputs)
+            self.calls.append(call)
             if writes and "<output-dir> made" not in self.options and not self.unsure and (
                     self.condition is None and not self.subshells):
                 self.failures.append((self.line or line, (
@@ -2625,7 +2624,7 @@ class ScriptReader:
                     "and CI pass one that does not exist yet; add mkdir -p \"$1\""
                     % (call.compiler, show_word(writes[0])))))
             self.placements.extend(("add", posixpath.normpath(o[len(OUT_DIR) + 1:]), call.line, None)
-                                   for o in call.outputs if o.startswith(OUT_DIR + "/"))
+                                   for o in writes)
             return True
         if command in SH_BUILD_TOOLS:
             self.unfollow(line, "%s, whose build rules it does not read" % command)
