@@ -3164,7 +3164,7 @@ class ScriptReader:
                 return OUT_DIR
         dirname = SH_DIRNAME_RE.match(command)
         if (same or dirname) and not SH_ONLY_SCRIPT_RE.search(command) and len(source) < 100:
-            target = self.expand_one(next(g for g in (same or dirname).groups() if g))
+            target = target if same else self.expand_one(dirname.group(1))
             place = script_place(self.script_dirs, target)
             if target in self.script_paths and same:
                 self.script_paths.add(runtime(source))
