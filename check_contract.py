@@ -5325,19 +5325,17 @@ def check_library_targets(holds, found, backend, arch, report):
 def test_backend(repo, run, backend, args, stream):
     """U001-U003: run the backend's tests beside its kernels."""
     key = backend.key
-    has_tests = any(p.rsplit("/", 1)[-1].startswith("test_") and p.endswith(".py")
-                    for p in backend.files)
-    if not has_tests:
+    tests = [p for p in sorted(backend.files) if p.rsplit("/", 1)[-1].startswith("test_")
+             and p.endswith(".py")]
+    if not tests:
         if backend.status == "planned":
             return TierResult(key, "skipped", "status is planned and there are no tests")
         warning = Diagnostic("warning", "U002", key, backend.rel_dir, None,
                              "has no tests (test_*.py) beside its kernels; add them under "
                              "%s/tests/" % backend.rel_dir)
         return TierResult(key, "skipped", "no tests", diagnostics=[warning])
-    hidden = [p for p in sorted(backend.files) if p.rsplit("/", 1)[-1].startswith("test_")
-              and p.endswith(".py") and not discoverable(backend.files, p)]
-    if hidden and len(hidden) == sum(p.rsplit("/", 1)[-1].startswith("test_") and p.endswith(".py")
-                                     for p in backend.files):
+    hidden = [p for p in tests if not discoverable(backend.files, p)]
+    if hidden == tests:
         package = hidden[0].rsplit("/", 1)[0]
         message = ("unittest would run none of the tests (%s): %s/ has no __init__.py, and unittest "
                    "discovers tests only in packages; add %s/__init__.py"
