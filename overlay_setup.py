@@ -3675,7 +3675,6 @@ def back_up_originals(state: State, journal: dict, entry: dict, scanned: Dict[st
     with other hard links (a copy would come back as a file of its own), and
     what an entry of the state records already: an update's build must not
     take the rewrite of an earlier build for the original."""
-    entry["protected"] = entry.get("protected") or []  # None in a journal of version 1.0
     recorded = {record["path"] for one in journal["entries"] + [entry]
                 for record in entry_files(one) + (one.get("untracked") or [])
                 + (one.get("earlier_untracked") or [])}
@@ -4164,7 +4163,7 @@ class NativeEntry:
         build made; the entry is then BUILT, BUILD_FAILED or BUILT_NOTHING."""
         state, journal, entry = self.state, self.journal, self.record
         build = entry["build"]
-        fresh = [record for record in entry.get("protected") or [] if "seen" not in record]
+        fresh = [record for record in self.protected if "seen" not in record]
         ours = still_ours(journal) + fresh
         state.reserve_space(journal)
         mutation_point()
