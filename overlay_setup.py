@@ -4351,9 +4351,7 @@ class NativeEntry:
 
     @property
     def files(self) -> List[dict]:
-        """The file records revert restores: sources, artifacts and the build
-        products backed up before the build."""
-        return self.sources + self.artifacts + self.protected
+        return entry_files(self.record)
 
     def drifted_sources(self) -> List[str]:
         """Sources changed by someone else after the apply (neither original
