@@ -6037,13 +6037,11 @@ def cmd_trial(args: argparse.Namespace) -> int:
     root = require_abs_normal(args.root or os.getcwd(), "--root")
     build_cwd = require_abs_normal(args.build_cwd or (os.getcwd() if args.build_cmd else root),
                                    "--build-cwd")
-    artifacts, caches = ([os.path.normpath(os.path.abspath(path)) for path in paths]
-                         for paths in (args.artifact, args.invalidate_cache))
-    watched = trial_watched(root, build_cwd, build_trees_of(
-        args, build_cwd, artifact_distributions(artifacts, caches), artifacts, caches)
-                            if args.build_cmd else [],
-                            artifacts, caches + [os.path.normpath(os.path.abspath(path))
-                                                 for path in args.protect])
+    artifacts, caches, protected = ([os.path.normpath(os.path.abspath(path)) for path in paths]
+                                    for paths in (args.artifact, args.invalidate_cache, args.protect))
+    trees = build_trees_of(args, build_cwd, artifact_distributions(artifacts, caches), artifacts,
+                           caches) if args.build_cmd else []
+    watched = trial_watched(root, build_cwd, trees, artifacts, caches + protected)
     excluded = [state.root, registry_dir()]
     result = {"patch": os.path.abspath(args.patch), "state": state.root, "command": command,
               "watched": watched, "runs": [], "verify": None, "revert": None,
