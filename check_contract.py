@@ -7265,16 +7265,14 @@ def init_trace(repo, backend, default_target):
     child = trace.child
     # A real compiler run by its path fails or succeeds on its own: that is
     # what to say, whatever happened next.
-    if trace.uncaught:
-        raise CannotTell("init: %s runs the compiler %s by its path, which the trace cannot "
-                         "intercept (X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, or "
-                         "give --no-trace to read the script without running it"
-                         % (script, ", ".join(trace.uncaught)))
-    if trace.binaries:
-        raise CannotTell("init: %s leaves <output-dir>/%s, a compiled file no shim wrote: a "
-                         "compiler the trace cannot intercept made it (X001); call it by name or "
-                         "through $NVCC/$CC/$CXX/$HIPCC, or give --no-trace to read the script "
-                         "without running it" % (script, trace.binaries[0]))
+    uncaught = ("runs the compiler %s by its path, which the trace cannot intercept"
+                % ", ".join(trace.uncaught) if trace.uncaught else "leaves <output-dir>/%s, a "
+                "compiled file no shim wrote: a compiler the trace cannot intercept made it"
+                % trace.binaries[0] if trace.binaries else None)
+    if uncaught:
+        raise CannotTell("init: %s %s (X001); call it by name or through $NVCC/$CC/$CXX/$HIPCC, "
+                         "or give --no-trace to read the script without running it"
+                         % (script, uncaught))
     if trace.tampered or trace.changed:
         raise CannotTell("init: %s changed %s while it ran; init cannot tell what it builds"
                          % (script, show_paths(trace.tampered + trace.changed)))
