@@ -4501,12 +4501,7 @@ class StateDirectorySafetyTest(OverlayTestCase):
 
     def test_a_source_that_cannot_be_read_is_named_as_not_read(self) -> None:
         # Only root reads a file of mode 0200: the tool runs as user nobody.
-        if os.geteuid() != 0 or shutil.which("runuser") is None:
-            self.skipTest("running the tool as a second user needs root and runuser")
-        python = next((path for path in (sys.executable, "/usr/bin/python3")
-                       if runs_as_nobody([path, "-c", "pass"])), None)
-        if python is None:
-            self.skipTest("no Python interpreter here that user nobody may run")
+        python = nobody_python(self)
         os.chmod(self.tmp, 0o755)
         source = os.path.join(self.proj, "k.c")
         os.chmod(source, 0o200)
@@ -5193,6 +5188,18 @@ def runs_as_nobody(command: list) -> bool:
                           stderr=subprocess.DEVNULL).returncode == 0
 
 
+def nobody_python(test: unittest.TestCase) -> str:
+    """A Python interpreter that user nobody may run, to run the tool as a
+    second user; the test is skipped, saying why, where there is none."""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        test.skipTest("running the tool as a second user needs root and runuser")
+    python = next((path for path in (sys.executable, "/usr/bin/python3")
+                   if runs_as_nobody([path, "-c", "pass"])), None)
+    if python is None:
+        test.skipTest("no Python interpreter here that user nobody may run")
+    return python
+
+
 class TwoOverlaysTest(OverlayTestCase):
     """A source that an applied overlay holds is held for every state
     directory and every user: the claim beside it says by whom."""
@@ -5266,12 +5273,7 @@ class TwoOverlaysTest(OverlayTestCase):
         self.assertEqual(tree_state(proj), original)
 
     def test_another_users_overlay_of_a_source_is_refused_both_ways(self) -> None:
-        if os.geteuid() != 0 or shutil.which("runuser") is None:
-            self.skipTest("running the tool as a second user needs root and runuser")
-        python = next((path for path in (sys.executable, "/usr/bin/python3")
-                       if runs_as_nobody([path, "-c", "pass"])), None)
-        if python is None:
-            self.skipTest("no Python interpreter here that user nobody may run")
+        python = nobody_python(self)
         os.chmod(self.tmp, 0o755)
         proj = os.path.join(self.tmp, "proj")
         write_tree(proj, {"k.c": "int k;\n", "one.c": "int k = 1;\n", "two.c": "int k = 2;\n"})
