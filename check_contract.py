@@ -415,6 +415,11 @@ class Repository:
         self.backends_path = os.path.join(root, self.backends_dir)
         self.git = git  # the GitWorkTree holding the root, or None
         self.unlisted = []  # D004 and D006 findings of candidate_dirs()
+        self.real_dirs = {}  # real_directory()'s answers
+
+    def real_directory(self, rel):
+        """os.path.realpath of a normalized repository-relative directory."""
+        return real_directory(os.path.abspath(os.path.join(self.root, rel)), self.real_dirs)
 
     def inside(self, path):
         """Whether a path, its links resolved, stays inside the repository."""
@@ -459,25 +464,12 @@ class GitWorkTree:
         """The git path of a file (its directories' links resolved, the file
         itself not), or None outside the work tree."""
         directory, name = os.path.split(os.path.abspath(path))
-        real = os.path.join(self.real_directory(directory), name)
+        real = os.path.join(real_directory(directory, self._real_dirs), name)
         if real == self.top:
             return ""
         if not real.startswith(self.top.rstrip("/") + "/"):
             return None
         return real[len(self.top.rstrip("/")) + 1:].replace(os.sep, "/")
-
-    def real_directory(self, directory):
-        """os.path.realpath of an absolute directory, the answers for the
-        directories above it kept: one lstat per backend directory."""
-        real = self._real_dirs.get(directory)
-        if real is None:
-            parent, name = os.path.split(directory)
-            if not name or parent == directory or os.path.islink(directory):
-                real = os.path.realpath(directory)
-            else:
-                real = os.path.join(self.real_directory(parent), name)
-            self._real_dirs[directory] = real
-        return real
 
     def mode(self, path):
         """The index mode ("100755") of a file, or None if git does not track it."""
@@ -514,6 +506,21 @@ class GitWorkTree:
                 return True
             at = rel.find("/", at + 1)
         return False
+
+
+def real_directory(directory, known):
+    """os.path.realpath of an absolute, normalized directory; `known` keeps
+    the answers for it and the directories above it, so that each new
+    directory costs one lstat."""
+    real = known.get(directory)
+    if real is None:
+        parent, name = os.path.split(directory)
+        if not name or parent == directory or os.path.islink(directory):
+            real = os.path.realpath(directory)
+        else:
+            real = os.path.join(real_directory(parent, known), name)
+        known[directory] = real
+    return real
 
 
 # ---------------------------------------------------------------------------
@@ -4371,8 +4378,10 @@ def check_read_sources(repo, backend, rel, facts):
     if any(line not in facts.programs for line, _ in facts.unfollowed):
         return  # eval, a file it cannot source: what runs may not be what it read
     script = backend.rel(rel)
-    here = posixpath.dirname(script) if os.path.realpath(os.path.join(
-        repo.root, script)) == os.path.join(repo.real_root, script) else None
+    here = posixpath.dirname(script)
+    if os.path.islink(os.path.join(repo.root, script)) or \
+            repo.real_directory(here) != os.path.join(repo.real_root, here):
+        here = None
     calls, complete = [], not facts.unfollowed
     for call in facts.calls:
         complete = complete and not call.opaque
@@ -4387,9 +4396,12 @@ def check_read_sources(repo, backend, rel, facts):
             # by the kernel (a link's .. is the target's parent).
             path = None if not raw or raw.startswith("/") or any(
                 c in raw for c in MARKERS + ("*", "?", "[")) else posixpath.normpath(raw)
-            if path and os.path.realpath(os.path.join(repo.root, posixpath.dirname(raw))) != \
-                    os.path.normpath(os.path.join(repo.real_root, posixpath.dirname(path))):
-                path = None
+            if path:
+                directory = posixpath.dirname(path)
+                real = os.path.realpath(os.path.join(repo.root, posixpath.dirname(raw))) if (
+                    ".." in raw.split("/") or raw.endswith("/")) else repo.real_directory(directory)
+                if real != os.path.normpath(os.path.join(repo.real_root, directory)):
+                    path = None
             local = path[len(backend.rel_dir) + 1:] if path and path.startswith(backend.rel_dir + "/") else None
             if path is None or path.startswith("../") or (call.after_write and (
                     backend.files.get(local) != "file" if local is not None

@@ -1645,6 +1645,15 @@ class CompiledSourcesTest(TreeTest):
                                  '../k.cu ../test_k.cu || true\n', links=[("backends/cuda/k/sub", "../../../common")])
         self.assertEqual([f for f in found if f[1] == "S008"], [])  # bash compiles common/../*.cu
 
+    def test_a_file_in_a_linked_directory_is_where_the_link_points(self):
+        for place in ("", 'cd "$(dirname "$0")"\n'):
+            with self.subTest(place=place):
+                rc, found = self.checked(place + 'nvcc -shared -arch=sm_80 -o "$1/libk.so" %sk.cu %ssub/util.cu\n' % (
+                    ("", "") if place else ("backends/cuda/k/", "backends/cuda/k/")),
+                    links=[("backends/cuda/k/sub", "../../../common")])
+                self.assertEqual([f for f in found if f[1] == "S008"], [])  # bash compiles common/util.cu
+                os.unlink(self.path("backends/cuda/k/sub"))
+
     def test_check_leaves_a_directory_it_cannot_tell_alone(self):
         for place in ('X=$0\nX=/elsewhere/build.sh\ncd "$(dirname "$X")"\n', 'cd "$(dirname "$PWD")"\n',
                       'if [ -f x ]; then cd "$(dirname "$0")"; fi\n'):
