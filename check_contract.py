@@ -213,7 +213,8 @@ SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "fo
 SH_REDIRECTS = re.compile(r"[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])\Z")
 # $(...) that only names the <output-dir> argument: out=$(mkdir -p "$1" && cd "$1" && pwd)
 SH_WORD = r'((?:"[^"]*"|[^\s"])+)'  # a word, its quotes holding one level of quoted words
-SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?%s\s*(?:&&|;)\s*pwd(?:\s+-P)?"
+SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?%s\s*"
+                            r"(?:(?:[0-9]?>|&>)\s*/dev/null\s*|[0-9]>&[0-9]\s*)*(?:&&|;)\s*pwd(?:\s+-P)?"
                             r"|realpath\s+(?:-\w+\s+)*%s|readlink\s+-\w*[fem]\w*\s+%s)\s*\Z"
                             % (SH_WORD, SH_WORD, SH_WORD))
 # Set in any environment, so their value is the machine's, not the script's.
@@ -258,7 +259,10 @@ SH_NO_FILES = ("/dev/null", "/dev/stdout", "/dev/stderr")  # redirections that w
 # $(dirname "$0"), $(cd "$(dirname "$0")/.." && pwd): no other expansion, so the
 # text names one directory wherever it is met.
 SH_DIRNAME_RE = re.compile(r"\s*dirname\s+(?:--\s+)?%s\s*\Z" % SH_WORD)
-SH_ONLY_SCRIPT_RE = re.compile(r"\$(?![0(]|\{0\})|`")
+SH_ONLY_SCRIPT_RE = re.compile(r"\$(?![0(]|\{0\}|\{?BASH_SOURCE\b)|`")
+# Where bash runs the script (not sourced), ${BASH_SOURCE[0]} is its $0.
+BASH_SHEBANG_RE = re.compile(r"#![ \t]*(?:/(?:usr/)?bin/|/usr/bin/env[ \t]+)bash\b")
+SH_SCRIPT_PATHS = ("$0", "${BASH_SOURCE[0]}", "${BASH_SOURCE}", "$BASH_SOURCE")
 SH_MAX_CHARS = 1 << 16   # a value longer than this is given up (v+=$v doubles it)
 SH_MAX_STEPS = 20000     # commands followed per script, loops and functions included
 SH_MAX_DEPTH = 32        # nested function calls and sourced files
@@ -1192,11 +1196,11 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
                 continue
             else:
                 joined = arg if cwd is None or arg.startswith(("/", OUT_DIR, RUNTIME)) else cwd + "/" + arg
-                if not known(arg):
-                    call.opaque = True
-                elif arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
+                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
                         "-include"]:
-                    call.inputs.append(joined)
+                    call.inputs.append(joined)  # "$here/k.cu" too: a source, whatever $here is
+                elif not known(arg):
+                    call.opaque = True
                 elif arg[:1] != "-" and arg.endswith(LINKED_SUFFIXES):
                     call.objects.append(joined)
                 continue
@@ -2184,7 +2188,8 @@ class ScriptReader:
         self.calls = []
         # The directory of the script ($0 as the checker and the build tier run it:
         # its absolute path, links unresolved): {value naming it: path from it}.
-        self.script_paths, self.script_dirs = {runtime("$0")}, {}
+        self.script_paths = set(map(runtime, SH_SCRIPT_PATHS if BASH_SHEBANG_RE.match(text) else ["$0"]))
+        self.script_dirs = {}
         self.wrote = False       # whether a command run so far may have written a file
         self.writes = set()      # the lines of the commands that write by redirection
         self.placements = []     # ScriptFacts.placements

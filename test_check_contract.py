@@ -571,7 +571,8 @@ class KeysTest(TreeTest):
         manifest["build"]["architectures"] = "x86-64"
         manifest["numerics"] = 3
         self.tree(demo_files(manifest))
-        self.assertEqual(self.codes(), ["M002", "M002", "S001", "T001"])
+        # S009 too: were gone.c there, build.sh would not compile it.
+        self.assertEqual(self.codes(), ["M002", "M002", "S001", "S009", "T001"])
 
 
 class SourcesTest(TreeTest):
@@ -1616,7 +1617,14 @@ class CompiledSourcesTest(TreeTest):
             'nvcc -o "$1/libk.so" backends/cuda/k/k.cu ../outside.cu\n': {"k.cu"},
             'f() { cd "$(dirname "$0")"; }\nf\nnvcc -o "$1/libk.so" missing.cu || true\n': {"missing.cu"},
             'cd /\ncd "$(dirname "$(realpath "$0")")"/../../..\nnvcc -o "$1/libk.so" common/util.cu\n':
-                {"common/util.cu"}}
+                {"common/util.cu"},
+            # The script's directory held in a variable, as real scripts name their files.
+            'here=$(dirname "$0")\nnvcc -o "$1/libk.so" "$here/k.cu" "$here"/test_k.cu\n': {"k.cu", "test_k.cu"},
+            'here="$(dirname "${BASH_SOURCE[0]}")"\nnvcc -o "$1/libk.so" "$here/test_k.cu"\n': {"test_k.cu"},
+            'here=$( cd -- "$( dirname -- "${BASH_SOURCE[0]}" )" &> /dev/null && pwd )\n'
+            'nvcc -o "$1/libk.so" "$here/k.cu" "$here/../../../common/util.cu"\n': {"k.cu", "common/util.cu"},
+            'here="$(cd "$(dirname "$BASH_SOURCE")" >/dev/null 2>&1; pwd -P)"\nnvcc -o "$1/libk.so" '
+            '"${here}/old.cu"\n': {"old.cu"}}
         bin_dir = tempfile.mkdtemp(prefix="check-contract-bin-")
         self.addCleanup(shutil.rmtree, bin_dir, True)
         with open(os.path.join(bin_dir, "nvcc"), "w") as handle:
@@ -1639,6 +1647,13 @@ class CompiledSourcesTest(TreeTest):
                 self.assertEqual({path.replace("backends/cuda/k/", "") for _, code, path, _ in found
                                   if code == "S008"}, expected)
                 self.assertLessEqual(expected, compiled)
+
+    def test_bash_source_names_the_script_only_where_bash_runs_it(self):
+        script = '\nhere="$(dirname "${BASH_SOURCE[0]}")"\nnvcc -shared -o "$1/libk.so" "$here/k.cu"\n'
+        for shebang, read in (("#!/usr/bin/env bash", True), ("#!/bin/bash -e", True), ("#!/bin/sh", False)):
+            with self.subTest(shebang=shebang):  # sh (dash) has no BASH_SOURCE: dirname "" is .
+                facts = check_contract.ScriptReader(shebang + script).facts()
+                self.assertEqual(bool(facts.script_dirs), read)
 
     def test_a_parent_reached_through_a_link_is_where_the_link_points(self):
         rc, found = self.checked('cd "$(dirname "$0")/sub"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
