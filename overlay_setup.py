@@ -5285,9 +5285,10 @@ def cmd_add_native(args: argparse.Namespace) -> int:
     require_build_choice(args)
     artifacts, caches, build = native_options(args)
     patched = read_input(args.patched, "--patched ", "; pass the patched file")
-    if os.path.isdir(source):
-        raise UsageError("E102", "--source %s is a directory, not a file; pass the installed file "
-                         "to patch" % source)
+    if os.path.exists(source) and not os.path.isfile(source):
+        raise UsageError("E102", "--source %s is a %s, not a file; pass the installed file to patch"
+                         % (source, "directory" if os.path.isdir(source) else "special file (fifo, "
+                            "socket or device)"))
     if not os.path.isfile(source):
         raise UsageError("E102", "--source %s does not exist; pass the installed file to patch "
                            "(or use `apply` with a patch that creates it)" % source)

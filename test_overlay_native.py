@@ -1914,6 +1914,14 @@ class RefusalTest(OverlayTestCase):
             2, "", "overlay_setup: E102 --source %s is a directory, not a file; pass the "
             "installed file to patch\n" % self.proj))
 
+    def test_a_fifo_as_source_is_named_as_one_not_as_missing(self) -> None:
+        fifo = os.path.join(self.proj, "pipe.c")
+        os.mkfifo(fifo)
+        self.assertEqual(self.tool("add-native", "--source", fifo, "--patched", self.fast,
+                                   "--no-build"), (
+            2, "", "overlay_setup: E102 --source %s is a special file (fifo, socket or device), not "
+            "a file; pass the installed file to patch\n" % fifo))
+
     def test_source_inside_an_invalidated_cache_is_refused(self) -> None:
         cache = os.path.dirname(self.source)
         self.assertEqual(self.add("--invalidate-cache", cache, "--no-build"), (
