@@ -6097,7 +6097,7 @@ def trial_round(args: argparse.Namespace, state: State, owner: dict, command: Li
               file=sys.stderr, flush=True)
         status, seconds, kept[kind] = run_measured(command, env)
         result["runs"].append({"kind": kind, "round": round_number, "exit": status,
-                               "seconds": round(seconds, 3)})
+                               "seconds": round(seconds, 6)})
         return status
 
     def failed(step: str, why: str) -> int:
@@ -6221,8 +6221,8 @@ def median(values: List[float]) -> float:
 def time_spread(seconds: List[float]) -> Optional[dict]:
     if not seconds:
         return None
-    return {"runs": len(seconds), "min": round(min(seconds), 3),
-            "median": round(median(seconds), 3), "max": round(max(seconds), 3)}
+    return {"runs": len(seconds), "min": round(min(seconds), 6),
+            "median": round(median(seconds), 6), "max": round(max(seconds), 6)}
 
 
 def trial_summary(runs: List[dict]) -> dict:

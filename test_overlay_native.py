@@ -5979,6 +5979,15 @@ TRIAL_PROJECT = dict(LIB_SOURCES, **{
 })
 
 
+class TrialSummaryTest(unittest.TestCase):
+    def test_a_command_of_a_millisecond_gets_a_ratio_that_means_something(self) -> None:
+        runs = [{"kind": kind, "round": number, "exit": 0, "seconds": seconds} for number in (1, 2)
+                for kind, seconds in (("reference", 0.0008), ("candidate", 0.0006))]
+        summary = overlay_setup.trial_summary(runs)
+        self.assertEqual((summary["reference"]["median"], summary["candidate"]["median"]), (0.0008, 0.0006))
+        self.assertEqual(summary["ratio"], {"median": 0.75, "min": 0.75, "max": 0.75, "pairs": 2})
+
+
 class TrialTest(OverlayTestCase):
     """trial as a kernel engineer or an optimizer reads it: the timing
     summary, the JSON, the two sides' output; and trial owning only its own
@@ -6046,7 +6055,7 @@ class TrialTest(OverlayTestCase):
         self.assertEqual(sorted(summary), ["candidate", "ratio", "reference"])
         for kind, values in seconds.items():
             self.assertEqual(summary[kind], {"runs": 2, "min": min(values), "max": max(values),
-                                             "median": round(sum(values) / 2, 3)})
+                                             "median": round(sum(values) / 2, 6)})
         ratios = [c / r for r, c in zip(seconds["reference"], seconds["candidate"])]
         self.assertEqual(summary["ratio"], {
             "median": round(summary["candidate"]["median"] / summary["reference"]["median"], 3),
