@@ -211,12 +211,15 @@ SH_LABEL_RE = re.compile("[\x03\x04]([^\x03\x04]*)[\x03\x04]")
 SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "for", "while",
                          "until", "do", "done", "{", "}", "function", "!", "select"))
 SH_REDIRECTS = re.compile(r"[0-9]*(?:<<-|<<<|<<|>>|>&|<&|&>>|&>|>\||<>|[<>])\Z")
+# A redirection that writes no file: >/dev/null, &>/dev/null, 2>&1, >&-.
+SH_NO_FILE_REDIRECT = (r"(?:[0-9]*(?:&>>?|>>?|>\|)\s*/dev/(?:null|stdout|stderr)|[0-9]*>&(?:[0-9]+|-))"
+                       r"(?=[\s;&|)]|\Z)")
+SH_NO_FILE_REDIRECT_RE = re.compile(SH_NO_FILE_REDIRECT)
 # $(...) that only names the <output-dir> argument: out=$(mkdir -p "$1" && cd "$1" && pwd)
 SH_WORD = r'((?:"[^"]*"|[^\s"])+)'  # a word, its quotes holding one level of quoted words
-SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?%s\s*"
-                            r"(?:(?:[0-9]?>|&>)\s*/dev/null\s*|[0-9]>&[0-9]\s*)*(?:&&|;)\s*pwd(?:\s+-P)?"
+SH_SAME_DIR_RE = re.compile(r"(?:[^`]*(?:&&|;))?\s*(?:cd\s+(?:-P\s+|--\s+)?%s\s*(?:%s\s*)*(?:&&|;)\s*pwd(?:\s+-P)?"
                             r"|realpath\s+(?:-\w+\s+)*%s|readlink\s+-\w*[fem]\w*\s+%s)\s*\Z"
-                            % (SH_WORD, SH_WORD, SH_WORD))
+                            % (SH_WORD, SH_NO_FILE_REDIRECT, SH_WORD, SH_WORD))
 # Set in any environment, so their value is the machine's, not the script's.
 SH_RUNTIME_VARIABLES = frozenset(("HOME", "PATH", "PWD", "OLDPWD", "USER", "SHELL", "HOSTNAME",
                                   "LANG", "TMPDIR", "UID", "EUID", "RANDOM", "SECONDS", "LINENO",
@@ -3166,8 +3169,9 @@ class ScriptReader:
         if source.startswith("$((") and source.endswith("))"):
             value = self.arithmetic(source[3:-2], expansion=True)
             return undecided(source) if value is None else str(value)
-        if ">" in command or not all(part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY for part
-                                     in re.split(r"&&|\|\||[;|(`]", command) if part.split()):
+        if ">" in SH_NO_FILE_REDIRECT_RE.sub("", command) or not all(
+                part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY
+                for part in re.split(r"&&|\|\||[;|(`]", command) if part.split()):
             self.wrote = True  # $(python3 gen.py) may make what a compiler reads
         same = SH_SAME_DIR_RE.match(command)
         if same:

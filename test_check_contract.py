@@ -1590,14 +1590,20 @@ class CompiledSourcesTest(TreeTest):
              "sources declares test_k.cu, but no compiler call of build.sh compiles ")]))
 
     def test_check_reports_a_compiled_file_that_nothing_can_make(self):
-        self.assertEqual(self.checked('cd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
-                                      'k.cu missing.cu\n'), (1, [
-            ("error", "S008", "backends/cuda/k/missing.cu",
-             "build.sh compiles backends/cuda/k/missing.cu, which is no file (the re")]))
+        # A substitution whose output goes to /dev/null or another descriptor makes no file.
+        for place in ('cd "$(dirname "$0")"\n', 'cd "$(cd "$(dirname "$0")" >/dev/null 2>&1 && pwd)"\n',
+                      'cd "$(cd -- "$(dirname -- "$0")" &> /dev/null; pwd)"\n',
+                      'cd "$(cd "$(dirname "$0")" 2>&- >&2 && pwd)"\n'):
+            with self.subTest(place=place):
+                self.assertEqual(self.checked(place + 'nvcc -shared -arch=sm_80 -o "$1/libk.so" '
+                                              'k.cu missing.cu\n'), (1, [
+                    ("error", "S008", "backends/cuda/k/missing.cu",
+                     "build.sh compiles backends/cuda/k/missing.cu, which is no file (the re")]))
 
     def test_check_says_nothing_certain_of_a_file_the_script_may_make_first(self):
         for making in ('python3 gen.py\n', 'cp k.cu missing.cu\n', 'cat > missing.cu <<EOF\nEOF\n',
-                       'x=$(python3 gen.py)\n', 'make\n', 'eval "$(echo true)"\n', 'f() { cp k.cu missing.cu; }\nf\n'):
+                       'x=$(python3 gen.py)\n', 'make\n', 'eval "$(echo true)"\n', 'f() { cp k.cu missing.cu; }\nf\n',
+                       'x=$(echo > missing.cu)\n', 'x=$(cd . >& missing.cu && pwd)\n'):
             with self.subTest(making=making):
                 rc, found = self.checked('cd "$(dirname "$0")"\n' + making + 'nvcc -shared -arch=sm_80 '
                                          '-o "$1/libk.so" k.cu missing.cu\n')
