@@ -245,6 +245,10 @@ SH_MAKES_NO_DIRECTORY = frozenset(("cd", "pushd", "popd", "echo", "printf", "tes
                                    "type", "which", "hash", "shopt", "dirname", "basename", "realpath",
                                    "readlink", "pwd", "ls", "cat", "grep", "nproc", "uname", "sleep",
                                    "export", "local", "declare", "readonly", "typeset"))
+# Commands that compile nothing, whatever files they are given (cp, mv, ln, rm are builtins).
+SH_FILE_TOOLS = SH_MAKES_NO_DIRECTORY | SH_QUERY_COMMANDS | frozenset((
+    "sed", "awk", "gawk", "touch", "chmod", "chown", "head", "tail", "tee", "wc", "sort", "uniq", "tr",
+    "cut", "patch", "git", "clang-format", "tar", "file", "md5sum", "sha1sum", "sha256sum", "xxd"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
 # Programs that run commands of their own, which the reader does not see.
 SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
@@ -1294,7 +1298,7 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
     call.unknown = [show_word(u) for u in call.unknown]  # as messages show them: $1, not a marker
     call.rejected = [show_word(r) for r in call.rejected]
     if "probe" in modes or (call.probes and not call.outputs) or call.rejected:  # nothing built
-        call.sass, call.ptx, call.hip, call.march, call.mcpu = [], [], [], [], []
+        call.sass, call.ptx, call.hip, call.march, call.mcpu, call.inputs = [], [], [], [], [], []
     elif "ptx" in modes:
         call.ptx, call.sass = call.ptx + [t for t in call.sass if t not in call.ptx], []
     return call
@@ -2651,6 +2655,12 @@ class ScriptReader:
                 command != "echo" and any(is_compiler_name(word) for word in argv[1:])):
             self.unfollow(line, "%s, a program whose commands it does not read"
                           % show_word(" ".join(argv[:2]))[:80])
+            self.programs.add(self.line or line)
+            return None
+        sources = [a for a in argv[1:] if a.endswith(COMPILED_SUFFIXES)]
+        if sources and command not in SH_FILE_TOOLS:  # mpicxx, bisheng: it may compile them
+            self.unfollow(line, "%s, a program it does not know, given %s" % (
+                show_word(command), show_word(sources[0])))
             self.programs.add(self.line or line)
             return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True

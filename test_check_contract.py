@@ -1600,6 +1600,26 @@ class CompiledSourcesTest(TreeTest):
                     ("error", "S008", "backends/cuda/k/missing.cu",
                      "build.sh compiles backends/cuda/k/missing.cu, which is no file (the re")]))
 
+    def test_check_says_no_s009_where_a_program_it_does_not_know_is_given_the_file(self):
+        # mpicxx, Ascend's bisheng, zig: compilers by another name (a real script ran bisheng).
+        for unknown in ("mpicxx", "bisheng --cce-aicore-arch=dav-c220", "zig c++"):
+            with self.subTest(unknown=unknown):
+                rc, found = self.checked('here=$(dirname "$0")\n%s -shared -o "$1/libk2.so" "$here/test_k.cu"\n'
+                                         'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$here/k.cu"\n' % unknown,
+                                         ["k.h", "k.cu", "test_k.cu"])
+                self.assertEqual([f for f in found if f[1] in ("S008", "S009")], [])
+        rc, found = self.checked('cd "$(dirname "$0")"\ncp k.cu copy.cu && sed -i s/a/b/ copy.cu\n'
+                                 'nvcc -shared -arch=sm_80 -o "$1/libk.so" k.cu\n', ["k.h", "k.cu", "test_k.cu"])
+        self.assertEqual([f[1] for f in found if f[1] in ("S008", "S009")], ["S009"])  # cp and sed compile nothing
+
+    def test_a_file_only_probed_is_not_compiled(self):
+        for probe in ("-E old.cu", "-fsyntax-only old.cu", "-M old.cu", "-c old.cu -o /dev/null"):
+            with self.subTest(probe=probe):
+                self.assertEqual(self.checked('cd "$(dirname "$0")"\nnvcc %s\nnvcc -shared -arch=sm_80 -o '
+                                              '"$1/libk.so" k.cu\n' % probe, ["k.h", "k.cu", "test_k.cu"]), (0, [
+                    ("warning", "S009", "backends/cuda/k/test_k.cu",
+                     "sources declares test_k.cu, but no compiler call of build.sh compiles ")]))
+
     def test_check_says_nothing_certain_of_a_file_the_script_may_make_first(self):
         for making in ('python3 gen.py\n', 'cp k.cu missing.cu\n', 'cat > missing.cu <<EOF\nEOF\n',
                        'x=$(python3 gen.py)\n', 'make\n', 'eval "$(echo true)"\n', 'f() { cp k.cu missing.cu; }\nf\n',
