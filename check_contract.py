@@ -2207,6 +2207,7 @@ class ScriptReader:
         self.at = 1              # the line of the command being read
         self.steps = 0
         self.depth = 0
+        self.sourced = []        # the files being sourced, innermost last
         try:
             parser = ScriptParser(text)
             tree = parser.parse()
@@ -2858,9 +2859,11 @@ class ScriptReader:
         outer = self.line
         self.line = self.line or line
         self.depth += 1
+        self.sourced.append(rel)
         try:
             return self.run_list(tree)
         finally:
+            self.sourced.pop()
             self.depth -= 1
             self.line = outer
 
@@ -3183,6 +3186,8 @@ class ScriptReader:
                 part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY
                 for part in re.split(r"&&|\|\||[;|(`]", command) if part.split()):
             self.wrote = True  # $(python3 gen.py) may make what a compiler reads
+        if self.sourced and "BASH_SOURCE" in command:  # there it names the sourced file
+            return runtime("%s in %s" % (source, self.sourced[-1]))
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))

@@ -1681,6 +1681,16 @@ class CompiledSourcesTest(TreeTest):
                 facts = check_contract.ScriptReader(shebang + script).facts()
                 self.assertEqual(bool(facts.script_dirs), read)
 
+    def test_bash_source_in_a_sourced_file_names_that_file(self):
+        script = ('here="$(dirname "${BASH_SOURCE[0]}")"\nsource "$here/sub/env.sh"\n'
+                  'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$here/k.cu" "$SUB/test_k.cu"\n')
+        files = self.files(["k.h", "k.cu", "sub/test_k.cu"], ["test_k.cu"], script=script)
+        files["backends/cuda/k/sub/env.sh"] = 'SUB="$(dirname "${BASH_SOURCE[0]}")"\n'
+        files["backends/cuda/k/sub/test_k.cu"] = ""
+        self.tree(files)
+        rc, issues = self.issues()
+        self.assertEqual([(i["code"], i["path"]) for i in issues if i["code"] in ("S008", "S009")], [])
+
     def test_a_parent_reached_through_a_link_is_where_the_link_points(self):
         rc, found = self.checked('cd "$(dirname "$0")/sub"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
                                  '../k.cu ../test_k.cu || true\n', links=[("backends/cuda/k/sub", "../../../common")])
