@@ -206,6 +206,8 @@ SH_FUNCTION_NAME_RE = re.compile(r"[A-Za-z_][\w.:-]*\Z")
 SH_ASSIGNMENT_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]]*\])?(\+?)=", re.S)
 SH_PARAM_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[#@*?$!-])(\[[^\]]*\])?"
                          r"(:?[-=?+]|%%|%|##|#|//|/|\^\^|\^|,,|,|:)?(.*)\Z", re.S)
+# The expansions bash applies to each element of ${a[@]} / ${a[*]}.
+SH_ELEMENT_OPS = ("%", "%%", "#", "##", "/", "//", "^^", "^", ",,", ",")
 SH_FIELD_RE = re.compile("(?:\x03[^\x03]*\x03|\x04[^\x04]*\x04|[^ \t\n\x03\x04])+")
 SH_LABEL_RE = re.compile("[\x03\x04]([^\x03\x04]*)[\x03\x04]")
 SH_RESERVED = frozenset(("if", "then", "elif", "else", "fi", "case", "esac", "for", "while",
@@ -3261,6 +3263,9 @@ class ScriptReader:
             if items is None:
                 items = [self.vars[name]] if name in self.vars else []
             if index in ("[@]", "[*]"):
+                if op in SH_ELEMENT_OPS:  # "${a[@]/#/$here/}": each element, as bash does
+                    items = [self.transform(item, op, rest, source) for item in items]
+                    op, rest = None, ""
                 if in_double and index == "[@]" and op is None:
                     return list(items)
                 value = " ".join(items) if items or name in self.arrays else None
@@ -3302,6 +3307,10 @@ class ScriptReader:
         if op in (":+", "+"):
             set_ = value is not None and (op == "+" or value != "")
             return self.expand_one(rest) if set_ else ""
+        return self.transform(value, op, rest, source)
+
+    def transform(self, value, op, rest, source):
+        """${v:o:l}, ${v%p}, ${v/a/b}, ${v^^} and the like of a value (None: unset)."""
         value = "" if value is None else value
         if not known(value):
             return runtime(source) if RUNTIME in value else undecided(source)
@@ -3316,7 +3325,9 @@ class ScriptReader:
             return remove_pattern(value, pattern, op)
         if op in ("/", "//"):
             old, _, new = rest.partition("/")
-            return replace_pattern(value, self.expand_one(old), self.expand_one(new), op == "//")
+            anchor = old[:1] if old[:1] in ("#", "%") and op == "/" else ""  # ${v/#a/b}, ${v/%a/b}
+            return replace_pattern(value, self.expand_one(old[len(anchor):]), self.expand_one(new),
+                                   op == "//", anchor)
         if op in ("^^", "^"):
             return value.upper() if op == "^^" else value[:1].upper() + value[1:]
         return value.lower() if op == ",," else value[:1].lower() + value[1:]
@@ -3486,10 +3497,15 @@ def remove_pattern(value, pattern, op):
     return value
 
 
-def replace_pattern(value, old, new, every):
-    """${v/old/new} and ${v//old/new} for a literal `old` (a glob is given up)."""
+def replace_pattern(value, old, new, every, anchor=""):
+    """${v/old/new}, ${v//old/new}, and anchored at the start (#) or the end
+    (%), for a literal `old` (a glob is given up)."""
     if any(c in old for c in "*?["):
-        return undecided("${...%s%s/%s}" % ("//" if every else "/", old, new))
+        return undecided("${...%s%s%s/%s}" % ("//" if every else "/", anchor, old, new))
+    if anchor == "#":
+        return new + value[len(old):] if value.startswith(old) else value
+    if anchor == "%":
+        return value[:len(value) - len(old)] + new if value.endswith(old) else value
     if not old:
         return value
     return value.replace(old, new) if every else value.replace(old, new, 1)

@@ -2073,6 +2073,12 @@ class ReaderAgreesWithBashTest(TreeTest):
                       'mv "$1"/libfat{_tmp,}.so\n')
         self.assertClean()
 
+    def test_an_array_is_transformed_element_by_element_and_anchors_hold(self):
+        ran, landed = self.agree('archs=(80 90)\nfor a in "${archs[@]/#/sm_}"; do nvcc -c -arch=$a k.cu -o "$1/k_$a.o"; done\n'
+                                 'srcs=(a.cu b.cu)\nfor o in ${srcs[*]%.cu}; do nvcc -c -arch=sm_80 $o.cu -o "$1/$o.o"; done\n'
+                                 'v=xlibk\nnvcc -shared -arch=sm_90 -o "$1/${v/#x/}${v/%k/}${v/#l/L}${v^^}.so" k.cu\n')
+        self.assertEqual(landed, {"k_sm_80.o", "k_sm_90.o", "a.o", "b.o", "libkxlibxlibkXLIBK.so"})
+
     def test_ansi_c_quoting(self):
         ran, landed = self.agree("flags=$'-arch=sm_80\\t-O3'\nnvcc -shared $flags -o \"$1\"/$'lib\\x66at.so' "
                                  "ops.cu\necho $'it\\'s'\n")
