@@ -1205,8 +1205,8 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
                 continue
             else:
                 joined = arg if cwd is None or arg.startswith(("/", OUT_DIR, RUNTIME)) else cwd + "/" + arg
-                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] != [
-                        "-include"]:
+                if arg[:1] != "-" and arg.endswith(COMPILED_SUFFIXES) and args[index - 2:index - 1] not in (
+                        ["-include"], ["-imacros"], ["--pre-include"]):  # a file included, not compiled
                     call.inputs.append(joined)  # "$here/k.cu" too: a source, whatever $here is
                 elif not known(arg):
                     call.opaque = True

@@ -1612,6 +1612,12 @@ class CompiledSourcesTest(TreeTest):
                                  'nvcc -shared -arch=sm_80 -o "$1/libk.so" k.cu\n', ["k.h", "k.cu", "test_k.cu"])
         self.assertEqual([f[1] for f in found if f[1] in ("S008", "S009")], ["S009"])  # cp and sed compile nothing
 
+    def test_a_file_included_by_an_option_is_not_compiled(self):
+        for option in ("-include", "--pre-include", "-Xcompiler -imacros"):
+            with self.subTest(option=option):
+                self.assertEqual(self.checked('cd "$(dirname "$0")"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
+                                              'k.cu %s old.cu\n' % option), (0, []))
+
     def test_a_file_only_probed_is_not_compiled(self):
         for probe in ("-E old.cu", "-fsyntax-only old.cu", "-M old.cu", "-c old.cu -o /dev/null"):
             with self.subTest(probe=probe):
