@@ -2164,11 +2164,13 @@ class ScriptReader:
     runs: its compiler calls (CompilerCall, in order), the target it takes
     from `${2:-N}`, and what it does that the reader does not follow.
 
-    `directory` is the backend directory, where sourced files are read.
+    `directory` is the backend directory, where sourced files are read, and
+    `script_dir` the script's directory in it ("" for the backend directory).
     """
 
-    def __init__(self, text, directory=None):
+    def __init__(self, text, directory=None, script_dir=""):
         self.directory = directory
+        self.script_dir = script_dir
         self.vars = {}
         self.arrays = {}
         self.args = [OUT_DIR]    # the positional parameters $1, $2, ...
@@ -2836,13 +2838,8 @@ class ScriptReader:
         if len(argv) < 2:
             return None
         path = argv[1]
-        tail = path.rpartition(RUNTIME)[2] if RUNTIME in path else path
-        tail = tail.lstrip("/")
-        rel, problem = normalize_relpath(tail)
-        text = None
-        if self.directory is not None and rel and not problem and UNDECIDED not in path and (
-                RUNTIME in path or not path.startswith(("/",) + MARKERS)):
-            text = read_text(self.directory + "/" + rel, regular=True)[0]
+        rel = self.sourced_file(path)
+        text = None if rel is None else read_text(self.directory + "/" + rel, regular=True)[0]
         if text is None:
             self.unfollow(line, "%s %s, which is no file in the backend directory"
                           % (argv[0], show_word(path)))
@@ -2868,6 +2865,22 @@ class ScriptReader:
             self.sourced.pop()
             self.depth -= 1
             self.line = outer
+
+    def sourced_file(self, path):
+        """The file `source path` reads, relative to the backend directory,
+        when the path starts at the script's directory (given so, or relative
+        to a directory cd made one) and stays inside the backend directory,
+        links resolved; None where it cannot be told."""
+        if not path.startswith(("/",) + MARKERS):
+            if self.cwd is None:
+                return None  # the directory the script is run from: not the reader's to know
+            path = self.cwd + "/" + path
+        place = script_place(self.script_dirs, path)
+        if place is None or self.directory is None:
+            return None
+        real = os.path.realpath(os.path.join(self.directory, self.script_dir, place))
+        top = os.path.realpath(self.directory)
+        return os.path.relpath(real, top) if real.startswith(top.rstrip("/") + "/") else None
 
     def builtin_read(self, line, argv):
         """read, getopts, mapfile: what they set comes from outside the script."""
@@ -4405,7 +4418,7 @@ def check_build_script(repo, backend):
                       rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
-    facts = ScriptReader(text, backend.dir).facts()
+    facts = ScriptReader(text, backend.dir, posixpath.dirname(rel)).facts()
     check_build_facts(backend, rel, facts)
     check_read_sources(repo, backend, rel, facts)
 

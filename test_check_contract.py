@@ -1394,10 +1394,24 @@ class ScriptReaderTest(TreeTest):
                                    'nvcc -arch=sm_80 -o "$1/l.so"\n'), (["$1/l.so"], ["80"], None))
 
     def test_a_sourced_file_in_the_backend_is_read(self):
-        self.cuda('. ./arch.env\nsource "$(dirname "$0")/arch.env"\n'
+        self.cuda('source "$(dirname "$0")/arch.env"\ncd "$(dirname "$0")"\n. ./arch.env\n'
                   'nvcc -shared -arch=sm_$ARCH ops.cu -o "$1/libfat.so"\n',
                   **{"arch.env": "ARCH=80\n"})
         self.assertClean()
+        # Where the script is in a folder, its $(dirname "$0") is that folder; a relative
+        # name before any cd is relative to the directory it is run from.
+        files = fat_files(script="tools/build.sh", architectures=[80], default_arch=80)
+        files.update({"backends/cuda/fat/tools/build.sh": Executable(
+            '#!/usr/bin/env bash\nhere=$(cd "$(dirname "$0")" && pwd)\nsource "$here/arch.env"\n'
+            'nvcc -shared -arch=sm_$ARCH "$here/../ops.cu" -o "$1/libfat.so"\n'),
+            "backends/cuda/fat/tools/arch.env": "ARCH=80\n", "backends/cuda/fat/arch.env": "ARCH=90\n"})
+        self.tree(files)
+        self.assertClean()
+        self.cuda('. ./arch.env\nnvcc -shared -arch=sm_${ARCH:-80} ops.cu -o "$1/libfat.so"\n',
+                  **{"arch.env": "ARCH=90\n"})
+        self.assertIssue("B017", "cannot tell whether build.sh builds only what the checker reads; the "
+                         "checker does not follow line 2 (. ./arch.env, which is no file in the "
+                         "backend directory)", "warning")
         self.cuda('. /etc/arch.env\nnvcc -shared -arch=sm_${ARCH:-70} ops.cu -o "$1/libfat.so"\n')
         self.assertIssue("B017", "cannot tell whether build.sh builds 80: no target flag names it; "
                          "the checker does not follow line 2 (. /etc/arch.env, which is no file in "
