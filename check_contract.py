@@ -2866,6 +2866,10 @@ class ScriptReader:
             self.depth -= 1
             self.line = outer
 
+    def cwd_placed(self):
+        """Whether the current directory is one the reader places from the script's."""
+        return self.cwd is not None and script_place(self.script_dirs, self.cwd) is not None
+
     def sourced_file(self, path):
         """The file `source path` reads, relative to the backend directory,
         when the path starts at the script's directory (given so, or relative
@@ -3201,6 +3205,8 @@ class ScriptReader:
                 part.split()[0].strip("\"'") in SH_MAKES_NO_DIRECTORY
                 for part in re.split(r"&&|\|\||[;|(`]", command) if part.split()):
             self.wrote = True  # $(python3 gen.py) may make what a compiler reads
+        if command.strip() in ("pwd", "pwd -L") and self.cwd_placed():
+            return self.cwd
         if self.sourced and "BASH_SOURCE" in command:  # there it names the sourced file
             return runtime("%s in %s" % (source, self.sourced[-1]))
         same = SH_SAME_DIR_RE.match(command)
@@ -3270,6 +3276,8 @@ class ScriptReader:
             return undecided(source)
         name, index, op, rest = match.groups()
         if name in SH_RUNTIME_VARIABLES and name not in self.vars and name not in self.arrays:
+            if name == "PWD" and index is None and op is None and self.cwd_placed():
+                return self.cwd  # after cd "$(dirname "$0")": a directory the reader places
             return runtime(source)  # ${BASH_SOURCE[0]}: the machine's value, not an unset one
         if index is not None:
             items = self.arrays.get(name)

@@ -1670,7 +1670,9 @@ class CompiledSourcesTest(TreeTest):
             'here=$( cd -- "$( dirname -- "${BASH_SOURCE[0]}" )" &> /dev/null && pwd )\n'
             'nvcc -o "$1/libk.so" "$here/k.cu" "$here/../../../common/util.cu"\n': {"k.cu", "common/util.cu"},
             'here="$(cd "$(dirname "$BASH_SOURCE")" >/dev/null 2>&1; pwd -P)"\nnvcc -o "$1/libk.so" '
-            '"${here}/old.cu"\n': {"old.cu"}}
+            '"${here}/old.cu"\n': {"old.cu"},
+            'cd "$(dirname "$0")"/..\nup=$PWD\ncd k\nhere=$(pwd)\ncd /\nnvcc -o "$1/libk.so" "$here/k.cu" '
+            '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"}}
         bin_dir = tempfile.mkdtemp(prefix="check-contract-bin-")
         self.addCleanup(shutil.rmtree, bin_dir, True)
         with open(os.path.join(bin_dir, "nvcc"), "w") as handle:
