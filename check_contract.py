@@ -1080,6 +1080,18 @@ class CompilerCall:
         self.condition = None
         self.after_write = True  # whether a command before it may have written a file it reads
 
+    def names_no_target(self, platform):
+        """Whether the call compiles code for a platform with no flag naming a
+        target, so that it builds its compiler's default (nvcc 13 sm_75, CUDA
+        12 sm_52; gcc the distribution's -march; hipcc the machine's GPU)."""
+        if self.targets(platform) or self.ptx or self.open_targets or self.unknown or self.rejected:
+            return False
+        name = COMPILER_NAME_RE.match(self.compiler)
+        hip = name is not None and name.group(1) in ("hipcc", "hipcc.pl", "amdclang", "amdclang++")
+        suffixes = {"cuda": (".cu",), "hip": COMPILED_SUFFIXES if hip else (".hip",)}.get(
+            platform, COMPILED_SUFFIXES)  # gcc's .cpp in a cuda backend is host code
+        return any(path.endswith(suffixes) for path in self.inputs)
+
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
         (on any, for a platform the checker does not know).  gcc and clang
@@ -1557,7 +1569,12 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         ptx.update(call.ptx)
         unknown.extend(what + (" at line %d" % call.line if call.line else "")
                        for what in call.unknown)
-        if call.unknown or call.condition:
+        default = call.names_no_target(platform)
+        if default:
+            unknown.append("%s%s names no target, so it builds its compiler's default, which depends "
+                           "on the compiler's version and the machine"
+                           % (call.compiler, " at line %d" % call.line if call.line else ""))
+        if call.unknown or call.condition or default:
             unsure.append(call.line)
         if call.condition:
             unknown.append("a compiler command at line %d that runs only on %s"

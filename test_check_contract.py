@@ -977,6 +977,32 @@ class BuildScriptTest(TreeTest):
                                "must write build.output into its <output-dir> argument"),
         ])
 
+    def test_a_compile_naming_no_target_builds_the_compiler_default_which_check_cannot_tell(self):
+        # nvcc 13 builds sm_75 with no -arch (nvcc --dryrun shows it), CUDA 12 sm_52; gcc the
+        # distribution's -march; hipcc the machine's GPU, or gfx803 without one.
+        for platform, compiler, arch, flags in (("cuda", "nvcc", 75, ""), ("cpu", "gcc", "x86-64", ""),
+                                                ("hip", "hipcc", "gfx90a", ""),
+                                                ("cuda", "nvcc", 75, " -Xcompiler -O2")):
+            with self.subTest(compiler=compiler, flags=flags):
+                shutil.rmtree(self.root, ignore_errors=True)
+                os.makedirs(self.root)
+                source = {"cuda": "k.cu", "hip": "k.hip", "cpu": "k.c"}[platform]
+                self.tree({"backends/%s/k/k.backend.json" % platform: {
+                    "name": "k", "platform": platform, "abi_version": 1, "status": "experimental",
+                    "sources": ["k.h", source], "build": {"script": "build.sh", "output": "libk.so",
+                                                         "architectures": [arch]}},
+                    "backends/%s/k/k.h" % platform: "#define K_ABI_VERSION 1\nunsigned k_abi_version(void);\n"
+                                                    "const char* k_error_string(int code);\n",
+                    "backends/%s/k/%s" % (platform, source): "",
+                    "backends/%s/k/build.sh" % platform: Executable(
+                        '#!/usr/bin/env bash\nset -e\nmkdir -p "$1"\n%s -shared -fPIC%s -o "$1/libk.so" '
+                        '"$(dirname "$0")/%s"\n' % (compiler, flags, source))})
+                rc, issues = self.issues()
+                self.assertEqual([(i["code"], i["message"]) for i in issues if i["code"].startswith("B")], [
+                    ("B017", "cannot tell whether build.sh builds %s: %s at line 4 names no target, so "
+                             "it builds its compiler's default, which depends on the compiler's version "
+                             "and the machine" % (arch, compiler))])
+
     def test_march_native_is_no_target(self):
         self.tree(demo_files(demo_manifest(build={"script": "build.sh", "output": "libdemo.so",
                                                   "architectures": ["native"]}),
