@@ -3225,7 +3225,8 @@ class ScriptReader:
         if command.strip() in ("pwd", "pwd -L") and self.cwd_placed():
             return self.cwd
         if self.sourced and "BASH_SOURCE" in command:  # there it names the sourced file
-            return runtime("%s in %s" % (source, self.sourced[-1]))
+            return runtime(re.sub(r"\$\{BASH_SOURCE(?:\[0\])?\}|\$BASH_SOURCE\b", lambda _: self.sourced[-1],
+                                  source))  # shown as $(dirname "sub/env.sh")
         same = SH_SAME_DIR_RE.match(command)
         if same:
             target = self.expand_one(same.group(1) or same.group(2) or same.group(3))
