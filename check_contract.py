@@ -1135,12 +1135,16 @@ def linked_calls(calls, library=None):
     return [c for c in calls if c in linked and (c.inputs or not c.objects)]
 
 
+# A target flag or value in what is left of a word around the values the reader
+# cannot expand: -arch=sm_$A, arch=compute_$A, --offload-arch=$T, gfx$N (not codec2/, search.cu).
+TARGET_WORD_RE = re.compile(r"(?:^|[\s,=])-[\w-]*(?:arch|code|mcpu|target)|\b(?:arch|code)=|\b(?:sm|compute)_|\bgfx")
+
+
 def might_hold_targets(word):
     """Whether a word the reader cannot expand may hold target flags: it is
     nothing but such values (`$FLAGS`), or it names a target flag."""
     text = SH_LABEL_RE.sub("", word)
-    return not text or any(flag in text for flag in ("arch", "code", "gfx", "sm_", "mcpu",
-                                                      "targets"))
+    return not text or TARGET_WORD_RE.search(text) is not None
 
 
 def is_compiler_name(word):

@@ -1150,6 +1150,17 @@ class CompilerCallTest(unittest.TestCase):
     def call(self, *words):
         return check_contract.compiler_call(list(words), 7)
 
+    def test_a_path_under_an_unknown_directory_holds_no_target_flag(self):
+        R = check_contract.runtime
+        for word in (R("$ROOT") + "/codec2/..", "-I" + R("$D") + "/codegen", R("$D") + "/search.cu",
+                     R("$D") + "/architecture/asm_x.cu"):
+            with self.subTest(word=word):
+                self.assertEqual(self.call("nvcc", "-shared", "-arch=sm_80", word, "-o", "l.so").unknown, [])
+        for word in (R("$FLAGS"), "-arch=sm_" + R("$A"), "arch=compute_" + R("$A"), "--amdgpu-target=" + R("$T"),
+                     "--gpu-architecture=" + R("$A"), "-Xcompiler=-march=" + R("$M"), "gfx" + R("$N")):
+            with self.subTest(word=word):
+                self.assertNotEqual(self.call("nvcc", "-shared", word, "-o", "l.so").unknown, [])
+
     def test_compiler_words_through_wrappers_and_versions(self):
         for words in (["gcc-12"], ["clang++-18"], ["/opt/rocm/bin/amdclang++"], ["ccache", "cc"],
                       ["sccache", "nvcc"], ["CCACHE_DISABLE=1", "cc"], ["env", "A=1", "hipcc"],
