@@ -1576,7 +1576,7 @@ def check_built_targets(backend, rel, facts, said, where, unfollowed):
         default = call.names_no_target(platform)
         if default:
             unknown.append("%s%s names no target, so it builds its compiler's default, which depends "
-                           "on the compiler's version and the machine"
+                           "on the compiler's version and the machine (name each target with a flag)"
                            % (call.compiler, " at line %d" % call.line if call.line else ""))
         if call.unknown or call.condition or default:
             unsure.append(call.line)

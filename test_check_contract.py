@@ -1001,7 +1001,7 @@ class BuildScriptTest(TreeTest):
                 self.assertEqual([(i["code"], i["message"]) for i in issues if i["code"].startswith("B")], [
                     ("B017", "cannot tell whether build.sh builds %s: %s at line 4 names no target, so "
                              "it builds its compiler's default, which depends on the compiler's version "
-                             "and the machine" % (arch, compiler))])
+                             "and the machine (name each target with a flag)" % (arch, compiler))])
 
     def test_march_native_is_no_target(self):
         self.tree(demo_files(demo_manifest(build={"script": "build.sh", "output": "libdemo.so",
