@@ -2363,7 +2363,8 @@ class ScriptReader:
                     continue
                 except (FunctionReturn, LoopBreak, LoopContinue):
                     pass
-                ends.append((self.undo(start), self.args, self.cwd))
+                args, cwd = self.args, self.cwd  # undo() puts them back
+                ends.append((self.undo(start), args, cwd))
         finally:
             self.condition = outer
         if not ends:
@@ -2377,6 +2378,10 @@ class ScriptReader:
                              else Choice(label, list(values)))
             self.change(table, name, values[0])
         self.args, self.cwd = ends[0][1], ends[0][2]
+        if any(args != self.args for _, args, _ in ends):  # shift or set -- on a branch
+            self.args = [undecided("$%d (%s)" % (number, label))
+                         for number in range(1, max(len(args) for _, args, _ in ends) + 1)]
+            self.origin = None
         if any(cwd != self.cwd for _, _, cwd in ends):
             self.cwd = undecided("the directory (%s)" % label)
         return None

@@ -1421,6 +1421,10 @@ class ScriptReaderTest(TreeTest):
         self.assertEqual(self.read('out=$1\nshift\narch=${1:-90}\n'
                                    'nvcc -arch=sm_$arch -o "$out/l.so"\n'), (["$1/l.so"], ["90"], "90"))
 
+    def test_a_shift_on_one_branch_leaves_the_arguments_undecided(self):
+        self.assertEqual(self.read('if [ -f /etc/x ]; then shift; fi\nnvcc -arch=sm_80 -o "$1/l.so"\n')[0],
+                         ["$1 (if [ -f /etc/x ] at line 1)/l.so"])
+
     def test_one_line_if_on_the_argument_count(self):
         self.assertEqual(self.read('if [ $# -ge 2 ]; then m=$2; else m=89; fi\n'
                                    'nvcc -arch=sm_$m -o "$1/l.so"\n'), (["$1/l.so"], ["89"], None))
@@ -1709,7 +1713,9 @@ class CompiledSourcesTest(TreeTest):
             'here="$(cd "$(dirname "$BASH_SOURCE")" >/dev/null 2>&1; pwd -P)"\nnvcc -o "$1/libk.so" '
             '"${here}/old.cu"\n': {"old.cu"},
             'cd "$(dirname "$0")"/..\nup=$PWD\ncd k\nhere=$(pwd)\ncd /\nnvcc -o "$1/libk.so" "$here/k.cu" '
-            '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"}}
+            '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"},
+            # A cd on one branch only: where the call runs cannot be told.
+            'cd "$(dirname "$0")"\n[ -d sub ] && cd sub\nnvcc -o "$1/libk.so" test_k.cu "$PWD/k.cu"\n': set()}
         bin_dir = tempfile.mkdtemp(prefix="check-contract-bin-")
         self.addCleanup(shutil.rmtree, bin_dir, True)
         with open(os.path.join(bin_dir, "nvcc"), "w") as handle:
