@@ -2186,7 +2186,8 @@ class ScriptReader:
     from `${2:-N}`, and what it does that the reader does not follow.
 
     `directory` is the backend directory, where sourced files are read, and
-    `script_dir` the script's directory in it ("" for the backend directory).
+    `script_dir` the script's directory in it ("" for the backend directory;
+    None for a script that is a link, whose realpath "$0" is elsewhere).
     """
 
     def __init__(self, text, directory=None, script_dir=""):
@@ -2232,7 +2233,8 @@ class ScriptReader:
         self.at = 1              # the line of the command being read
         self.steps = 0
         self.depth = 0
-        self.sourced = []        # the files being sourced, innermost last
+        self.sourced = []        # the sourced files whose text runs, innermost last (None: the script's)
+        self.defined_in = {}     # {function: the sourced file defining it, None for the script}
         try:
             parser = ScriptParser(text)
             tree = parser.parse()
@@ -2435,6 +2437,7 @@ class ScriptReader:
                                                                    lambda: None])
         if kind is Function:
             self.change(self.functions, node.name, node.body)
+            self.defined_in[node.name] = self.sourced[-1] if self.sourced else None
             return True
         if node.subshell:
             return self.subshell(lambda: self.run_list(node.body))
@@ -2720,11 +2723,13 @@ class ScriptReader:
         self.args, self.origin = list(args), None
         self.frames.append({})
         self.depth += 1
+        self.sourced.append(self.defined_in.get(name))  # its ${BASH_SOURCE[0]}
         try:
             return self.run_function(self.functions[name])
         except FunctionReturn as end:
             return end.status
         finally:
+            self.sourced.pop()
             self.depth -= 1
             for local, (value, array) in self.frames.pop().items():
                 self.change(self.vars, local, value)
@@ -2902,14 +2907,16 @@ class ScriptReader:
         to a directory cd made one) and stays inside the backend directory,
         links resolved; None where it cannot be told."""
         if not path.startswith(("/",) + MARKERS):
-            if self.cwd is None:
-                return None  # the directory the script is run from: not the reader's to know
+            if self.cwd is None or "/" not in path:
+                return None  # from where the script is run; a bare name bash looks up in PATH first
             path = self.cwd + "/" + path
         place = script_place(self.script_dirs, path)
-        if place is None or self.directory is None:
+        if place is None or self.directory is None or self.script_dir is None:
             return None
-        real = os.path.realpath(os.path.join(self.directory, self.script_dir, place))
-        top = os.path.realpath(self.directory)
+        full = os.path.join(self.directory, self.script_dir, place)
+        if not os.path.isfile(full):  # as the kernel resolves it: nosuch/../env.sh is no file
+            return None
+        real, top = os.path.realpath(full), os.path.realpath(self.directory)
         return os.path.relpath(real, top) if real.startswith(top.rstrip("/") + "/") else None
 
     def builtin_read(self, line, argv):
@@ -3233,7 +3240,7 @@ class ScriptReader:
             self.wrote = True  # $(python3 gen.py) may make what a compiler reads
         if command.strip() in ("pwd", "pwd -L") and self.cwd_placed():
             return self.cwd
-        if self.sourced and "BASH_SOURCE" in command:  # there it names the sourced file
+        if self.sourced and self.sourced[-1] is not None and "BASH_SOURCE" in command:  # that file
             return runtime(re.sub(r"\$\{BASH_SOURCE(?:\[0\])?\}|\$BASH_SOURCE\b", lambda _: self.sourced[-1],
                                   source))  # shown as $(dirname "sub/env.sh")
         same = SH_SAME_DIR_RE.match(command)
@@ -4453,7 +4460,7 @@ def check_build_script(repo, backend):
                       rel_path, data.count(b"\n", 0, data.index(b"\r\n")) + 1)
     text = decode(data)[0]
     check_shebang(backend, rel, text, rel_path)
-    facts = ScriptReader(text, backend.dir, posixpath.dirname(rel)).facts()
+    facts = ScriptReader(text, backend.dir, None if os.path.islink(path) else posixpath.dirname(rel)).facts()
     check_build_facts(backend, rel, facts)
     check_read_sources(repo, backend, rel, facts)
 

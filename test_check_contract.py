@@ -1448,11 +1448,26 @@ class ScriptReaderTest(TreeTest):
             "backends/cuda/fat/tools/arch.env": "ARCH=80\n", "backends/cuda/fat/arch.env": "ARCH=90\n"})
         self.tree(files)
         self.assertClean()
-        self.cuda('. ./arch.env\nnvcc -shared -arch=sm_${ARCH:-80} ops.cu -o "$1/libfat.so"\n',
-                  **{"arch.env": "ARCH=90\n"})
-        self.assertIssue("B017", "cannot tell whether build.sh builds only what the checker reads; the "
-                         "checker does not follow line 2 (. ./arch.env, which is no file in the "
-                         "backend directory)", "warning")
+        # Not read: a name relative to where the script runs, a bare name (bash looks in PATH
+        # first), a path through a folder that is not there, and any from a script that is a
+        # link (its $(realpath "$0") is the target's folder).
+        for lines, shown in (('. ./arch.env', '. ./arch.env'), ('cd "$(dirname "$0")"\n. arch.env', '. arch.env'),
+                             ('. "$(dirname "$0")/nosuch/../arch.env"', '. $(dirname "$0")/nosuch/../arch.env')):
+            with self.subTest(lines=lines):
+                self.cuda(lines + '\nnvcc -shared -arch=sm_${ARCH:-80} ops.cu -o "$1/libfat.so"\n',
+                          **{"arch.env": "ARCH=90\n"})
+                self.assertIssue("B017", "cannot tell whether build.sh builds only what the checker reads; the "
+                                 "checker does not follow line %d (%s, which is no file in the backend "
+                                 "directory)" % (lines.count("\n") + 2, shown), "warning")
+        files = fat_files(architectures=[80], default_arch=80)
+        files.update({"backends/cuda/fat/tools/build.sh": Executable(
+            '#!/usr/bin/env bash\nsource "$(dirname "$(realpath "$0")")/arch.env"\n'
+            'nvcc -shared -arch=sm_$ARCH ops.cu -o "$1/libfat.so"\n'),
+            "backends/cuda/fat/tools/arch.env": "ARCH=80\n", "backends/cuda/fat/arch.env": "ARCH=90\n"})
+        self.tree(files)
+        os.remove(self.path("backends/cuda/fat/build.sh"))
+        os.symlink("tools/build.sh", self.path("backends/cuda/fat/build.sh"))
+        self.assertNotIn("B006", self.check()[1])
         self.cuda('. /etc/arch.env\nnvcc -shared -arch=sm_${ARCH:-70} ops.cu -o "$1/libfat.so"\n')
         self.assertIssue("B017", "cannot tell whether build.sh builds 80: no target flag names it; "
                          "the checker does not follow line 2 (. /etc/arch.env, which is no file in "
@@ -1747,14 +1762,18 @@ class CompiledSourcesTest(TreeTest):
                 self.assertEqual(bool(facts.script_dirs), read)
 
     def test_bash_source_in_a_sourced_file_names_that_file(self):
-        script = ('here="$(dirname "${BASH_SOURCE[0]}")"\nsource "$here/sub/env.sh"\n'
-                  'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$here/k.cu" "$SUB/test_k.cu"\n')
-        files = self.files(["k.h", "k.cu", "sub/test_k.cu"], ["test_k.cu"], script=script)
-        files["backends/cuda/k/sub/env.sh"] = 'SUB="$(dirname "${BASH_SOURCE[0]}")"\n'
-        files["backends/cuda/k/sub/test_k.cu"] = ""
-        self.tree(files)
-        rc, issues = self.issues()
-        self.assertEqual([(i["code"], i["path"]) for i in issues if i["code"] in ("S008", "S009")], [])
+        # Also in a function that file defines, wherever it is called from.
+        for env, uses in (('SUB="$(dirname "${BASH_SOURCE[0]}")"\n', ""),
+                          ('where() { SUB="$(dirname "${BASH_SOURCE[0]}")"; }\n', "where\n")):
+            with self.subTest(env=env):
+                script = ('here="$(dirname "${BASH_SOURCE[0]}")"\nsource "$here/sub/env.sh"\n' + uses +
+                          'nvcc -shared -arch=sm_80 -o "$1/libk.so" "$here/k.cu" "$SUB/test_k.cu"\n')
+                files = self.files(["k.h", "k.cu", "sub/test_k.cu"], ["test_k.cu"], script=script)
+                files["backends/cuda/k/sub/env.sh"] = env
+                files["backends/cuda/k/sub/test_k.cu"] = ""
+                self.tree(files)
+                rc, issues = self.issues()
+                self.assertEqual([(i["code"], i["path"]) for i in issues if i["code"] in ("S008", "S009")], [])
 
     def test_a_parent_reached_through_a_link_is_where_the_link_points(self):
         rc, found = self.checked('cd "$(dirname "$0")/sub"\nnvcc -shared -arch=sm_80 -o "$1/libk.so" '
