@@ -1062,7 +1062,7 @@ class CompilerCall:
 
     __slots__ = ("compiler", "line", "outputs", "probes", "sass", "ptx", "hip", "march", "mcpu",
                  "open_targets", "abi_defines", "unknown", "rejected", "condition", "inputs",
-                 "objects", "opaque", "after_write")
+                 "objects", "opaque", "after_write", "languages")
 
     def __init__(self, compiler, line):
         self.compiler = compiler
@@ -1079,6 +1079,7 @@ class CompilerCall:
         self.rejected = []
         self.condition = None
         self.after_write = True  # whether a command before it may have written a file it reads
+        self.languages = set()  # what -x says its inputs are (cu, cuda, hip)
 
     def names_no_target(self, platform):
         """Whether the call compiles code for a platform with no flag naming a
@@ -1090,7 +1091,10 @@ class CompilerCall:
         hip = name is not None and name.group(1) in ("hipcc", "hipcc.pl", "amdclang", "amdclang++")
         suffixes = {"cuda": (".cu",), "hip": COMPILED_SUFFIXES if hip else (".hip",)}.get(
             platform, COMPILED_SUFFIXES)  # gcc's .cpp in a cuda backend is host code
-        return any(path.endswith(suffixes) for path in self.inputs)
+        if not self.inputs:
+            return False
+        language = self.languages & {"cuda": {"cu", "cuda"}, "hip": {"hip"}}.get(platform, set())
+        return bool(language) or any(path.endswith(suffixes) for path in self.inputs)
 
     def targets(self, platform):
         """The architectures this call builds machine code for on a platform
@@ -1199,6 +1203,8 @@ def compiler_call(words, line=None, cwd=None, environment=None, options_file=Non
     arch = code = None
     followed = 0
     genco = "--genco" in args
+    call.languages = {value for flag, value in zip(args, args[1:]) if flag in ("-x", "--x")} | {
+        arg.split("=", 1)[1] for arg in args if arg.startswith(("-x=", "--x="))}
     modes = {COMPILER_MODES.get(arg) for arg in args}
     index = 0
     while index < len(args):
@@ -2834,7 +2840,9 @@ class ScriptReader:
                 array = name.split("[")[0]
                 self.change(self.arrays, array, [undecided("${%s[@]} (after unset %s)" % (array, name))])
                 continue
-            self.change(self.vars, name, None)
+            # $PWD and the like: the reader's own value would outlive it (cd sets PWD again).
+            self.change(self.vars, name, undecided("$%s (after unset)" % name)
+                        if name in SH_RUNTIME_VARIABLES else None)
             self.change(self.arrays, name, None)
         return True
 

@@ -1150,6 +1150,14 @@ class CompilerCallTest(unittest.TestCase):
     def call(self, *words):
         return check_contract.compiler_call(list(words), 7)
 
+    def test_what_a_call_compiles_for_a_platform_with_no_target_flag(self):
+        self.assertTrue(self.call("nvcc", "-shared", "-x", "cu", "k.cpp", "-o", "l.so").names_no_target("cuda"))
+        self.assertTrue(self.call("clang++", "-x", "hip", "-c", "k.cpp").names_no_target("hip"))
+        self.assertTrue(self.call("hipcc", "-c", "k.cpp").names_no_target("hip"))
+        self.assertFalse(self.call("g++", "-shared", "k.cpp", "-o", "l.so").names_no_target("cuda"))
+        self.assertFalse(self.call("nvcc", "-shared", "-arch=sm_80", "k.cu", "-o", "l.so").names_no_target("cuda"))
+        self.assertFalse(self.call("nvcc", "-shared", "k.o", "-o", "l.so").names_no_target("cuda"))  # a link
+
     def test_a_path_under_an_unknown_directory_holds_no_target_flag(self):
         R = check_contract.runtime
         for word in (R("$ROOT") + "/codec2/..", "-I" + R("$D") + "/codegen", R("$D") + "/search.cu",
@@ -1729,6 +1737,8 @@ class CompiledSourcesTest(TreeTest):
             '"${here}/old.cu"\n': {"old.cu"},
             'cd "$(dirname "$0")"/..\nup=$PWD\ncd k\nhere=$(pwd)\ncd /\nnvcc -o "$1/libk.so" "$here/k.cu" '
             '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"},
+            # After unset PWD, $PWD is no longer the reader's to know.
+            'cd "$(dirname "$0")"\nunset PWD\nset +u\nnvcc -o "$1/libk.so" "$PWD/test_k.cu" k.cu\n': {"k.cu"},
             # A cd on one branch only: where the call runs cannot be told.
             'cd "$(dirname "$0")"\n[ -d sub ] && cd sub\nnvcc -o "$1/libk.so" test_k.cu "$PWD/k.cu"\n': set()}
         bin_dir = tempfile.mkdtemp(prefix="check-contract-bin-")
