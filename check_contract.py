@@ -250,7 +250,8 @@ SH_MAKES_NO_DIRECTORY = frozenset(("cd", "pushd", "popd", "echo", "printf", "tes
 # Commands that compile nothing, whatever files they are given (cp, mv, ln, rm are builtins).
 SH_FILE_TOOLS = SH_MAKES_NO_DIRECTORY | SH_QUERY_COMMANDS | frozenset((
     "sed", "awk", "gawk", "touch", "chmod", "chown", "head", "tail", "tee", "wc", "sort", "uniq", "tr",
-    "cut", "patch", "git", "clang-format", "tar", "file", "md5sum", "sha1sum", "sha256sum", "xxd"))
+    "cut", "patch", "git", "clang-format", "tar", "file", "md5sum", "sha1sum", "sha256sum", "xxd",
+    "mkdir", "rmdir"))
 SH_BUILD_TOOLS = frozenset(("make", "gmake", "cmake", "ninja", "meson", "scons", "bazel"))
 # Programs that run commands of their own, which the reader does not see.
 SH_PROGRAM_RE = re.compile(r"(?:(?:ba|da|z|k)?sh|python[0-9.]*|perl|ruby|node|xargs|parallel)\Z")
@@ -2700,7 +2701,7 @@ class ScriptReader:
         sources = [a for a in argv[1:] if a.endswith(COMPILED_SUFFIXES)]
         if sources and command not in SH_FILE_TOOLS:  # mpicxx, bisheng: it may compile them
             self.unfollow(line, "%s, a program it does not know, given %s" % (
-                show_word(command), show_word(sources[0])))
+                show_word(command) or '""', show_word(sources[0])))
             self.programs.add(self.line or line)
             return None
         return None if command in SH_QUERY_COMMANDS or not known(command) else True
@@ -3329,9 +3330,22 @@ class ScriptReader:
                 if op in SH_ELEMENT_OPS:  # "${a[@]/#/$here/}": each element, as bash does
                     items = [self.transform(item, op, rest, source) for item in items]
                     op, rest = None, ""
+                elif op == ":":  # ${a[@]:N:L}: elements, not characters
+                    numbers = rest.split(":")
+                    if not all(n.strip().isdigit() for n in numbers):
+                        return undecided(source)
+                    start = int(numbers[0])
+                    items = items[start:start + int(numbers[1])] if len(numbers) > 1 else items[start:]
+                    op, rest = None, ""
+                elif op in (":-", "-") and items:  # set: the elements themselves
+                    op, rest = None, ""
                 if in_double and index == "[@]" and op is None:
                     return list(items)
-                value = " ".join(items) if items or name in self.arrays else None
+                ifs = self.vars.get("IFS", " ")
+                if index == "[*]" and in_double and not known(ifs):
+                    return undecided(source)
+                value = (ifs[:1] if index == "[*]" and in_double else " ").join(items) \
+                    if items or name in self.arrays else None
             else:
                 position = self.expand_one(index[1:-1])
                 value = items[int(position)] if position.isdigit() and int(position) < len(items) else None
@@ -3563,7 +3577,7 @@ def remove_pattern(value, pattern, op):
 def replace_pattern(value, old, new, every, anchor=""):
     """${v/old/new}, ${v//old/new}, and anchored at the start (#) or the end
     (%), for a literal `old` (a glob is given up)."""
-    if any(c in old for c in "*?["):
+    if any(c in old for c in "*?[") or "&" in new:  # bash 5.2 puts the match where & is
         return undecided("${...%s%s%s/%s}" % ("//" if every else "/", anchor, old, new))
     if anchor == "#":
         return new + value[len(old):] if value.startswith(old) else value
@@ -4501,8 +4515,11 @@ def check_read_sources(repo, backend, rel, facts):
                 c in raw for c in MARKERS + ("*", "?", "[")) else posixpath.normpath(raw)
             if path:
                 directory = posixpath.dirname(path)
-                real = os.path.realpath(os.path.join(repo.root, posixpath.dirname(raw))) if (
-                    ".." in raw.split("/") or raw.endswith("/")) else repo.real_directory(directory)
+                if ".." in raw.split("/") or raw.endswith("/"):  # as the kernel resolves it
+                    named = os.path.join(repo.root, posixpath.dirname(raw))
+                    real = os.path.realpath(named) if os.path.isdir(named) else None  # nosuch/..
+                else:
+                    real = repo.real_directory(directory)
                 if real != os.path.normpath(os.path.join(repo.real_root, directory)):
                     path = None
             local = path[len(backend.rel_dir) + 1:] if path and path.startswith(backend.rel_dir + "/") else None

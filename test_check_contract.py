@@ -1415,6 +1415,10 @@ class ScriptReaderTest(TreeTest):
             ': "${ARCH:=90}"\nnvcc -arch=sm_$ARCH -o "${OUT:-$1}/${ARCH_NAME:=lib}.so"\n'),
             (["$1/ops.o", "$1/libfat.so", "$1/lib.so"], ["80", "90"], None))
 
+    def test_an_ampersand_in_a_replacement_cannot_be_told(self):
+        # bash 5.2 puts the matched text where & is; older bash writes &.
+        self.assertEqual(self.read('v=libk\nnvcc -arch=sm_80 -o "$1/${v/k/&x}.so"\n')[0], ["$1/${.../k/&x}.so"])
+
     def test_required_variable_cannot_be_told(self):
         self.cuda('nvcc -shared -arch=sm_${CUDA_ARCH:?set CUDA_ARCH} ops.cu -o "$1/libfat.so"\n')
         self.assertIssue("B017", "cannot tell whether build.sh builds 80: -arch=sm_${CUDA_ARCH:?set "
@@ -1737,6 +1741,8 @@ class CompiledSourcesTest(TreeTest):
             '"${here}/old.cu"\n': {"old.cu"},
             'cd "$(dirname "$0")"/..\nup=$PWD\ncd k\nhere=$(pwd)\ncd /\nnvcc -o "$1/libk.so" "$here/k.cu" '
             '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"},
+            # A folder that is not there: the compiler cannot open nosuch/../test_k.cu.
+            'cd "$(dirname "$0")"\nnvcc -o "$1/libk.so" k.cu nosuch/../test_k.cu\n': {"k.cu"},
             # After unset PWD, $PWD is no longer the reader's to know.
             'cd "$(dirname "$0")"\nunset PWD\nset +u\nnvcc -o "$1/libk.so" "$PWD/test_k.cu" k.cu\n': {"k.cu"},
             # A cd on one branch only: where the call runs cannot be told.
@@ -2172,6 +2178,13 @@ class ReaderAgreesWithBashTest(TreeTest):
                                  'srcs=(a.cu b.cu)\nfor o in ${srcs[*]%.cu}; do nvcc -c -arch=sm_80 $o.cu -o "$1/$o.o"; done\n'
                                  'v=xlibk\nnvcc -shared -arch=sm_90 -o "$1/${v/#x/}${v/%k/}${v/#l/L}${v^^}.so" k.cu\n')
         self.assertEqual(landed, {"k_sm_80.o", "k_sm_90.o", "a.o", "b.o", "libkxlibxlibkXLIBK.so"})
+
+    def test_array_slices_defaults_and_joins_are_elements(self):
+        ran, landed = self.agree('srcs=(old.cu k.cu t.cu)\nfor s in "${srcs[@]:1}" "${srcs[@]:0:1}"; do '
+                                 'nvcc -c -arch=sm_80 $s -o "$1/${s%.cu}.o"; done\n'
+                                 'for s in "${srcs[@]:-none}"; do nvcc -c -arch=sm_80 $s -o "$1/d_${s%.cu}.o"; done\n'
+                                 'IFS=,\nnvcc -shared -arch=sm_90 -o "$1/lib${srcs[*]}.so" k.cu\n')
+        self.assertEqual(landed, {"k.o", "t.o", "old.o", "d_old.o", "d_k.o", "d_t.o", "libold.cu,k.cu,t.cu.so"})
 
     def test_ansi_c_quoting(self):
         ran, landed = self.agree("flags=$'-arch=sm_80\\t-O3'\nnvcc -shared $flags -o \"$1\"/$'lib\\x66at.so' "
