@@ -1403,7 +1403,7 @@ class ScriptFacts:
     (mv out of it, rm; the path may be a glob, "" for the whole directory)."""
 
     __slots__ = ("calls", "default_target", "unfollowed", "out_dir", "placements", "death", "dangling",
-                 "failures", "programs", "script_dirs")
+                 "failures", "programs", "script_dirs", "made_directory")
 
     def __init__(self, calls, default_target=None, unfollowed=(), out_dir=OUT_DIR, placements=None,
                  death=None):
@@ -1413,6 +1413,7 @@ class ScriptFacts:
         self.failures = []  # (line, why) of commands that surely fail, the script going on
         self.programs = set()  # the lines of the unfollowed that are programs (make), not shell text
         self.script_dirs = {}  # {value: place}: values naming the script's directory (script_place())
+        self.made_directory = False  # whether mkdir made a directory other than <output-dir>
         self.default_target = default_target
         self.unfollowed = list(unfollowed)
         self.out_dir = out_dir  # the <output-dir> argument, as the outputs spell it
@@ -2231,6 +2232,7 @@ class ScriptReader:
         self.script_paths = set(map(runtime, SH_SCRIPT_PATHS if BASH_SHEBANG_RE.match(text) else ["$0"]))
         self.script_dirs = {}
         self.wrote = False       # whether a command run so far may have written a file
+        self.made_directory = False  # whether mkdir made a directory other than <output-dir>
         self.writes = set()      # the lines of the commands that write by redirection
         self.placements = []     # ScriptFacts.placements
         self.unfollowed = []     # (line, what)
@@ -2267,6 +2269,7 @@ class ScriptReader:
         facts.failures = self.failures
         facts.programs = self.programs
         facts.script_dirs = self.script_dirs
+        facts.made_directory = self.made_directory
         facts.dangling = self.dangling(facts.landing()[0])
         return facts
 
@@ -2663,6 +2666,8 @@ class ScriptReader:
             self.change(self.options, "<output-dir> made", True)  # mkdir -p "$1", or may be
         if command in self.functions and bypass is None:
             return self.call_function(line, command, argv[1:])
+        if command == "mkdir" and any(a[:1] != "-" and OUT_DIR not in a for a in argv[1:]):
+            self.made_directory = True  # mkdir -p build: a cd there, a ../k.cu from there, may work
         if makes and command != "mkdir":
             self.wrote = True  # cp a.cu b.cu, python3 gen.py: it may make what a compiler reads
         builtin = SH_BUILTINS.get(command)
@@ -2860,6 +2865,12 @@ class ScriptReader:
             self.cwd = target[0]
         else:
             self.cwd = self.cwd + "/" + target[0]
+        place = script_place(self.script_dirs, self.cwd)
+        if place is not None and self.directory is not None and self.script_dir is not None and not (
+                self.wrote or self.made_directory or os.path.isdir(os.path.join(
+                    self.directory, self.script_dir, place))):
+            self.cwd = undecided("the directory of cd %s, which is not there" % show_word(target[0]))
+            return None  # bash stays where it was, or stops under set -e
         return True
 
     def builtin_exit(self, line, argv):
@@ -4517,7 +4528,8 @@ def check_read_sources(repo, backend, rel, facts):
                 directory = posixpath.dirname(path)
                 if ".." in raw.split("/") or raw.endswith("/"):  # as the kernel resolves it
                     named = os.path.join(repo.root, posixpath.dirname(raw))
-                    real = os.path.realpath(named) if os.path.isdir(named) else None  # nosuch/..
+                    real = os.path.realpath(named) if os.path.isdir(named) or facts.made_directory \
+                        else None  # nosuch/.. fails to open
                 else:
                     real = repo.real_directory(directory)
                 if real != os.path.normpath(os.path.join(repo.real_root, directory)):

@@ -1741,6 +1741,9 @@ class CompiledSourcesTest(TreeTest):
             '"${here}/old.cu"\n': {"old.cu"},
             'cd "$(dirname "$0")"/..\nup=$PWD\ncd k\nhere=$(pwd)\ncd /\nnvcc -o "$1/libk.so" "$here/k.cu" '
             '"$up/k/test_k.cu"\n': {"k.cu", "test_k.cu"},
+            # A cd into a folder that is not there fails: bash stays where it was.
+            'cd "$(dirname "$0")"\ncd nosuch || true\nnvcc -o "$1/libk.so" k.cu\n': set(),
+            'cd "$(dirname "$0")"\nmkdir -p sub\ncd sub\nnvcc -o "$1/libk.so" ../test_k.cu\n': {"test_k.cu"},
             # A folder that is not there: the compiler cannot open nosuch/../test_k.cu.
             'cd "$(dirname "$0")"\nnvcc -o "$1/libk.so" k.cu nosuch/../test_k.cu\n': {"k.cu"},
             # After unset PWD, $PWD is no longer the reader's to know.
