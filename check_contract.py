@@ -1086,15 +1086,14 @@ class CompilerCall:
         """Whether the call compiles code for a platform with no flag naming a
         target, so that it builds its compiler's default (nvcc 13 sm_75, CUDA
         12 sm_52; gcc the distribution's -march; hipcc the machine's GPU)."""
-        if self.targets(platform) or self.ptx or self.open_targets or self.unknown or self.rejected:
+        if not self.inputs or self.targets(platform) or self.ptx or self.open_targets or \
+                self.unknown or self.rejected:
             return False
+        language = self.languages & {"cuda": {"cu", "cuda"}, "hip": {"hip"}}.get(platform, set())
         name = COMPILER_NAME_RE.match(self.compiler)
         hip = name is not None and name.group(1) in ("hipcc", "hipcc.pl", "amdclang", "amdclang++")
         suffixes = {"cuda": (".cu",), "hip": COMPILED_SUFFIXES if hip else (".hip",)}.get(
             platform, COMPILED_SUFFIXES)  # gcc's .cpp in a cuda backend is host code
-        if not self.inputs:
-            return False
-        language = self.languages & {"cuda": {"cu", "cuda"}, "hip": {"hip"}}.get(platform, set())
         return bool(language) or any(path.endswith(suffixes) for path in self.inputs)
 
     def targets(self, platform):
