@@ -325,9 +325,6 @@ class Diagnostic:
     def sort_key(self):
         return (self.backend, self.path or "", self.line or 0, self.code, self.message)
 
-    def as_tuple(self):
-        return (self.level, self.code, self.backend, self.path, self.line, self.message)
-
     def as_dict(self):
         found = {"level": self.level, "code": self.code, "backend": self.backend,
                  "path": self.path, "line": self.line, "message": self.message}

@@ -3879,12 +3879,15 @@ class GcStaleTest(OverlayTestCase):
     def test_in_a_pid_namespace_a_program_owns_what_it_applies_both_ways(self) -> None:
         self.apply_in_process_then_by_command(self.in_pid_namespace(pid_1_waits=True))
 
-    def test_pid_1_of_a_namespace_is_told_to_name_the_owner_and_changes_nothing(self) -> None:
-        result = subprocess.run(self.in_pid_namespace(pid_1_waits=False) + [
+    def add_in_pid_namespace(self, pid_1_waits: bool) -> subprocess.CompletedProcess:
+        return subprocess.run(self.in_pid_namespace(pid_1_waits) + [
             sys.executable, TOOL, "--state", self.state, "add-native", "--source",
             os.path.join(self.proj, "k.c"), "--patched", os.path.join(self.proj, "fast.c"),
             "--no-build"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             universal_newlines=True)
+
+    def test_pid_1_of_a_namespace_is_told_to_name_the_owner_and_changes_nothing(self) -> None:
+        result = self.add_in_pid_namespace(pid_1_waits=False)
         self.assertEqual((result.returncode, result.stdout, result.stderr), (
             2, "", "overlay_setup: E108 no process can own this overlay: this one is pid 1 of its "
             "namespace and has no parent; pass --owner-pid with the pid of the process that "
@@ -3895,11 +3898,7 @@ class GcStaleTest(OverlayTestCase):
     def test_an_overlay_applied_in_another_pid_namespace_is_never_called_gone(self) -> None:
         # A container sharing the host's name: its pids mean nothing here, so
         # neither gc-stale nor status may take its owner for gone.
-        result = subprocess.run(self.in_pid_namespace(pid_1_waits=True) + [
-            sys.executable, TOOL, "--state", self.state, "add-native", "--source",
-            os.path.join(self.proj, "k.c"), "--patched", os.path.join(self.proj, "fast.c"),
-            "--no-build"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            universal_newlines=True)
+        result = self.add_in_pid_namespace(pid_1_waits=True)
         self.assertEqual(result.returncode, 0, result.stderr)
         owner = read_json(os.path.join(self.state, "journal.json"))["owner"]
         self.assertNotEqual(owner["pid_ns"], os.readlink("/proc/self/ns/pid"))
